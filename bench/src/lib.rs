@@ -1,0 +1,10 @@
+//! Benchmark and test instruments for kvmesh. Nothing here is part of the product.
+//!
+//! - [`sim`]: `kvmesh-sim-engine`, an OpenAI-compatible engine simulator with a real prefix cache
+//!   and a documented latency model, so routers can be compared on equal, repeatable engines.
+//! - [`load`]: workload generators and an OpenAI streaming client that measures TTFT and reads
+//!   `usage`, used by `kvmesh-bench`.
+
+pub mod http;
+pub mod load;
+pub mod sim;

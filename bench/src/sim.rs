@@ -1,0 +1,645 @@
+//! `kvmesh-sim-engine`: an OpenAI-compatible LLM engine simulator (a benchmark and test
+//! instrument, not part of kvmesh).
+//!
+//! It has a real per-replica prefix cache and a step-based latency model, so that queueing and
+//! cache hits behave like a real engine's, repeatably and without a GPU.
+//!
+//! **Tokenizer.** One token per 4 bytes of the rendered prompt (the bytes as a little-endian
+//! u32; the last token zero-padded). Chat messages are rendered ChatML-style:
+//! `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
+//! Token-id prompts are used as given.
+//!
+//! **Prefix cache.** Token blocks of `block_tokens`, named by the kvmesh token-mode digest chain,
+//! in an LRU of `cache_blocks` blocks. A request's leading resident blocks are its
+//! `cached_tokens`; at least one token is always computed. Its blocks enter the cache when its
+//! prefill completes.
+//!
+//! **Latency model.** One scheduler runs steps. In each step it admits prefill work from the
+//! FIFO waiting queue up to `max_batch_tokens` prompt tokens (chunked prefill; a long prompt
+//! spans several steps) while at most `max_running` requests decode, and every decoding request
+//! emits one token. A step lasts
+//! `prefill_tokens * prefill_us_per_token + (decoding > 0 ? decode_us_per_step + decoding * decode_us_per_seq : 0)`
+//! microseconds (rounded up to the 1 ms timer when it sleeps). A request's first token comes at
+//! the end of the step that finishes its prefill. With both per-token costs at zero the engine
+//! answers at once, without the scheduler (for proxy-overhead benchmarks).
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request, Response};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use kvmesh_filters::chain::{token_chain, Digest, Namespace};
+use lru::LruCache;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+
+use crate::http::{error, full, json as json_response, Body};
+
+/// Command line and knobs of the simulator; every field has a documented default.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kvmesh-sim-engine",
+    about = "OpenAI-compatible LLM engine simulator (benchmark instrument)"
+)]
+pub struct SimConfig {
+    /// Address to listen on; port 0 picks a free port (printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Model id served (and listed by /v1/models).
+    #[arg(long, default_value = "sim-model")]
+    pub model: String,
+    /// Name of this replica, returned in the `x-sim-engine` response header.
+    #[arg(long, default_value = "sim")]
+    pub name: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: usize,
+    /// Prefix-cache capacity in blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub cache_blocks: usize,
+    /// Microseconds of step time per prefilled prompt token.
+    #[arg(long, default_value_t = 50.0)]
+    pub prefill_us_per_token: f64,
+    /// Microseconds of step time when any request decodes.
+    #[arg(long, default_value_t = 8000.0)]
+    pub decode_us_per_step: f64,
+    /// Extra microseconds of step time per decoding request.
+    #[arg(long, default_value_t = 100.0)]
+    pub decode_us_per_seq: f64,
+    /// Most prompt tokens prefilled in one step (the chunked-prefill budget).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: u64,
+    /// Most requests decoding at once; the rest wait.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// `max_tokens` when a request gives none.
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: u64,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    /// The engine's `kv_epoch`, reported in /server_info and /metrics (0: seconds since the epoch at start).
+    #[arg(long, default_value_t = 0)]
+    pub kv_epoch: u64,
+}
+
+enum Event {
+    Token(u64),
+    Done,
+}
+
+struct Job {
+    prefill_left: u64,
+    output_left: u64,
+    emitted: u64,
+    chain: Vec<Digest>,
+    tx: mpsc::UnboundedSender<Event>,
+}
+
+#[derive(Default)]
+struct Sched {
+    waiting: VecDeque<Job>,
+    running: Vec<Job>,
+}
+
+/// The simulator's shared state.
+pub struct Engine {
+    cfg: SimConfig,
+    ns: Namespace,
+    cache: Mutex<LruCache<Digest, ()>>,
+    sched: Mutex<Sched>,
+    wake: Notify,
+    kv_epoch: u64,
+    requests: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+    next_id: AtomicU64,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The simulator's tokenizer: one token per 4 bytes, little-endian, last one zero-padded.
+pub fn tokenize(text: &[u8]) -> Vec<u32> {
+    text.chunks(4)
+        .map(|c| {
+            let mut b = [0u8; 4];
+            b[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(b)
+        })
+        .collect()
+}
+
+fn text_of(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+/// Renders a request body to the token ids the simulator would process.
+pub fn prompt_tokens(body: &Value, chat: bool) -> Result<Vec<u32>, String> {
+    if chat {
+        let msgs = body
+            .get("messages")
+            .and_then(Value::as_array)
+            .ok_or("`messages` must be an array")?;
+        let mut s = String::new();
+        for m in msgs {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or("each message needs a string `role`")?;
+            s.push_str("<|im_start|>");
+            s.push_str(role);
+            s.push('\n');
+            s.push_str(&m.get("content").map(text_of).unwrap_or_default());
+            s.push_str("<|im_end|>\n");
+        }
+        s.push_str("<|im_start|>assistant\n");
+        return Ok(tokenize(s.as_bytes()));
+    }
+    match body.get("prompt").or_else(|| body.get("input")) {
+        Some(Value::String(s)) => Ok(tokenize(s.as_bytes())),
+        Some(Value::Array(items)) => {
+            let mut out = Vec::new();
+            for it in items {
+                match it {
+                    Value::String(s) => out.extend(tokenize(s.as_bytes())),
+                    Value::Number(n) => out.push(n.as_u64().unwrap_or(0) as u32),
+                    Value::Array(inner) => {
+                        out.extend(inner.iter().map(|t| t.as_u64().unwrap_or(0) as u32))
+                    }
+                    _ => return Err("unsupported prompt element".into()),
+                }
+            }
+            Ok(out)
+        }
+        _ => Err("`prompt` must be a string or an array".into()),
+    }
+}
+
+impl Engine {
+    /// A fresh engine with an empty cache.
+    pub fn new(cfg: SimConfig) -> Arc<Self> {
+        let kv_epoch = if cfg.kv_epoch == 0 {
+            now_secs()
+        } else {
+            cfg.kv_epoch
+        };
+        let cap = std::num::NonZeroUsize::new(cfg.cache_blocks.max(1))
+            .unwrap_or(std::num::NonZeroUsize::MIN);
+        Arc::new(Engine {
+            ns: Namespace::new(&cfg.model, b""),
+            cache: Mutex::new(LruCache::new(cap)),
+            sched: Mutex::new(Sched::default()),
+            wake: Notify::new(),
+            kv_epoch,
+            requests: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            cached_tokens: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            cfg,
+        })
+    }
+
+    fn instant(&self) -> bool {
+        self.cfg.prefill_us_per_token <= 0.0
+            && self.cfg.decode_us_per_step <= 0.0
+            && self.cfg.decode_us_per_seq <= 0.0
+    }
+
+    /// Looks up the leading cached blocks of `tokens`; returns (cached tokens, chain).
+    fn lookup(&self, tokens: &[u32]) -> (u64, Vec<Digest>) {
+        let chain = token_chain(&self.ns, tokens, self.cfg.block_tokens.max(1));
+        let mut cache = self.cache.lock();
+        let hit = chain.iter().take_while(|d| cache.get(*d).is_some()).count();
+        let mut cached = (hit * self.cfg.block_tokens) as u64;
+        // At least one token is always computed, as in vLLM.
+        if cached >= tokens.len() as u64 && cached > 0 {
+            cached = tokens.len() as u64 - 1;
+        }
+        (cached, chain)
+    }
+
+    fn insert(&self, chain: &[Digest]) {
+        let mut cache = self.cache.lock();
+        for d in chain.iter().rev() {
+            cache.put(*d, ());
+        }
+    }
+
+    /// The scheduler loop (see the module docs for the latency model).
+    async fn run_scheduler(self: Arc<Self>) {
+        loop {
+            let notified = self.wake.notified();
+            let planned = {
+                let mut s = self.sched.lock();
+                if s.waiting.is_empty() && s.running.is_empty() {
+                    None
+                } else {
+                    let mut budget = self.cfg.max_batch_tokens.max(1);
+                    let mut prefill = 0;
+                    let slots = self.cfg.max_running.saturating_sub(s.running.len());
+                    for job in s.waiting.iter_mut().take(slots) {
+                        if budget == 0 {
+                            break;
+                        }
+                        let take = job.prefill_left.min(budget);
+                        job.prefill_left -= take;
+                        budget -= take;
+                        prefill += take;
+                    }
+                    Some((prefill, s.running.len()))
+                }
+            };
+            let Some((prefill, decoding)) = planned else {
+                notified.await;
+                continue;
+            };
+            let mut us = prefill as f64 * self.cfg.prefill_us_per_token;
+            if decoding > 0 {
+                us += self.cfg.decode_us_per_step + decoding as f64 * self.cfg.decode_us_per_seq;
+            }
+            if us >= 1.0 {
+                tokio::time::sleep(Duration::from_micros(us as u64)).await;
+            } else {
+                tokio::task::yield_now().await;
+            }
+            let mut done_prefill = Vec::new();
+            {
+                let mut s = self.sched.lock();
+                s.running.retain_mut(|job| {
+                    job.emitted += 1;
+                    job.output_left -= 1;
+                    if job.tx.send(Event::Token(job.emitted)).is_err() {
+                        return false;
+                    }
+                    if job.output_left == 0 {
+                        let _ = job.tx.send(Event::Done);
+                        return false;
+                    }
+                    true
+                });
+                while s.waiting.front().is_some_and(|j| j.prefill_left == 0) {
+                    let Some(mut job) = s.waiting.pop_front() else {
+                        break;
+                    };
+                    done_prefill.push(std::mem::take(&mut job.chain));
+                    job.emitted = 1;
+                    job.output_left -= 1;
+                    if job.tx.send(Event::Token(1)).is_err() {
+                        continue;
+                    }
+                    if job.output_left == 0 {
+                        let _ = job.tx.send(Event::Done);
+                    } else {
+                        s.running.push(job);
+                    }
+                }
+            }
+            for chain in done_prefill {
+                self.insert(&chain);
+            }
+        }
+    }
+
+    fn submit(
+        &self,
+        uncached: u64,
+        output: u64,
+        chain: Vec<Digest>,
+    ) -> mpsc::UnboundedReceiver<Event> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if self.instant() {
+            self.insert(&chain);
+            for i in 1..=output {
+                let _ = tx.send(Event::Token(i));
+            }
+            let _ = tx.send(Event::Done);
+            return rx;
+        }
+        self.sched.lock().waiting.push_back(Job {
+            prefill_left: uncached.max(1),
+            output_left: output.max(1),
+            emitted: 0,
+            chain,
+            tx,
+        });
+        self.wake.notify_one();
+        rx
+    }
+
+    fn metrics(&self) -> String {
+        let (running, waiting) = {
+            let s = self.sched.lock();
+            (s.running.len(), s.waiting.len())
+        };
+        let usage = {
+            let c = self.cache.lock();
+            c.len() as f64 / c.cap().get() as f64
+        };
+        let m = &self.cfg.model;
+        format!(
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {running}\n\
+             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {waiting}\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
+             # TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {}\n\
+             # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
+             # TYPE kvmesh_sim_requests_total counter\nkvmesh_sim_requests_total{{engine=\"{}\"}} {}\n\
+             # TYPE kvmesh_sim_kv_epoch gauge\nkvmesh_sim_kv_epoch {}\n",
+            self.prompt_tokens.load(Ordering::Relaxed),
+            self.cached_tokens.load(Ordering::Relaxed),
+            self.cfg.name,
+            self.requests.load(Ordering::Relaxed),
+            self.kv_epoch,
+        )
+    }
+}
+
+fn with_headers(
+    mut resp: Response<Body>,
+    engine: &Engine,
+    body_hash: &str,
+    body_len: usize,
+) -> Response<Body> {
+    let h = resp.headers_mut();
+    if let Ok(v) = engine.cfg.name.parse() {
+        h.insert("x-sim-engine", v);
+    }
+    if let Ok(v) = body_hash.parse() {
+        h.insert("x-sim-body-blake3", v);
+    }
+    h.insert("x-sim-body-len", body_len.into());
+    resp
+}
+
+async fn handle(
+    engine: Arc<Engine>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, std::convert::Infallible> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let resp = match (method, path.as_str()) {
+        (Method::GET, "/health") => Response::new(full("ok")),
+        (Method::GET, "/v1/models") => json_response(
+            200,
+            &json!({"object": "list", "data": [{"id": engine.cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh-sim-engine"}]}),
+        ),
+        (Method::GET, "/server_info") => json_response(
+            200,
+            &json!({"engine": "kvmesh-sim-engine", "name": engine.cfg.name, "served_model_name": engine.cfg.model, "kv_epoch": engine.kv_epoch}),
+        ),
+        (Method::GET, "/metrics") => Response::new(full(engine.metrics())),
+        (Method::POST, p) => {
+            let body =
+                match http_body_util::Limited::new(req.into_body(), engine.cfg.max_body_bytes)
+                    .collect()
+                    .await
+                {
+                    Ok(b) => b.to_bytes(),
+                    Err(e) => return Ok(error(413, &format!("body rejected: {e}"))),
+                };
+            let hash = blake3::hash(&body).to_hex().to_string();
+            let len = body.len();
+            let resp = post(&engine, p, body).await;
+            with_headers(resp, &engine, &hash, len)
+        }
+        _ => error(404, &format!("no route for {path}")),
+    };
+    Ok(resp)
+}
+
+async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return error(400, &format!("invalid JSON body: {e}")),
+    };
+    let chat = path.starts_with("/v1/chat/completions");
+    match path {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => {}
+        "/v1/chat/completions/render" | "/v1/completions/render" => {
+            return match prompt_tokens(&v, chat) {
+                Ok(t) => json_response(200, &json!({"token_ids": t})),
+                Err(e) => error(400, &e),
+            }
+        }
+        "/tokenize" => {
+            let chat = v.get("messages").is_some();
+            return match prompt_tokens(&v, chat) {
+                Ok(t) => json_response(
+                    200,
+                    &json!({"count": t.len(), "tokens": t, "max_model_len": 1 << 20}),
+                ),
+                Err(e) => error(400, &e),
+            };
+        }
+        _ => return error(404, &format!("no route for {path}")),
+    }
+    let tokens = match prompt_tokens(&v, chat) {
+        Ok(t) if !t.is_empty() => t,
+        Ok(_) => return error(400, "empty prompt"),
+        Err(e) => return error(400, &e),
+    };
+    let embeddings = path == "/v1/embeddings";
+    let (cached, chain) = engine.lookup(&tokens);
+    let prompt = tokens.len() as u64;
+    engine.requests.fetch_add(1, Ordering::Relaxed);
+    engine.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+    engine.cached_tokens.fetch_add(cached, Ordering::Relaxed);
+    let max_tokens = if embeddings {
+        1
+    } else {
+        v.get("max_tokens")
+            .or_else(|| v.get("max_completion_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(engine.cfg.default_max_tokens)
+            .max(1)
+    };
+    let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false) && !embeddings;
+    let include_usage = v
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let id = engine.next_id.fetch_add(1, Ordering::Relaxed);
+    let created = now_secs();
+    let model = engine.cfg.model.clone();
+    let mut rx = engine.submit(prompt - cached, max_tokens, chain);
+    let usage = move |completion: u64| {
+        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+               "prompt_tokens_details": {"cached_tokens": cached}})
+    };
+    if embeddings {
+        while let Some(ev) = rx.recv().await {
+            if matches!(ev, Event::Done) {
+                break;
+            }
+        }
+        let h = blake3::hash(&body);
+        let emb: Vec<f32> = h.as_bytes()[..8]
+            .iter()
+            .map(|b| *b as f32 / 255.0)
+            .collect();
+        return json_response(
+            200,
+            &json!({"object": "list", "model": model, "data": [{"object": "embedding", "index": 0, "embedding": emb}],
+                    "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}),
+        );
+    }
+    let (object, chunk_object) = if chat {
+        ("chat.completion", "chat.completion.chunk")
+    } else {
+        ("text_completion", "text_completion")
+    };
+    let id = if chat {
+        format!("chatcmpl-{id}")
+    } else {
+        format!("cmpl-{id}")
+    };
+    if !stream {
+        let mut text = String::new();
+        let mut n = 0;
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Token(i) => {
+                    text.push_str(&format!("tok{i} "));
+                    n = i;
+                }
+                Event::Done => break,
+            }
+        }
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        return json_response(
+            200,
+            &json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice], "usage": usage(n)}),
+        );
+    }
+    let (mut tx, body) =
+        http_body_util::channel::Channel::<Bytes, std::convert::Infallible>::new(16);
+    tokio::spawn(async move {
+        let mut n = 0;
+        while let Some(ev) = rx.recv().await {
+            let (delta, finish) = match ev {
+                Event::Token(i) => {
+                    n = i;
+                    (format!("tok{i} "), Value::Null)
+                }
+                Event::Done => (String::new(), json!("length")),
+            };
+            let choice = if chat {
+                json!({"index": 0, "delta": {"content": delta}, "finish_reason": finish})
+            } else {
+                json!({"index": 0, "text": delta, "finish_reason": finish})
+            };
+            let chunk = json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [choice]});
+            if tx
+                .send(Frame::data(Bytes::from(format!("data: {chunk}\n\n"))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            if !finish.is_null() {
+                break;
+            }
+        }
+        if include_usage {
+            let chunk = json!({"id": id, "object": chunk_object, "created": created, "model": model, "choices": [], "usage": usage(n)});
+            let _ = tx
+                .send(Frame::data(Bytes::from(format!("data: {chunk}\n\n"))))
+                .await;
+        }
+        let _ = tx
+            .send(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))
+            .await;
+    });
+    Response::builder()
+        .status(200)
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(body.boxed())
+        .unwrap_or_else(|_| error(500, "response build failed"))
+}
+
+/// Binds, prints `kvmesh-sim-engine listening on http://ADDR` on stdout, and serves forever.
+pub async fn serve(cfg: SimConfig) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(cfg.listen).await?;
+    let addr = listener.local_addr()?;
+    let engine = Engine::new(cfg);
+    tokio::spawn(engine.clone().run_scheduler());
+    println!("kvmesh-sim-engine listening on http://{addr}");
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| handle(engine.clone(), req));
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenizer_is_deterministic_and_padded() {
+        assert_eq!(
+            tokenize(b"abcdef"),
+            vec![
+                u32::from_le_bytes(*b"abcd"),
+                u32::from_le_bytes([b'e', b'f', 0, 0])
+            ]
+        );
+    }
+
+    #[test]
+    fn cache_reports_leading_blocks() {
+        let cfg = SimConfig::parse_from(["x", "--block-tokens", "2", "--cache-blocks", "8"]);
+        let e = Engine::new(cfg);
+        let t: Vec<u32> = (0..10).collect();
+        let (c0, chain) = e.lookup(&t);
+        assert_eq!(c0, 0);
+        e.insert(&chain);
+        let (c1, _) = e.lookup(&t);
+        assert_eq!(c1, 9, "fully cached prompts still compute one token");
+        let mut u = t.clone();
+        u[5] = 99;
+        assert_eq!(e.lookup(&u).0, 4);
+    }
+}

@@ -1,0 +1,404 @@
+//! The residency index: which node holds which prefix digest, from which source, until when.
+//!
+//! Shape (DESIGN section 3): `digest -> [(node, source, expiry)]`, plus one LRU per node that
+//! bounds how many digests a node may hold in the index. Reads ([`ResidencyIndex::overlap`]) touch
+//! only the concurrent map; writes take the node's LRU lock first, then map shards, always in that
+//! order.
+//!
+//! The per-node bound also adapts: when an engine reports fewer cached tokens than the index
+//! predicted (it evicted what the index still lists), that node's bound shrinks by 10%; each
+//! confirmed prediction on a full node grows it by 1%, up to the configured capacity. The index
+//! thereby learns roughly how much each engine really keeps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use lru::LruCache;
+use parking_lot::Mutex;
+
+use crate::chain::Digest;
+
+/// A node (an engine, directly or behind a peer proxy), numbered by the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+/// Where a residency entry came from, from least to most trustworthy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Source {
+    /// Recorded for the chosen node at dispatch; not confirmed yet.
+    Optimistic,
+    /// Confirmed by `usage.prompt_tokens_details.cached_tokens` in an engine response.
+    Reported,
+    /// From the node's own feed of resident digests.
+    EngineFeed,
+}
+
+impl Source {
+    /// A short label for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Source::Optimistic => "optimistic",
+            Source::Reported => "reported",
+            Source::EngineFeed => "engine_feed",
+        }
+    }
+}
+
+/// Bounds and lifetimes of the index.
+#[derive(Debug, Clone)]
+pub struct ResidencyConfig {
+    /// Most digests one node may hold in the index (the LRU bound; it adapts downwards).
+    pub capacity_per_node: usize,
+    /// The adaptive bound never drops below this.
+    pub min_capacity_per_node: usize,
+    /// Lifetime of an optimistic entry.
+    pub optimistic_ttl: Duration,
+    /// Lifetime of an entry confirmed by an engine response.
+    pub reported_ttl: Duration,
+    /// Lifetime of an entry from an engine feed.
+    pub feed_ttl: Duration,
+}
+
+impl Default for ResidencyConfig {
+    fn default() -> Self {
+        ResidencyConfig {
+            capacity_per_node: 100_000,
+            min_capacity_per_node: 64,
+            optimistic_ttl: Duration::from_secs(60),
+            reported_ttl: Duration::from_secs(600),
+            feed_ttl: Duration::from_secs(600),
+        }
+    }
+}
+
+impl ResidencyConfig {
+    fn ttl(&self, source: Source) -> Duration {
+        match source {
+            Source::Optimistic => self.optimistic_ttl,
+            Source::Reported => self.reported_ttl,
+            Source::EngineFeed => self.feed_ttl,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    node: NodeId,
+    source: Source,
+    expires: Instant,
+}
+
+struct NodeLru {
+    lru: LruCache<Digest, ()>,
+    capacity: usize,
+}
+
+/// What an engine's `cached_tokens` said about a prediction, see [`ResidencyIndex::confirm`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The engine had at least what the index predicted.
+    Confirmed,
+    /// The engine had less than predicted: the index listed blocks the engine had evicted.
+    Refuted,
+}
+
+/// The concurrent residency index. Cheap to share behind an `Arc`.
+pub struct ResidencyIndex {
+    cfg: ResidencyConfig,
+    map: DashMap<Digest, Vec<Holder>>,
+    nodes: DashMap<NodeId, Arc<Mutex<NodeLru>>>,
+}
+
+impl ResidencyIndex {
+    /// An empty index.
+    pub fn new(cfg: ResidencyConfig) -> Self {
+        ResidencyIndex {
+            cfg,
+            map: DashMap::new(),
+            nodes: DashMap::new(),
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &ResidencyConfig {
+        &self.cfg
+    }
+
+    fn node_lru(&self, node: NodeId) -> Arc<Mutex<NodeLru>> {
+        self.nodes
+            .entry(node)
+            .or_insert_with(|| {
+                Arc::new(Mutex::new(NodeLru {
+                    lru: LruCache::unbounded(),
+                    capacity: self.cfg.capacity_per_node.max(1),
+                }))
+            })
+            .clone()
+    }
+
+    fn remove_holder(&self, digest: &Digest, node: NodeId) {
+        self.map.remove_if_mut(digest, |_, holders| {
+            holders.retain(|h| h.node != node);
+            holders.is_empty()
+        });
+    }
+
+    /// Records that `node` holds every digest of `chain` (a whole prefix), from `source`.
+    /// An entry keeps the most trustworthy unexpired source and the latest expiry.
+    pub fn record(&self, node: NodeId, chain: &[Digest], source: Source, now: Instant) {
+        if chain.is_empty() {
+            return;
+        }
+        let expires = now + self.cfg.ttl(source);
+        let lru = self.node_lru(node);
+        let mut lru = lru.lock();
+        // Tail first, so that a chain's head ends up most recently used: it is what other
+        // prompts share, and what an engine evicts last.
+        for d in chain.iter().rev() {
+            lru.lru.put(*d, ());
+            {
+                let mut holders = self.map.entry(*d).or_default();
+                match holders.iter_mut().find(|h| h.node == node) {
+                    Some(h) => {
+                        if h.expires <= now || source >= h.source {
+                            h.source = source;
+                        }
+                        h.expires = h.expires.max(expires);
+                    }
+                    None => holders.push(Holder {
+                        node,
+                        source,
+                        expires,
+                    }),
+                }
+            }
+        }
+        Self::trim(&mut lru, |d| self.remove_holder(&d, node));
+    }
+
+    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Digest)) {
+        while lru.lru.len() > lru.capacity {
+            match lru.lru.pop_lru() {
+                Some((d, ())) => evict(d),
+                None => break,
+            }
+        }
+    }
+
+    /// For each node, how many leading digests of `chain` it holds (unexpired). Nodes holding
+    /// none are absent. Stops at the first digest that no node continues.
+    pub fn overlap(&self, chain: &[Digest], now: Instant) -> Vec<(NodeId, usize)> {
+        let mut runs: Vec<(NodeId, usize)> = Vec::new();
+        for (i, d) in chain.iter().enumerate() {
+            let Some(holders) = self.map.get(d) else {
+                break;
+            };
+            let mut extended = false;
+            for h in holders.iter().filter(|h| h.expires > now) {
+                if i == 0 {
+                    runs.push((h.node, 1));
+                    extended = true;
+                } else if let Some(run) = runs.iter_mut().find(|r| r.0 == h.node && r.1 == i) {
+                    run.1 += 1;
+                    extended = true;
+                }
+            }
+            if !extended {
+                break;
+            }
+        }
+        runs
+    }
+
+    /// An engine answered a request routed to `node` and reported (an estimate of) how many
+    /// leading blocks of `chain` it already had cached; `predicted` is the overlap the index
+    /// claimed at dispatch. The engine now holds the whole chain, so all of it is recorded as
+    /// [`Source::Reported`]; the node's bound adapts (see the module docs).
+    pub fn confirm(
+        &self,
+        node: NodeId,
+        chain: &[Digest],
+        predicted: usize,
+        cached_blocks: usize,
+        now: Instant,
+    ) -> Verdict {
+        // One block of slack: text-mode block counts are estimated from token counts.
+        let verdict = if cached_blocks + 1 < predicted {
+            Verdict::Refuted
+        } else {
+            Verdict::Confirmed
+        };
+        {
+            let lru = self.node_lru(node);
+            let mut lru = lru.lock();
+            match verdict {
+                Verdict::Refuted => {
+                    let shrunk = lru.lru.len().min(lru.capacity) * 9 / 10;
+                    lru.capacity = shrunk.max(self.cfg.min_capacity_per_node);
+                    Self::trim(&mut lru, |d| self.remove_holder(&d, node));
+                }
+                Verdict::Confirmed if lru.lru.len() >= lru.capacity => {
+                    lru.capacity =
+                        (lru.capacity + lru.capacity / 100 + 1).min(self.cfg.capacity_per_node);
+                }
+                Verdict::Confirmed => {}
+            }
+        }
+        self.record(node, chain, Source::Reported, now);
+        verdict
+    }
+
+    /// Drops every entry of `node` (it left, or its `kv_epoch` changed).
+    pub fn drop_node(&self, node: NodeId) {
+        let Some((_, lru)) = self.nodes.remove(&node) else {
+            return;
+        };
+        let mut lru = lru.lock();
+        while let Some((d, ())) = lru.lru.pop_lru() {
+            self.remove_holder(&d, node);
+        }
+    }
+
+    /// Removes expired entries, oldest first, at most `budget` per node; returns how many.
+    pub fn sweep(&self, now: Instant, budget: usize) -> usize {
+        let nodes: Vec<(NodeId, Arc<Mutex<NodeLru>>)> = self
+            .nodes
+            .iter()
+            .map(|e| (*e.key(), e.value().clone()))
+            .collect();
+        let mut removed = 0;
+        for (node, lru) in nodes {
+            let mut lru = lru.lock();
+            for _ in 0..budget {
+                let Some((d, ())) = lru.lru.peek_lru() else {
+                    break;
+                };
+                let d = *d;
+                let expired = self
+                    .map
+                    .get(&d)
+                    .and_then(|hs| hs.iter().find(|h| h.node == node).map(|h| h.expires <= now))
+                    .unwrap_or(true);
+                if !expired {
+                    break;
+                }
+                lru.lru.pop_lru();
+                self.remove_holder(&d, node);
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// Number of distinct digests in the index.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the index is empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Number of digests `node` holds in the index, and its current (adaptive) bound.
+    pub fn node_usage(&self, node: NodeId) -> (usize, usize) {
+        self.nodes
+            .get(&node)
+            .map(|l| {
+                let l = l.lock();
+                (l.lru.len(), l.capacity)
+            })
+            .unwrap_or((0, self.cfg.capacity_per_node))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chain::{text_chain, Namespace};
+
+    fn chain(text: &[u8]) -> Vec<Digest> {
+        text_chain(&Namespace::new("m", b""), text, 4)
+    }
+
+    fn index(cap: usize) -> ResidencyIndex {
+        ResidencyIndex::new(ResidencyConfig {
+            capacity_per_node: cap,
+            min_capacity_per_node: 2,
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn overlap_counts_leading_blocks_per_node() {
+        let idx = index(100);
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaabbbbcccc"), Source::Optimistic, now);
+        idx.record(NodeId(2), &chain(b"aaaabbbb"), Source::Optimistic, now);
+        let mut o = idx.overlap(&chain(b"aaaabbbbccccdddd"), now);
+        o.sort();
+        assert_eq!(o, vec![(NodeId(1), 3), (NodeId(2), 2)]);
+        assert!(idx.overlap(&chain(b"xxxxbbbb"), now).is_empty());
+    }
+
+    #[test]
+    fn ttl_expires_entries_and_sweep_removes_them() {
+        let idx = index(100);
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaabbbb"), Source::Optimistic, now);
+        let later = now + idx.config().optimistic_ttl + Duration::from_millis(1);
+        assert!(idx.overlap(&chain(b"aaaa"), later).is_empty());
+        assert_eq!(idx.sweep(later, 100), 2);
+        assert!(idx.is_empty());
+    }
+
+    #[test]
+    fn reported_outlives_optimistic() {
+        let idx = index(100);
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaa"), Source::Reported, now);
+        idx.record(NodeId(1), &chain(b"aaaa"), Source::Optimistic, now);
+        let later = now + idx.config().optimistic_ttl + Duration::from_secs(1);
+        assert_eq!(idx.overlap(&chain(b"aaaa"), later), vec![(NodeId(1), 1)]);
+    }
+
+    #[test]
+    fn per_node_lru_bound_evicts_oldest() {
+        let idx = index(3);
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaabbbb"), Source::Optimistic, now);
+        idx.record(NodeId(1), &chain(b"ccccdddd"), Source::Optimistic, now);
+        assert_eq!(idx.node_usage(NodeId(1)).0, 3);
+        // The oldest chain lost its tail block first; its head survives.
+        assert_eq!(idx.overlap(&chain(b"aaaabbbb"), now), vec![(NodeId(1), 1)]);
+        assert_eq!(idx.overlap(&chain(b"ccccdddd"), now), vec![(NodeId(1), 2)]);
+        assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn drop_node_removes_only_that_node() {
+        let idx = index(100);
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaa"), Source::Optimistic, now);
+        idx.record(NodeId(2), &chain(b"aaaa"), Source::Optimistic, now);
+        idx.drop_node(NodeId(1));
+        assert_eq!(idx.overlap(&chain(b"aaaa"), now), vec![(NodeId(2), 1)]);
+    }
+
+    #[test]
+    fn refutation_shrinks_and_confirmation_grows_the_bound() {
+        let idx = index(100);
+        let now = Instant::now();
+        let c = chain(&[b'a'; 4 * 50]);
+        idx.record(NodeId(1), &c, Source::Optimistic, now);
+        assert_eq!(idx.confirm(NodeId(1), &c, 50, 10, now), Verdict::Refuted);
+        let (_, cap) = idx.node_usage(NodeId(1));
+        assert_eq!(cap, 45);
+        assert_eq!(
+            idx.confirm(NodeId(1), &c[..40], 40, 40, now),
+            Verdict::Confirmed
+        );
+        assert!(idx.node_usage(NodeId(1)).1 > 45);
+    }
+}

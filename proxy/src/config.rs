@@ -1,0 +1,417 @@
+//! The proxy's one typed configuration: TOML file, then environment overrides, then validation.
+//! Every key has a default; docs/configuration.md lists them all.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
+use std::time::Duration;
+
+use kvmesh_filters::route::{Policy, PrefixParams};
+use serde::{Deserialize, Serialize};
+
+/// Errors loading or validating a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// The TOML parser's message (names the key and line).
+        message: String,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// The whole `kvmesh-proxy` configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProxyConfig {
+    /// Address the OpenAI API (and /metrics, /health, /ready) listens on. Env: `KVMESH_LISTEN`.
+    pub listen: String,
+    /// Routing policy: `prefix`, `round_robin`, `least_inflight`, `power_of_two`, `session`.
+    pub policy: Policy,
+    /// Largest accepted request body, bytes; larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// Most requests in flight through this proxy; past it, 429 with `Retry-After`.
+    pub max_inflight: u64,
+    /// Worker threads of the proxy (0: one per CPU).
+    pub threads: usize,
+    /// Log filter (tracing `EnvFilter` syntax). Env: `KVMESH_LOG`.
+    pub log: String,
+    /// The engines behind this gateway.
+    pub engines: Vec<EngineConfig>,
+    /// Knobs of routing and of the `prefix` policy.
+    pub routing: RoutingConfig,
+    /// Bounds and lifetimes of the residency index.
+    pub residency: ResidencyConfigToml,
+    /// Timeouts and retries towards engines.
+    pub upstream: UpstreamConfig,
+    /// Active health checks of engines.
+    pub health: HealthConfig,
+    /// Graceful shutdown.
+    pub shutdown: ShutdownConfig,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            listen: "127.0.0.1:8080".into(),
+            policy: Policy::Prefix,
+            max_body_bytes: 32 << 20,
+            max_inflight: 4096,
+            threads: 0,
+            log: "info,pingora_core=warn,pingora_proxy=warn".into(),
+            engines: Vec::new(),
+            routing: RoutingConfig::default(),
+            residency: ResidencyConfigToml::default(),
+            upstream: UpstreamConfig::default(),
+            health: HealthConfig::default(),
+            shutdown: ShutdownConfig::default(),
+        }
+    }
+}
+
+/// One engine behind the gateway.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    /// A unique name, used in metrics and logs.
+    pub name: String,
+    /// Base URL, `http://host:port` (no path; TLS to engines is not supported yet).
+    pub url: String,
+    /// Models this engine serves; empty (the default) means: ask its `/v1/models`.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+/// Routing knobs; the first four are the `prefix` policy's (see docs/architecture.md).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// Text-mode block size of the digest chain, bytes of canonical prompt.
+    pub block_bytes: usize,
+    /// The cost of one request in flight, in prompt bytes to prefill (decode pressure).
+    pub decode_cost_bytes: u64,
+    /// The fleet is imbalanced when max - min in-flight exceeds this ...
+    pub balance_abs_threshold: u64,
+    /// ... and max in-flight exceeds this times min in-flight; then prefixes are ignored.
+    pub balance_rel_threshold: f64,
+    /// Header holding the session key for the `session` policy; the body's `user` is the fallback.
+    pub session_header: String,
+    /// How many leading digests to send engines in `x-kvmesh-prefix-digests` (0: none).
+    pub forward_digests: usize,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        let p = PrefixParams::default();
+        RoutingConfig {
+            block_bytes: p.block_bytes,
+            decode_cost_bytes: p.decode_cost_bytes,
+            balance_abs_threshold: p.balance_abs_threshold,
+            balance_rel_threshold: p.balance_rel_threshold,
+            session_header: "x-session-id".into(),
+            forward_digests: 32,
+        }
+    }
+}
+
+impl RoutingConfig {
+    /// The `prefix` policy's parameters.
+    pub fn prefix_params(&self) -> PrefixParams {
+        PrefixParams {
+            block_bytes: self.block_bytes,
+            decode_cost_bytes: self.decode_cost_bytes,
+            balance_abs_threshold: self.balance_abs_threshold,
+            balance_rel_threshold: self.balance_rel_threshold,
+        }
+    }
+}
+
+/// Residency index bounds, as written in TOML.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResidencyConfigToml {
+    /// Most digests one engine may hold in the index (it adapts downwards, see docs).
+    pub capacity_per_node: usize,
+    /// Seconds an unconfirmed (optimistic) entry lives.
+    pub optimistic_ttl_secs: u64,
+    /// Seconds an entry confirmed by an engine's `cached_tokens` lives.
+    pub reported_ttl_secs: u64,
+}
+
+impl Default for ResidencyConfigToml {
+    fn default() -> Self {
+        ResidencyConfigToml {
+            capacity_per_node: 100_000,
+            optimistic_ttl_secs: 60,
+            reported_ttl_secs: 600,
+        }
+    }
+}
+
+/// Timeouts and retries towards engines.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// TCP connect timeout, milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Longest wait for any read from an engine (first byte included), seconds.
+    pub read_timeout_secs: u64,
+    /// Most engines tried for one request (failover happens only before the first response byte).
+    pub max_attempts: u32,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            connect_timeout_ms: 1000,
+            read_timeout_secs: 600,
+            max_attempts: 3,
+        }
+    }
+}
+
+/// Active health checks: `GET /v1/models` on every engine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Milliseconds between probes.
+    pub interval_ms: u64,
+    /// Probe timeout, milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            interval_ms: 2000,
+            timeout_ms: 1000,
+        }
+    }
+}
+
+/// Graceful shutdown on SIGTERM.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShutdownConfig {
+    /// Seconds to keep accepting after SIGTERM (lets load balancers notice).
+    pub grace_period_secs: u64,
+    /// Seconds in-flight requests get to finish after that.
+    pub drain_timeout_secs: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            grace_period_secs: 0,
+            drain_timeout_secs: 5,
+        }
+    }
+}
+
+/// A validated engine address.
+#[derive(Debug, Clone)]
+pub struct EngineAddr {
+    /// The engine's name.
+    pub name: String,
+    /// The URL as configured.
+    pub url: String,
+    /// The resolved socket address.
+    pub addr: SocketAddr,
+    /// Statically configured models (empty: discover).
+    pub models: Vec<String>,
+}
+
+impl ProxyConfig {
+    /// Reads `path` (or defaults when `None`), applies env overrides, validates.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut cfg = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                })?;
+                Self::from_toml(&text).map_err(|message| ConfigError::Parse {
+                    path: p.display().to_string(),
+                    message,
+                })?
+            }
+            None => ProxyConfig::default(),
+        };
+        if let Ok(v) = std::env::var("KVMESH_LISTEN") {
+            cfg.listen = v;
+        }
+        if let Ok(v) = std::env::var("KVMESH_LOG") {
+            cfg.log = v;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text (no env, no validation).
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Checks every value; the error names the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.listen.parse::<SocketAddr>().is_err() {
+            return bad(format!(
+                "`listen` = {:?} is not an IP:port address",
+                self.listen
+            ));
+        }
+        if self.engines.is_empty() {
+            return bad(
+                "`engines` is empty: list at least one [[engines]] with a name and url".into(),
+            );
+        }
+        let mut names = std::collections::HashSet::new();
+        for e in &self.engines {
+            if !names.insert(e.name.as_str()) {
+                return bad(format!("engine name {:?} appears twice", e.name));
+            }
+            parse_engine_url(&e.url)
+                .map_err(|m| ConfigError::Invalid(format!("engine {:?}: {m}", e.name)))?;
+        }
+        if self.max_body_bytes == 0 {
+            return bad("`max_body_bytes` must be > 0".into());
+        }
+        if self.max_inflight == 0 {
+            return bad("`max_inflight` must be > 0".into());
+        }
+        if self.routing.block_bytes == 0 {
+            return bad("`routing.block_bytes` must be > 0".into());
+        }
+        if !(self.routing.balance_rel_threshold >= 1.0) {
+            return bad("`routing.balance_rel_threshold` must be >= 1.0".into());
+        }
+        if self.residency.capacity_per_node == 0 {
+            return bad("`residency.capacity_per_node` must be > 0".into());
+        }
+        if self.upstream.max_attempts == 0 {
+            return bad("`upstream.max_attempts` must be >= 1".into());
+        }
+        if self.upstream.connect_timeout_ms == 0 || self.upstream.read_timeout_secs == 0 {
+            return bad("`upstream` timeouts must be > 0".into());
+        }
+        if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
+            return bad("`health` interval and timeout must be > 0".into());
+        }
+        if tracing_subscriber::EnvFilter::try_new(&self.log).is_err() {
+            return bad(format!("`log` = {:?} is not a valid log filter", self.log));
+        }
+        Ok(())
+    }
+
+    /// The engines with resolved addresses (call after [`Self::validate`]).
+    pub fn engine_addrs(&self) -> Result<Vec<EngineAddr>, ConfigError> {
+        self.engines
+            .iter()
+            .map(|e| {
+                let addr = parse_engine_url(&e.url)
+                    .map_err(|m| ConfigError::Invalid(format!("engine {:?}: {m}", e.name)))?;
+                Ok(EngineAddr {
+                    name: e.name.clone(),
+                    url: e.url.clone(),
+                    addr,
+                    models: e.models.clone(),
+                })
+            })
+            .collect()
+    }
+
+    /// The residency index configuration.
+    pub fn residency_config(&self) -> kvmesh_filters::residency::ResidencyConfig {
+        kvmesh_filters::residency::ResidencyConfig {
+            capacity_per_node: self.residency.capacity_per_node,
+            optimistic_ttl: Duration::from_secs(self.residency.optimistic_ttl_secs),
+            reported_ttl: Duration::from_secs(self.residency.reported_ttl_secs),
+            ..Default::default()
+        }
+    }
+}
+
+/// `http://host:port` -> a socket address (the host is resolved now).
+pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "url {url:?}: https to engines is not supported yet; use http"
+            ))
+        }
+        _ => return Err(format!("url {url:?} must start with http://")),
+    }
+    if !matches!(uri.path(), "" | "/") {
+        return Err(format!(
+            "url {url:?} must not have a path; kvmesh appends the OpenAI paths itself"
+        ));
+    }
+    let host = uri
+        .host()
+        .ok_or_else(|| format!("url {url:?} has no host"))?;
+    let port = uri.port_u16().unwrap_or(80);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("url {url:?}: cannot resolve host: {e}"))?
+        .next()
+        .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = ProxyConfig::from_toml("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n")
+            .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.listen, "127.0.0.1:8080");
+        assert_eq!(c.policy, Policy::Prefix);
+        assert_eq!(c.max_body_bytes, 32 << 20);
+        assert_eq!(c.engine_addrs().unwrap()[0].addr.port(), 9);
+    }
+
+    #[test]
+    fn bad_configs_name_the_problem() {
+        let cases = [
+            ("listen = 5", "listen"),
+            ("polcy = \"prefix\"", "unknown field `polcy`"),
+            ("policy = \"fastest\"", "fastest"),
+            ("", "`engines` is empty"),
+            ("[[engines]]\nname = \"a\"\nurl = \"https://x:1\"", "https"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1/v1\"", "path"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:2\"", "twice"),
+            ("max_body_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_body_bytes"),
+            ("[routing]\nblock_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "block_bytes"),
+        ];
+        for (text, needle) in cases {
+            let msg = match ProxyConfig::from_toml(text) {
+                Err(m) => m,
+                Ok(c) => c
+                    .validate()
+                    .map(|_| String::new())
+                    .unwrap_or_else(|e| e.to_string()),
+            };
+            assert!(msg.contains(needle), "{text:?}: {msg}");
+        }
+    }
+}

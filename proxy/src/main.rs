@@ -1,0 +1,136 @@
+//! `kvmesh-proxy`: the KV-cache-aware gateway in front of OpenAI-compatible engines.
+
+mod config;
+mod fleet;
+mod metrics;
+mod service;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use async_trait::async_trait;
+use clap::{Parser, Subcommand};
+use kvmesh_filters::residency::ResidencyIndex;
+use kvmesh_filters::route::Router;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{Server, ShutdownWatch};
+use pingora::services::background::{background_service, BackgroundService};
+
+use crate::config::ProxyConfig;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::service::Gateway;
+
+#[derive(Parser)]
+#[command(
+    name = "kvmesh-proxy",
+    version,
+    about = "KV-cache-aware L7 proxy for OpenAI-compatible LLM engines"
+)]
+struct Cli {
+    /// TOML configuration file (see docs/configuration.md).
+    #[arg(long, short = 'c', env = "KVMESH_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a configuration file and exit (0: valid).
+    CheckConfig {
+        /// The file to check.
+        file: PathBuf,
+    },
+}
+
+/// Periodic work beside the request path: engine health probes and residency TTL sweeps.
+struct Housekeeping {
+    fleet: Arc<Fleet>,
+    index: Arc<ResidencyIndex>,
+    interval: Duration,
+    timeout: Duration,
+}
+
+#[async_trait]
+impl BackgroundService for Housekeeping {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let client = fleet::probe_client();
+        let mut tick = tokio::time::interval(self.interval);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    self.fleet.probe_all(&client, self.timeout).await;
+                    self.index.sweep(Instant::now(), 10_000);
+                }
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::CheckConfig { file }) = cli.command {
+        let cfg = ProxyConfig::load(Some(&file)).with_context(|| {
+            format!(
+                "{} is not a valid kvmesh-proxy configuration",
+                file.display()
+            )
+        })?;
+        cfg.engine_addrs()?;
+        println!(
+            "{}: ok (listen {}, policy {}, {} engines)",
+            file.display(),
+            cfg.listen,
+            cfg.policy.label(),
+            cfg.engines.len()
+        );
+        return Ok(());
+    }
+    let cfg = ProxyConfig::load(cli.config.as_deref()).context("invalid configuration")?;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
+        )
+        .init();
+    let fleet = Fleet::new(cfg.engine_addrs()?);
+    let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
+    let metrics = Arc::new(Metrics::new().context("metrics registry")?);
+
+    let conf = ServerConf {
+        threads: if cfg.threads == 0 {
+            std::thread::available_parallelism().map_or(2, |n| n.get())
+        } else {
+            cfg.threads
+        },
+        grace_period_seconds: Some(cfg.shutdown.grace_period_secs),
+        graceful_shutdown_timeout_seconds: Some(cfg.shutdown.drain_timeout_secs),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+
+    let housekeeping = Housekeeping {
+        fleet: fleet.clone(),
+        index: index.clone(),
+        interval: Duration::from_millis(cfg.health.interval_ms),
+        timeout: Duration::from_millis(cfg.health.timeout_ms),
+    };
+    let listen = cfg.listen.clone();
+    let gateway = Gateway {
+        router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+        cfg,
+        fleet,
+        index,
+        metrics,
+    };
+    let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
+    proxy.add_tcp(&listen);
+    server.add_service(proxy);
+    server.add_service(background_service("housekeeping", housekeeping));
+    tracing::info!(%listen, "kvmesh-proxy listening");
+    server.run_forever()
+}

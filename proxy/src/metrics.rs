@@ -1,0 +1,194 @@
+//! Prometheus metrics, all prefixed `kvmesh_`.
+
+use prometheus::{
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
+};
+
+use crate::fleet::Fleet;
+
+/// Every metric the proxy exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Requests by route and status code.
+    pub requests: IntCounterVec,
+    /// End-to-end latency by route.
+    pub latency: HistogramVec,
+    /// Time to first response byte by route.
+    pub ttft: HistogramVec,
+    /// Routing decisions by policy and reason.
+    pub decisions: IntCounterVec,
+    /// Prompt tokens engines reported.
+    pub prompt_tokens: IntCounter,
+    /// Of those, tokens engines reported as cached.
+    pub cached_tokens: IntCounter,
+    /// cached / prompt tokens since start.
+    pub hit_ratio: Gauge,
+    /// Engine answers that confirmed or refuted the index's prediction.
+    pub residency_verdicts: IntCounterVec,
+    /// Distinct digests in the residency index.
+    pub index_digests: IntGauge,
+    /// Requests in flight per engine.
+    pub engine_inflight: IntGaugeVec,
+    /// Pending prefill bytes per engine.
+    pub engine_pending_prefill: IntGaugeVec,
+    /// 1 when the engine is healthy.
+    pub engine_healthy: IntGaugeVec,
+    /// Failovers to another engine, by cause.
+    pub retries: IntCounterVec,
+    /// Requests refused by admission control, by reason.
+    pub admission_rejections: IntCounterVec,
+}
+
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        60.0,
+    ]
+}
+
+impl Metrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> prometheus::Result<Self> {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new("kvmesh_requests_total", "Requests by route and status"),
+            &["route", "status"],
+        )?;
+        let latency = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_request_duration_seconds",
+                "End-to-end request latency",
+            )
+            .buckets(latency_buckets()),
+            &["route"],
+        )?;
+        let ttft = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_ttft_seconds",
+                "Time from request start to the first response body byte",
+            )
+            .buckets(latency_buckets()),
+            &["route"],
+        )?;
+        let decisions = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_routing_decisions_total",
+                "Routing decisions by policy and reason",
+            ),
+            &["policy", "reason"],
+        )?;
+        let prompt_tokens = IntCounter::new(
+            "kvmesh_prompt_tokens_total",
+            "Prompt tokens reported by engines",
+        )?;
+        let cached_tokens = IntCounter::new(
+            "kvmesh_cached_tokens_total",
+            "Prompt tokens engines reported as cached",
+        )?;
+        let hit_ratio = Gauge::new(
+            "kvmesh_prefix_hit_ratio",
+            "Cached over prompt tokens reported by engines, since start",
+        )?;
+        let residency_verdicts = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_residency_verdicts_total",
+                "Engine-reported cached tokens vs the index's prediction",
+            ),
+            &["verdict"],
+        )?;
+        let index_digests = IntGauge::new(
+            "kvmesh_residency_index_digests",
+            "Distinct prefix digests in the residency index",
+        )?;
+        let engine_inflight = IntGaugeVec::new(
+            Opts::new("kvmesh_engine_inflight", "Requests in flight per engine"),
+            &["engine"],
+        )?;
+        let engine_pending_prefill = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_engine_pending_prefill_bytes",
+                "Uncached prompt bytes awaiting their first byte, per engine",
+            ),
+            &["engine"],
+        )?;
+        let engine_healthy = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_engine_healthy",
+                "1 when the engine passes health checks",
+            ),
+            &["engine"],
+        )?;
+        let retries = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_upstream_retries_total",
+                "Failovers to another engine",
+            ),
+            &["cause"],
+        )?;
+        let admission_rejections = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_admission_rejections_total",
+                "Requests refused by admission control",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(latency.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(decisions.clone()))?;
+        registry.register(Box::new(prompt_tokens.clone()))?;
+        registry.register(Box::new(cached_tokens.clone()))?;
+        registry.register(Box::new(hit_ratio.clone()))?;
+        registry.register(Box::new(residency_verdicts.clone()))?;
+        registry.register(Box::new(index_digests.clone()))?;
+        registry.register(Box::new(engine_inflight.clone()))?;
+        registry.register(Box::new(engine_pending_prefill.clone()))?;
+        registry.register(Box::new(engine_healthy.clone()))?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(admission_rejections.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            latency,
+            ttft,
+            decisions,
+            prompt_tokens,
+            cached_tokens,
+            hit_ratio,
+            residency_verdicts,
+            index_digests,
+            engine_inflight,
+            engine_pending_prefill,
+            engine_healthy,
+            retries,
+            admission_rejections,
+        })
+    }
+
+    /// The Prometheus text exposition, with gauges refreshed from live state.
+    pub fn render(&self, fleet: &Fleet, index_len: usize) -> Vec<u8> {
+        for e in fleet.engines() {
+            self.engine_inflight
+                .with_label_values(&[&e.name])
+                .set(e.inflight() as i64);
+            self.engine_pending_prefill
+                .with_label_values(&[&e.name])
+                .set(e.pending_prefill() as i64);
+            self.engine_healthy
+                .with_label_values(&[&e.name])
+                .set(e.healthy() as i64);
+        }
+        self.index_digests.set(index_len as i64);
+        let prompt = self.prompt_tokens.get();
+        self.hit_ratio.set(if prompt == 0 {
+            0.0
+        } else {
+            self.cached_tokens.get() as f64 / prompt as f64
+        });
+        let mut out = Vec::new();
+        // Encoding gathered families into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}

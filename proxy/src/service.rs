@@ -1,0 +1,793 @@
+//! The request path of the gateway, one Pingora hook per phase, top to bottom:
+//!
+//! 1. `request_filter`: local endpoints; admission; read and bound the body; parse it; hash the
+//!    canonical prompt into the digest chain.
+//! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load),
+//!    then take the next untried engine: the first call, and again after each failover.
+//! 3. `upstream_request_filter` / `request_body_filter`: send the original body bytes.
+//! 4. `upstream_response_filter` / `response_body_filter`: stream the response through as it
+//!    comes, note the first byte, read `usage` on the way.
+//! 5. `logging`: record residency and metrics; the load guard is released with the context.
+//!
+//! Failover happens only before the first response byte: connect failures
+//! (`fail_to_connect`) and failures while sending the request (`error_while_proxy`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use http::header;
+use kvmesh_filters::chain::{text_chain, Digest, Namespace};
+use kvmesh_filters::error::{ApiError, ErrorKind};
+use kvmesh_filters::request::{self, Endpoint, ParsedRequest};
+use kvmesh_filters::residency::{ResidencyIndex, Source, Verdict};
+use kvmesh_filters::route::{Decision, Router};
+use kvmesh_filters::usage::{self, SseUsageScanner};
+use pingora::http::ResponseHeader;
+use pingora::prelude::*;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{Error, ErrorSource, ErrorType};
+
+use crate::config::ProxyConfig;
+use crate::fleet::{Dispatch, Fleet, NoRoute};
+use crate::metrics::Metrics;
+
+/// Pingora's per-request body replay buffer (`BODY_BUF_LIMIT` in pingora-core): a body whose
+/// last `REPLAY_TAIL` bytes are captured can be sent upstream after we pre-read it.
+const REPLAY_TAIL: usize = 64 * 1024;
+/// Most bytes of a non-streamed response kept to read its `usage`.
+const MAX_USAGE_BODY: usize = 4 << 20;
+/// Longest SSE line kept while looking for `usage`.
+const MAX_SSE_LINE: usize = 1 << 20;
+
+/// The gateway: shared, immutable-after-start state of the proxy.
+pub struct Gateway {
+    /// Configuration in force.
+    pub cfg: ProxyConfig,
+    /// The engines.
+    pub fleet: Arc<Fleet>,
+    /// Prefix residency.
+    pub index: Arc<ResidencyIndex>,
+    /// The policy.
+    pub router: Router,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// What the router knows of a parsed request.
+pub struct Plan {
+    endpoint: Endpoint,
+    model: String,
+    chain: Vec<Digest>,
+    total_bytes: usize,
+    session_key: Option<String>,
+}
+
+/// Per-request state.
+pub struct Ctx {
+    started: Instant,
+    route: &'static str,
+    body: Option<Bytes>,
+    body_sent: bool,
+    plan: Option<Plan>,
+    decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
+    tried: usize,
+    attempts: u32,
+    dispatch: Option<Dispatch>,
+    predicted_overlap: usize,
+    response_started: bool,
+    first_byte: bool,
+    status: u16,
+    sse: Option<SseUsageScanner>,
+    json: Option<Vec<u8>>,
+    error: Option<ApiError>,
+}
+
+impl Ctx {
+    fn new() -> Self {
+        Ctx {
+            started: Instant::now(),
+            route: "other",
+            body: None,
+            body_sent: false,
+            plan: None,
+            decision: None,
+            tried: 0,
+            attempts: 0,
+            dispatch: None,
+            predicted_overlap: 0,
+            response_started: false,
+            first_byte: false,
+            status: 0,
+            sse: None,
+            json: None,
+            error: None,
+        }
+    }
+}
+
+fn pingora_error(kind: ErrorKind, message: &str) -> Box<Error> {
+    Error::explain(ErrorType::HTTPStatus(kind.status()), message.to_string())
+}
+
+/// Writes a complete local response.
+async fn respond(
+    session: &mut Session,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+    extra: &[(&str, &str)],
+) -> Result<()> {
+    let mut h = ResponseHeader::build(status, Some(4))?;
+    h.insert_header(header::CONTENT_TYPE, content_type)?;
+    h.insert_header(header::CONTENT_LENGTH, body.len().to_string())?;
+    for (k, v) in extra {
+        h.insert_header(k.to_string(), *v)?;
+    }
+    session.write_response_header(Box::new(h), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
+    ctx.status = e.status();
+    let retry_after: &[(&str, &str)] =
+        if matches!(e.kind, ErrorKind::Overloaded | ErrorKind::NoEngine) {
+            &[("retry-after", "1")]
+        } else {
+            &[]
+        };
+    // The body may be unread: do not reuse this connection.
+    session.set_keepalive(None);
+    respond(
+        session,
+        e.status(),
+        "application/json",
+        Bytes::from(e.to_json()),
+        retry_after,
+    )
+    .await?;
+    ctx.error = Some(e);
+    Ok(true)
+}
+
+/// Tracks whether a JSON text's top-level object or array has closed, across chunks.
+#[derive(Default)]
+struct JsonEnd {
+    depth: u32,
+    in_string: bool,
+    escaped: bool,
+    complete: bool,
+}
+
+impl JsonEnd {
+    fn feed(&mut self, bytes: &[u8]) {
+        for &c in bytes {
+            if self.complete {
+                if !c.is_ascii_whitespace() {
+                    self.complete = false;
+                    // Trailing garbage: keep reading to the end; the parser will reject it.
+                    self.depth = u32::MAX / 2;
+                }
+                continue;
+            }
+            if self.in_string {
+                match (self.escaped, c) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => self.depth += 1,
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.depth == 0 {
+                        self.complete = true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+impl Gateway {
+    /// Reads the whole request body, bounded, arranging that Pingora can still send it upstream.
+    ///
+    /// Pingora sends a pre-read body upstream only from its 64 KiB replay buffer. So: with
+    /// `Content-Length`, the replay buffer is armed once at most 64 KiB remain (it then holds
+    /// the tail, and `request_body_filter` swaps in the whole body); with chunked framing, we stop
+    /// reading once the JSON document is complete, before the terminating chunk, so that
+    /// Pingora's own body loop reads the end and calls `request_body_filter` where the whole
+    /// body is swapped in.
+    async fn read_body(&self, session: &mut Session) -> std::result::Result<Bytes, ApiError> {
+        let limit = self.cfg.max_body_bytes;
+        let too_large = || {
+            ApiError::new(
+                ErrorKind::BodyTooLarge,
+                format!("request body exceeds the limit of {limit} bytes"),
+            )
+        };
+        let chunked = session
+            .req_header()
+            .headers
+            .get(header::TRANSFER_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+        let content_length = if chunked {
+            None
+        } else {
+            match session.req_header().headers.get(header::CONTENT_LENGTH) {
+                None => Some(0),
+                Some(v) => Some(
+                    v.to_str()
+                        .ok()
+                        .and_then(|s| s.trim().parse::<usize>().ok())
+                        .ok_or_else(|| {
+                            ApiError::new(
+                                ErrorKind::InvalidRequest,
+                                "invalid Content-Length header",
+                            )
+                        })?,
+                ),
+            }
+        };
+        if content_length.is_some_and(|cl| cl > limit) {
+            return Err(too_large());
+        }
+        let expects_continue = session
+            .req_header()
+            .headers
+            .get(header::EXPECT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
+        if expects_continue {
+            session.write_continue_response().await.map_err(|e| {
+                ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("client connection failed: {e}"),
+                )
+            })?;
+        }
+        let mut buf = BytesMut::with_capacity(content_length.unwrap_or(16 * 1024).min(limit));
+        let mut json_end = JsonEnd::default();
+        loop {
+            if let Some(cl) = content_length {
+                if cl - buf.len().min(cl) <= REPLAY_TAIL {
+                    session.as_mut().enable_retry_buffering();
+                }
+            }
+            let chunk = session.read_request_body().await.map_err(|e| {
+                ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("failed to read the request body: {e}"),
+                )
+            })?;
+            let Some(chunk) = chunk else { break };
+            if buf.len() + chunk.len() > limit {
+                return Err(too_large());
+            }
+            buf.extend_from_slice(&chunk);
+            if chunked {
+                json_end.feed(&chunk);
+                if json_end.complete && !session.is_body_done() {
+                    break;
+                }
+            }
+        }
+        if content_length.is_some_and(|cl| cl > 0) && session.as_ref().get_retry_buffer().is_none()
+        {
+            // Never hang an upstream waiting for bytes we cannot replay.
+            return Err(ApiError::new(
+                ErrorKind::Internal,
+                "request body could not be staged for forwarding",
+            ));
+        }
+        Ok(buf.freeze())
+    }
+
+    /// Local endpoints; `Some(true)` when answered.
+    async fn local(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        path: &str,
+    ) -> Result<Option<bool>> {
+        let get = session.req_header().method == http::Method::GET;
+        let answer = match (get, path) {
+            (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
+            (true, "/ready") => {
+                if self.fleet.ready() {
+                    (200, "text/plain", Bytes::from_static(b"ready\n"))
+                } else {
+                    (
+                        503,
+                        "text/plain",
+                        Bytes::from_static(b"no healthy engine\n"),
+                    )
+                }
+            }
+            (true, "/metrics") => (
+                200,
+                "text/plain; version=0.0.4",
+                Bytes::from(self.metrics.render(&self.fleet, self.index.len())),
+            ),
+            (true, "/v1/models") => {
+                let mut ids: Vec<String> = Vec::new();
+                for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
+                    for m in e.models().iter().flat_map(|m| m.iter()) {
+                        if !ids.contains(m) {
+                            ids.push(m.clone());
+                        }
+                    }
+                }
+                let data: Vec<serde_json::Value> = ids
+                    .iter()
+                    .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvmesh"}))
+                    .collect();
+                let body = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+                    .unwrap_or_default();
+                (200, "application/json", Bytes::from(body))
+            }
+            _ => return Ok(None),
+        };
+        ctx.route = match path {
+            "/v1/models" => "models",
+            _ => "admin",
+        };
+        ctx.status = answer.0;
+        respond(session, answer.0, answer.1, answer.2, &[]).await?;
+        Ok(Some(true))
+    }
+
+    fn plan(&self, session: &Session, parsed: ParsedRequest) -> Plan {
+        let ns = Namespace::new(
+            &parsed.model,
+            parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
+        );
+        let chain = text_chain(&ns, &parsed.canonical, self.cfg.routing.block_bytes);
+        let session_key = session
+            .req_header()
+            .headers
+            .get(self.cfg.routing.session_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(String::from)
+            .or(parsed.user);
+        Plan {
+            endpoint: parsed.endpoint,
+            model: parsed.model,
+            chain,
+            total_bytes: parsed.canonical.len(),
+            session_key,
+        }
+    }
+
+    fn decide(&self, ctx: &mut Ctx) -> std::result::Result<(), ApiError> {
+        let Some(plan) = ctx.plan.as_ref() else {
+            return Err(ApiError::new(ErrorKind::Internal, "no request plan"));
+        };
+        let mut cands = self.fleet.candidates(&plan.model).map_err(|e| match e {
+            NoRoute::UnknownModel => ApiError::new(
+                ErrorKind::ModelNotFound,
+                format!(
+                    "the model `{}` does not exist or is not served by any engine",
+                    plan.model
+                ),
+            )
+            .with_param("model"),
+            NoRoute::NoneHealthy => ApiError::new(
+                ErrorKind::NoEngine,
+                format!("no healthy engine serves `{}`", plan.model),
+            ),
+        })?;
+        for (node, blocks) in self.index.overlap(&plan.chain, Instant::now()) {
+            if let Some(c) = cands.iter_mut().find(|c| c.node == node) {
+                c.overlap_blocks = blocks;
+            }
+        }
+        let decision = self.router.rank(
+            &cands,
+            plan.total_bytes,
+            plan.session_key.as_deref(),
+            &mut fastrand::Rng::new(),
+        );
+        self.metrics
+            .decisions
+            .with_label_values(&[self.router.policy().label(), decision.reason.label()])
+            .inc();
+        ctx.decision = Some((cands, decision));
+        Ok(())
+    }
+
+    /// The response is complete: confirm or refute the residency prediction from `usage`.
+    fn settle_usage(&self, ctx: &Ctx) {
+        let u = match (&ctx.sse, &ctx.json) {
+            (Some(s), _) => s.usage(),
+            (None, Some(body)) => usage::from_json(body),
+            _ => None,
+        };
+        let (Some(u), Some(plan), Some(d)) = (u, ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
+            return;
+        };
+        self.metrics.prompt_tokens.inc_by(u.prompt_tokens);
+        let Some(cached) = u.cached_tokens else {
+            return;
+        };
+        self.metrics.cached_tokens.inc_by(cached);
+        if u.prompt_tokens == 0 || plan.chain.is_empty() {
+            return;
+        }
+        // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
+        let cached_bytes =
+            (plan.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
+        let cached_blocks = cached_bytes / self.cfg.routing.block_bytes;
+        let verdict = self.index.confirm(
+            d.engine().id,
+            &plan.chain,
+            ctx.predicted_overlap,
+            cached_blocks,
+            Instant::now(),
+        );
+        self.metrics
+            .residency_verdicts
+            .with_label_values(&[match verdict {
+                Verdict::Confirmed => "confirmed",
+                Verdict::Refuted => "refuted",
+            }])
+            .inc();
+    }
+
+    fn can_retry(&self, ctx: &Ctx) -> bool {
+        let remaining = ctx
+            .decision
+            .as_ref()
+            .map_or(0, |(_, d)| d.order.len().saturating_sub(ctx.tried));
+        !ctx.response_started && ctx.attempts < self.cfg.upstream.max_attempts && remaining > 0
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx::new()
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let path = session.req_header().uri.path().to_string();
+        if let Some(done) = self.local(session, ctx, &path).await? {
+            return Ok(done);
+        }
+        let Some(endpoint) = Endpoint::from_path(&path) else {
+            let e = ApiError::new(
+                ErrorKind::NotFound,
+                format!("no route for {} {path}", session.req_header().method),
+            );
+            return respond_error(session, ctx, e).await;
+        };
+        ctx.route = endpoint.label();
+        if session.req_header().method != http::Method::POST {
+            let e = ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                format!("{path} accepts POST only"),
+            );
+            return respond_error(session, ctx, e).await;
+        }
+        if self.fleet.total_inflight() >= self.cfg.max_inflight {
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["max_inflight"])
+                .inc();
+            let e = ApiError::new(
+                ErrorKind::Overloaded,
+                "too many requests in flight; retry shortly",
+            );
+            return respond_error(session, ctx, e).await;
+        }
+        let body = match self.read_body(session).await {
+            Ok(b) => b,
+            Err(e) => return respond_error(session, ctx, e).await,
+        };
+        let parsed = match request::parse(endpoint, &body) {
+            Ok(p) => p,
+            Err(e) => return respond_error(session, ctx, e).await,
+        };
+        ctx.body = Some(body);
+        ctx.plan = Some(self.plan(session, parsed));
+        if let Err(e) = self.decide(ctx) {
+            return respond_error(session, ctx, e).await;
+        }
+        Ok(false)
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let Some((cands, decision)) = ctx.decision.as_ref() else {
+            return Err(pingora_error(ErrorKind::Internal, "no routing decision"));
+        };
+        // The next engine in the ranking that is still healthy (the ranking's own order if none is).
+        let pick = decision.order[ctx.tried.min(decision.order.len())..]
+            .iter()
+            .position(|&i| self.fleet.get(cands[i].node).is_some_and(|e| e.healthy()))
+            .unwrap_or(0);
+        let Some(&ci) = decision.order.get(ctx.tried + pick) else {
+            ctx.error = Some(ApiError::new(
+                ErrorKind::NoEngine,
+                "no engine could be reached",
+            ));
+            return Err(pingora_error(
+                ErrorKind::NoEngine,
+                "all ranked engines tried",
+            ));
+        };
+        // Keep the unchosen ones ahead in line for a later failover.
+        let mut order = decision.order.clone();
+        let chosen = order.remove(ctx.tried + pick);
+        order.insert(ctx.tried, chosen);
+        let cand = cands[ci];
+        let Some(engine) = self.fleet.get(cand.node).cloned() else {
+            return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
+        };
+        if let Some((_, d)) = ctx.decision.as_mut() {
+            d.order = order;
+        }
+        ctx.tried += 1;
+        ctx.attempts += 1;
+        ctx.body_sent = false;
+        ctx.predicted_overlap = cand.overlap_blocks;
+        let (chain, total) = ctx
+            .plan
+            .as_ref()
+            .map(|p| (p.chain.as_slice(), p.total_bytes))
+            .unwrap_or((&[], 0));
+        let uncached =
+            total.saturating_sub(cand.overlap_blocks * self.cfg.routing.block_bytes) as u64;
+        // Replacing the guard releases a failed attempt's counts.
+        ctx.dispatch = Some(self.fleet.dispatch(&engine, uncached));
+        self.index
+            .record(engine.id, chain, Source::Optimistic, Instant::now());
+        let mut peer = HttpPeer::new(engine.addr, false, String::new());
+        peer.options.connection_timeout =
+            Some(Duration::from_millis(self.cfg.upstream.connect_timeout_ms));
+        peer.options.read_timeout = Some(Duration::from_secs(self.cfg.upstream.read_timeout_secs));
+        peer.options.idle_timeout = Some(Duration::from_secs(60));
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        req: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        // We hold the whole body: send it with a Content-Length whatever the client's framing.
+        req.remove_header(&header::EXPECT);
+        req.remove_header(&header::TRANSFER_ENCODING);
+        let len = ctx.body.as_ref().map_or(0, |b| b.len());
+        req.insert_header(header::CONTENT_LENGTH, len.to_string())?;
+        if let Some(plan) = ctx.plan.as_ref() {
+            let n = self.cfg.routing.forward_digests.min(plan.chain.len());
+            if n > 0 {
+                let hex: Vec<String> = plan.chain[..n].iter().map(Digest::to_hex).collect();
+                req.insert_header("x-kvmesh-prefix-digests", hex.join(","))?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        // Whatever Pingora offers (the replay tail, the chunked terminator, insignificant
+        // whitespace after the JSON document), the engine gets the whole body once per attempt.
+        *body = if ctx.body_sent {
+            None
+        } else {
+            ctx.body.clone()
+        };
+        ctx.body_sent = true;
+        Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.response_started = true;
+        ctx.status = resp.status.as_u16();
+        let is_sse = resp
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if resp.status.is_success() {
+            if is_sse {
+                ctx.sse = Some(SseUsageScanner::new(MAX_SSE_LINE));
+            } else {
+                ctx.json = Some(Vec::new());
+            }
+        }
+        if let Some(d) = ctx.dispatch.as_ref() {
+            resp.insert_header("x-kvmesh-engine", d.engine().name.as_str())?;
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        if let Some(b) = body.as_ref().filter(|b| !b.is_empty()) {
+            if !ctx.first_byte {
+                ctx.first_byte = true;
+                self.metrics
+                    .ttft
+                    .with_label_values(&[ctx.route])
+                    .observe(ctx.started.elapsed().as_secs_f64());
+                if let Some(d) = ctx.dispatch.as_mut() {
+                    d.prefill_done();
+                }
+            }
+            if let Some(s) = ctx.sse.as_mut() {
+                s.feed(b);
+            } else if let Some(j) = ctx.json.as_mut() {
+                if j.len() + b.len() <= MAX_USAGE_BODY {
+                    j.extend_from_slice(b);
+                } else {
+                    ctx.json = None;
+                }
+            }
+        }
+        if end_of_stream {
+            self.settle_usage(ctx);
+            ctx.sse = None;
+            ctx.json = None;
+        }
+        Ok(None)
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        if let Some(d) = ctx.dispatch.take() {
+            tracing::warn!(engine = %d.engine().name, error = %e, "cannot connect to engine");
+            d.engine().mark_down();
+        }
+        if self.can_retry(ctx) {
+            self.metrics.retries.with_label_values(&["connect"]).inc();
+            e.set_retry(true);
+        }
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        _reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("engine {peer}"));
+        // Replayable: Pingora still holds the body's tail, or has not read its end yet.
+        let replayable = session.as_ref().get_retry_buffer().is_some() || !session.is_body_done();
+        if e.esource() == &ErrorSource::Upstream && replayable && self.can_retry(ctx) {
+            if let Some(d) = ctx.dispatch.take() {
+                tracing::warn!(engine = %d.engine().name, error = %e, "engine failed before answering; failing over");
+            }
+            self.metrics.retries.with_label_values(&["proxy"]).inc();
+            e.set_retry(true);
+        } else {
+            e.set_retry(false);
+        }
+        e
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let api = ctx
+            .error
+            .clone()
+            .unwrap_or_else(|| match (e.esource(), e.etype()) {
+                (_, ErrorType::HTTPStatus(413)) => {
+                    ApiError::new(ErrorKind::BodyTooLarge, "request body exceeds the limit")
+                }
+                (ErrorSource::Upstream, t)
+                    if matches!(
+                        t,
+                        ErrorType::ConnectTimedout
+                            | ErrorType::ConnectRefused
+                            | ErrorType::ConnectNoRoute
+                            | ErrorType::ConnectError
+                    ) =>
+                {
+                    ApiError::new(
+                        ErrorKind::NoEngine,
+                        format!("no engine reachable ({} tried): {e}", ctx.attempts),
+                    )
+                }
+                (ErrorSource::Upstream, _) => {
+                    ApiError::new(ErrorKind::UpstreamFailed, format!("engine failed: {e}"))
+                }
+                (ErrorSource::Downstream, _) => {
+                    ApiError::new(ErrorKind::InvalidRequest, format!("client error: {e}"))
+                }
+                _ => ApiError::new(ErrorKind::Internal, format!("internal error: {e}")),
+            });
+        let downstream_gone = e.esource() == &ErrorSource::Downstream
+            && matches!(
+                e.etype(),
+                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed
+            );
+        let code = if downstream_gone || session.response_written().is_some() {
+            0
+        } else {
+            let status = api.status();
+            let _ = respond_error(session, ctx, api).await;
+            status
+        };
+        if code == 0 && ctx.status == 0 {
+            ctx.status = 499;
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+        let status = if ctx.status != 0 {
+            ctx.status
+        } else {
+            session.response_written().map_or(0, |r| r.status.as_u16())
+        };
+        let status = status.to_string();
+        self.metrics
+            .requests
+            .with_label_values(&[ctx.route, &status])
+            .inc();
+        self.metrics
+            .latency
+            .with_label_values(&[ctx.route])
+            .observe(ctx.started.elapsed().as_secs_f64());
+        if let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) {
+            tracing::debug!(engine = %d.engine().name, endpoint = plan.endpoint.label(), status, blocks = plan.chain.len(),
+                predicted = ctx.predicted_overlap, "request done");
+        }
+        // Release the engine's load counts now rather than when Pingora drops the context.
+        ctx.dispatch = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::JsonEnd;
+
+    #[test]
+    fn json_end_tracks_nesting_and_strings() {
+        let mut j = JsonEnd::default();
+        j.feed(br#"{"a":"}\"{","b":[1,{"c":2}]"#);
+        assert!(!j.complete);
+        j.feed(b"}  \n");
+        assert!(j.complete);
+        j.feed(b"x");
+        assert!(!j.complete);
+    }
+}

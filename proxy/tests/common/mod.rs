@@ -1,0 +1,428 @@
+//! Test harness: real `kvmesh-proxy` and `kvmesh-sim-engine` processes on ephemeral loopback
+//! ports, and a small raw HTTP/1.1 client that controls framing exactly.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Path of a workspace binary (all are built by `cargo test --workspace`).
+pub fn bin(name: &str) -> PathBuf {
+    let proxy = PathBuf::from(env!("CARGO_BIN_EXE_kvmesh-proxy"));
+    let p = proxy.parent().unwrap().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace (cargo test --workspace builds it)",
+        p.display()
+    );
+    p
+}
+
+/// A running simulated engine; killed on drop.
+pub struct Sim {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub name: String,
+}
+
+impl Sim {
+    pub fn start(name: &str, args: &[&str]) -> Sim {
+        let mut child = Command::new(bin("kvmesh-sim-engine"))
+            .args(["--listen", "127.0.0.1:0", "--name", name])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn sim engine");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .rsplit("http://")
+            .next()
+            .unwrap()
+            .parse()
+            .expect("sim address");
+        Sim {
+            child,
+            addr,
+            name: name.into(),
+        }
+    }
+
+    /// Zero-latency engine (answers at once).
+    pub fn instant(name: &str) -> Sim {
+        Sim::start(
+            name,
+            &[
+                "--prefill-us-per-token",
+                "0",
+                "--decode-us-per-step",
+                "0",
+                "--decode-us-per-seq",
+                "0",
+            ],
+        )
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running proxy; killed on drop.
+pub struct Proxy {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub config: PathBuf,
+}
+
+pub fn engines_toml(sims: &[&Sim]) -> String {
+    sims.iter()
+        .map(|s| {
+            format!(
+                "[[engines]]\nname = \"{}\"\nurl = \"{}\"\n",
+                s.name,
+                s.url()
+            )
+        })
+        .collect()
+}
+
+impl Proxy {
+    /// Starts a proxy with `extra` TOML (top-level keys first) and the given engines; waits for
+    /// `/ready` when `wait_ready`.
+    pub fn start(extra: &str, sims: &[&Sim], wait_ready: bool) -> Proxy {
+        let port = free_port();
+        let toml = format!(
+            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn\"\n{extra}\n[health]\ninterval_ms = 200\n\n{}",
+            engines_toml(sims)
+        );
+        Proxy::start_with(&toml, port, wait_ready)
+    }
+
+    pub fn start_with(toml: &str, port: u16, wait_ready: bool) -> Proxy {
+        let config =
+            std::env::temp_dir().join(format!("kvmesh-test-{}-{port}.toml", std::process::id()));
+        std::fs::write(&config, toml).unwrap();
+        let child = Command::new(bin("kvmesh-proxy"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn proxy");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let p = Proxy {
+            child,
+            addr,
+            config,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = TcpStream::connect(addr).is_ok()
+                && (!wait_ready
+                    || get(addr, "/ready")
+                        .map(|r| r.status == 200)
+                        .unwrap_or(false));
+            if ok {
+                break;
+            }
+            assert!(Instant::now() < deadline, "proxy did not become ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        p
+    }
+
+    /// Sum of a metric's samples whose line starts with `prefix`.
+    pub fn metric(&self, prefix: &str) -> f64 {
+        let body = String::from_utf8(get(self.addr, "/metrics").unwrap().body).unwrap();
+        body.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// How a request body is framed on the wire.
+#[derive(Clone, Copy, Debug)]
+pub enum Framing {
+    /// `Content-Length`.
+    Length,
+    /// `Transfer-Encoding: chunked` in chunks of this many bytes.
+    Chunked(usize),
+    /// `Content-Length` with `Expect: 100-continue` (waits for the 100 before sending).
+    LengthExpect,
+}
+
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+fn write_request(
+    s: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    framing: Framing,
+    extra: &[(&str, &str)],
+) -> std::io::Result<()> {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\n");
+    for (k, v) in extra {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    match framing {
+        Framing::Length => head.push_str(&format!("Content-Length: {}\r\n\r\n", body.len())),
+        Framing::LengthExpect => head.push_str(&format!(
+            "Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+            body.len()
+        )),
+        Framing::Chunked(_) => head.push_str("Transfer-Encoding: chunked\r\n\r\n"),
+    }
+    s.write_all(head.as_bytes())?;
+    match framing {
+        Framing::Length => s.write_all(body)?,
+        Framing::LengthExpect => {
+            // Wait for "HTTP/1.1 100 Continue\r\n\r\n" before sending.
+            let mut buf = [0u8; 25];
+            s.read_exact(&mut buf)?;
+            assert!(
+                buf.starts_with(b"HTTP/1.1 100"),
+                "expected 100 Continue, got {:?}",
+                String::from_utf8_lossy(&buf)
+            );
+            s.write_all(body)?;
+        }
+        Framing::Chunked(n) => {
+            for c in body.chunks(n.max(1)) {
+                s.write_all(format!("{:x}\r\n", c.len()).as_bytes())?;
+                s.write_all(c)?;
+                s.write_all(b"\r\n")?;
+            }
+            s.write_all(b"0\r\n\r\n")?;
+        }
+    }
+    s.flush()
+}
+
+/// A response being read incrementally.
+pub struct Streaming {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    reader: BufReader<TcpStream>,
+    chunked: bool,
+    remaining: Option<usize>,
+    done: bool,
+}
+
+impl Streaming {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The next piece of body as it arrives (a chunk, or up to 64 KiB); `None` at the end.
+    pub fn next_piece(&mut self) -> std::io::Result<Option<Vec<u8>>> {
+        if self.done {
+            return Ok(None);
+        }
+        if self.chunked {
+            let mut line = String::new();
+            self.reader.read_line(&mut line)?;
+            let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16)
+                .unwrap_or(0);
+            if size == 0 {
+                self.done = true;
+                return Ok(None);
+            }
+            let mut buf = vec![0u8; size + 2];
+            self.reader.read_exact(&mut buf)?;
+            buf.truncate(size);
+            return Ok(Some(buf));
+        }
+        let want = self.remaining.unwrap_or(64 * 1024).min(64 * 1024);
+        if want == 0 {
+            self.done = true;
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; want];
+        let n = self.reader.read(&mut buf)?;
+        if n == 0 {
+            self.done = true;
+            return Ok(None);
+        }
+        buf.truncate(n);
+        if let Some(r) = self.remaining.as_mut() {
+            *r -= n;
+        }
+        Ok(Some(buf))
+    }
+
+    pub fn into_resp(mut self) -> std::io::Result<Resp> {
+        let mut body = Vec::new();
+        while let Some(p) = self.next_piece()? {
+            body.extend_from_slice(&p);
+        }
+        Ok(Resp {
+            status: self.status,
+            headers: self.headers,
+            body,
+        })
+    }
+}
+
+/// Sends a request and returns once the response head has arrived.
+pub fn start_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    framing: Framing,
+    extra: &[(&str, &str)],
+) -> std::io::Result<Streaming> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write_request(&mut s, method, path, body, framing, extra)?;
+    let mut reader = BufReader::new(s);
+    loop {
+        let mut status_line = String::new();
+        reader.read_line(&mut status_line)?;
+        let status: u16 = status_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let mut headers = Vec::new();
+        loop {
+            let mut l = String::new();
+            reader.read_line(&mut l)?;
+            let l = l.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':') {
+                headers.push((k.trim().to_string(), v.trim().to_string()));
+            }
+        }
+        if status == 100 {
+            continue;
+        }
+        let chunked = headers
+            .iter()
+            .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+        let remaining = headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.parse().ok());
+        return Ok(Streaming {
+            status,
+            headers,
+            reader,
+            chunked,
+            remaining,
+            done: false,
+        });
+    }
+}
+
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    framing: Framing,
+    extra: &[(&str, &str)],
+) -> std::io::Result<Resp> {
+    start_request(addr, method, path, body, framing, extra)?.into_resp()
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<Resp> {
+    request(addr, "GET", path, b"", Framing::Length, &[])
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &[u8]) -> Resp {
+    request(addr, "POST", path, body, Framing::Length, &[]).expect("request")
+}
+
+/// A chat body with one user message.
+pub fn chat_body(model: &str, content: &str, extra: &str) -> Vec<u8> {
+    let content = serde_json::to_string(content).unwrap();
+    format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":{content}}}]{extra}}}"#)
+        .into_bytes()
+}
+
+/// Deterministic pseudo-random text of `len` bytes from `seed` (distinct seeds, distinct text).
+pub fn text(seed: u64, len: usize) -> String {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (b'a' + (x % 26) as u8) as char
+        })
+        .collect()
+}
+
+/// Polls `f` until it returns true or `timeout` passes.
+pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}

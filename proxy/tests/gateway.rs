@@ -1,0 +1,500 @@
+//! End-to-end tests of the gateway: a real `kvmesh-proxy` in front of real `kvmesh-sim-engine`
+//! processes, over loopback sockets.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const CHAT: &str = "/v1/chat/completions";
+
+#[test]
+fn same_prefix_same_engine_and_distinct_prefixes_spread() {
+    let sims: Vec<Sim> = (0..3).map(|i| Sim::instant(&format!("e{i}"))).collect();
+    let proxy = Proxy::start(
+        "policy = \"prefix\"",
+        &sims.iter().collect::<Vec<_>>(),
+        true,
+    );
+    let mut engine_of: HashMap<u64, String> = HashMap::new();
+    for round in 0..3 {
+        for prefix in 0..9u64 {
+            // 4 KB shared prefix, then a per-request suffix.
+            let content = format!(
+                "{}{}",
+                text(prefix, 4096),
+                text(1000 + round * 100 + prefix, 300)
+            );
+            let r = post(proxy.addr, CHAT, &chat_body("sim-model", &content, ""));
+            assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+            let engine = r.header("x-sim-engine").unwrap().to_string();
+            assert_eq!(r.header("x-kvmesh-engine"), Some(engine.as_str()));
+            let first = engine_of.entry(prefix).or_insert_with(|| engine.clone());
+            assert_eq!(
+                *first, engine,
+                "prefix {prefix} moved from {first} to {engine} in round {round}"
+            );
+        }
+    }
+    let used: HashSet<&String> = engine_of.values().collect();
+    assert!(
+        used.len() >= 2,
+        "9 distinct cold prefixes all landed on {used:?}"
+    );
+    assert!(
+        proxy.metric("kvmesh_routing_decisions_total{policy=\"prefix\",reason=\"prefix_hit\"}")
+            >= 18.0
+    );
+    // The engines confirmed the hits: cached tokens were reported for the repeat requests.
+    assert!(proxy.metric("kvmesh_cached_tokens_total") > 0.0);
+}
+
+#[test]
+fn body_reaches_the_engine_byte_for_byte() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("", &[&sim], true);
+    for size in [100usize, 200 * 1024, 2 * 1024 * 1024] {
+        let mut body = chat_body("sim-model", &text(size as u64, size.saturating_sub(70)), "");
+        body.truncate(body.len()); // exact bytes as sent
+        let want = blake3::hash(&body).to_hex().to_string();
+        for framing in [
+            Framing::Length,
+            Framing::Chunked(16 * 1024),
+            Framing::Chunked(7),
+            Framing::LengthExpect,
+        ] {
+            if matches!(framing, Framing::Chunked(7)) && size > 1024 * 1024 {
+                continue; // 300k tiny chunks only slow the test down
+            }
+            let r = request(proxy.addr, "POST", CHAT, &body, framing, &[]).expect("request");
+            assert_eq!(
+                r.status,
+                200,
+                "{size} {framing:?}: {}",
+                String::from_utf8_lossy(&r.body)
+            );
+            assert_eq!(
+                r.header("x-sim-body-len"),
+                Some(body.len().to_string().as_str()),
+                "{size} {framing:?}"
+            );
+            assert_eq!(
+                r.header("x-sim-body-blake3"),
+                Some(want.as_str()),
+                "{size} {framing:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sse_chunks_arrive_incrementally() {
+    // 40 ms per decode step: 8 tokens take about 320 ms at the engine.
+    let sim = Sim::start(
+        "e0",
+        &[
+            "--decode-us-per-step",
+            "40000",
+            "--prefill-us-per-token",
+            "0",
+        ],
+    );
+    let proxy = Proxy::start("", &[&sim], true);
+    let body = chat_body(
+        "sim-model",
+        "hello",
+        r#","stream":true,"max_tokens":8,"stream_options":{"include_usage":true}"#,
+    );
+    let mut s = start_request(proxy.addr, "POST", CHAT, &body, Framing::Length, &[]).unwrap();
+    assert_eq!(s.status, 200);
+    assert!(s
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut arrivals = Vec::new();
+    let mut text_seen = String::new();
+    while let Some(piece) = s.next_piece().unwrap() {
+        let p = String::from_utf8(piece).unwrap();
+        for _ in p.matches("data: ") {
+            arrivals.push(Instant::now());
+        }
+        text_seen.push_str(&p);
+    }
+    assert!(text_seen.ends_with("data: [DONE]\n\n"), "{text_seen}");
+    assert!(
+        text_seen.contains("\"cached_tokens\""),
+        "usage chunk passed through"
+    );
+    // 8 token events + the final + usage + [DONE]; they arrive spread over the decode steps,
+    // not in one burst at the end.
+    assert!(arrivals.len() >= 10, "{} events", arrivals.len());
+    let spread = *arrivals.last().unwrap() - arrivals[0];
+    assert!(
+        spread >= Duration::from_millis(150),
+        "all events arrived within {spread:?}: buffered, not streamed"
+    );
+    let distinct_reads = arrivals
+        .windows(2)
+        .filter(|w| w[1] - w[0] >= Duration::from_millis(10))
+        .count();
+    assert!(
+        distinct_reads >= 5,
+        "events came in {distinct_reads} separate bursts"
+    );
+}
+
+#[test]
+fn inflight_returns_to_zero_after_client_aborts_mid_stream() {
+    let sim = Sim::start(
+        "e0",
+        &[
+            "--decode-us-per-step",
+            "50000",
+            "--prefill-us-per-token",
+            "0",
+        ],
+    );
+    let proxy = Proxy::start("", &[&sim], true);
+    for _ in 0..3 {
+        let body = chat_body(
+            "sim-model",
+            "tell me a long story",
+            r#","stream":true,"max_tokens":200"#,
+        );
+        let mut s = start_request(proxy.addr, "POST", CHAT, &body, Framing::Length, &[]).unwrap();
+        assert_eq!(s.status, 200);
+        assert!(s.next_piece().unwrap().is_some());
+        assert_eq!(
+            proxy.metric("kvmesh_engine_inflight"),
+            1.0,
+            "the stream is counted while it runs"
+        );
+        drop(s); // the client goes away mid-stream
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || proxy
+            .metric("kvmesh_engine_inflight")
+            == 0.0),
+        "inflight stuck at {}",
+        proxy.metric("kvmesh_engine_inflight")
+    );
+    assert_eq!(proxy.metric("kvmesh_engine_pending_prefill_bytes"), 0.0);
+}
+
+#[test]
+fn bad_input_gets_openai_style_errors() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("max_body_bytes = 65536", &[&sim], true);
+    let big = chat_body("sim-model", &text(1, 70_000), "");
+    let mut non_utf8 = br#"{"model":"sim-model","messages":[{"role":"user","content":"ab"#.to_vec();
+    non_utf8.extend_from_slice(&[0xC3, 0x28]);
+    non_utf8.extend_from_slice(br#""}]}"#);
+    let cases: Vec<(&str, &str, Vec<u8>, Framing, u16, &str)> = vec![
+        (
+            "invalid JSON",
+            CHAT,
+            b"{\"model\":".to_vec(),
+            Framing::Length,
+            400,
+            "invalid JSON",
+        ),
+        (
+            "wrong type",
+            CHAT,
+            br#"{"model":"sim-model","messages":"hi"}"#.to_vec(),
+            Framing::Length,
+            400,
+            "messages",
+        ),
+        (
+            "missing messages",
+            CHAT,
+            br#"{"model":"sim-model"}"#.to_vec(),
+            Framing::Length,
+            400,
+            "missing field `messages`",
+        ),
+        (
+            "missing prompt",
+            "/v1/completions",
+            br#"{"model":"sim-model"}"#.to_vec(),
+            Framing::Length,
+            400,
+            "missing field `prompt`",
+        ),
+        (
+            "missing input",
+            "/v1/embeddings",
+            br#"{"model":"sim-model"}"#.to_vec(),
+            Framing::Length,
+            400,
+            "missing field `input`",
+        ),
+        ("non-UTF-8", CHAT, non_utf8, Framing::Length, 400, "invalid"),
+        (
+            "empty body",
+            CHAT,
+            Vec::new(),
+            Framing::Length,
+            400,
+            "empty",
+        ),
+        (
+            "too large (length)",
+            CHAT,
+            big.clone(),
+            Framing::Length,
+            413,
+            "limit",
+        ),
+        (
+            "too large (chunked)",
+            CHAT,
+            big,
+            Framing::Chunked(8192),
+            413,
+            "limit",
+        ),
+        (
+            "unknown model",
+            CHAT,
+            chat_body("no-such-model", "hi", ""),
+            Framing::Length,
+            404,
+            "no-such-model",
+        ),
+        (
+            "unknown path",
+            "/v1/nothing",
+            b"{}".to_vec(),
+            Framing::Length,
+            404,
+            "no route",
+        ),
+    ];
+    for (name, path, body, framing, status, needle) in cases {
+        let r = request(proxy.addr, "POST", path, &body, framing, &[])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            r.status,
+            status,
+            "{name}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        let v = r.json();
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: no error.message in {v}"));
+        assert!(msg.contains(needle), "{name}: {msg}");
+        assert!(
+            v["error"]["type"].is_string() && v["error"]["code"].is_string(),
+            "{name}: {v}"
+        );
+    }
+    let r = request(proxy.addr, "GET", CHAT, b"", Framing::Length, &[]).unwrap();
+    assert_eq!(r.status, 405);
+    // Engine errors pass through unchanged: the simulator rejects an empty prompt itself.
+    let r = post(
+        proxy.addr,
+        "/v1/completions",
+        br#"{"model":"sim-model","prompt":""}"#,
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        r.header("x-sim-engine"),
+        Some("e0"),
+        "answered by the engine"
+    );
+    assert_eq!(r.json()["error"]["message"], "empty prompt");
+    // The proxy still serves after all that.
+    assert_eq!(
+        post(proxy.addr, CHAT, &chat_body("sim-model", "hi", "")).status,
+        200
+    );
+}
+
+#[test]
+fn no_reachable_engine_is_503() {
+    let port = free_port();
+    let toml = format!(
+        "listen = \"127.0.0.1:{}\"\nlog = \"error\"\n[health]\ninterval_ms = 200\n[[engines]]\nname = \"gone\"\nurl = \"http://127.0.0.1:{port}\"\n",
+        free_port()
+    );
+    let listen_port: u16 = toml
+        .lines()
+        .next()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .trim_end_matches('"')
+        .parse()
+        .unwrap();
+    let proxy = Proxy::start_with(&toml, listen_port, false);
+    assert_eq!(get(proxy.addr, "/ready").unwrap().status, 503);
+    assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
+    let r = post(proxy.addr, CHAT, &chat_body("sim-model", "hi", ""));
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "no_engine_available");
+    assert_eq!(r.header("retry-after"), Some("1"));
+}
+
+#[test]
+fn killed_engine_fails_over_before_the_first_byte() {
+    let mut sims: Vec<Sim> = (0..3).map(|i| Sim::instant(&format!("e{i}"))).collect();
+    // Slow health probes: failover must come from the failed connection itself.
+    let extra = "[upstream]\nmax_attempts = 3\nconnect_timeout_ms = 500\n";
+    let port = free_port();
+    let toml = format!(
+        "listen = \"127.0.0.1:{port}\"\nlog = \"error\"\n{extra}[health]\ninterval_ms = 60000\n{}",
+        engines_toml(&sims.iter().collect::<Vec<_>>())
+    );
+    let proxy = Proxy::start_with(&toml, port, true);
+    let prompt = text(42, 5000);
+    let r = post(proxy.addr, CHAT, &chat_body("sim-model", &prompt, ""));
+    assert_eq!(r.status, 200);
+    let victim = r.header("x-sim-engine").unwrap().to_string();
+    sims.iter_mut().find(|s| s.name == victim).unwrap().kill();
+    for i in 0..12 {
+        // The same prefix (which the index places on the dead engine) and fresh ones.
+        let content = if i % 2 == 0 {
+            prompt.clone()
+        } else {
+            text(100 + i, 5000)
+        };
+        let r = post(proxy.addr, CHAT, &chat_body("sim-model", &content, ""));
+        assert_eq!(
+            r.status,
+            200,
+            "request {i}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_ne!(r.header("x-sim-engine"), Some(victim.as_str()));
+    }
+    assert!(proxy.metric("kvmesh_upstream_retries_total") >= 1.0);
+    assert_eq!(
+        proxy.metric("kvmesh_engine_healthy"),
+        2.0,
+        "the dead engine is marked down"
+    );
+}
+
+#[test]
+fn models_are_aggregated_and_health_answers() {
+    let a = Sim::start("a", &["--model", "alpha"]);
+    let b = Sim::start("b", &["--model", "beta"]);
+    let proxy = Proxy::start("", &[&a, &b], true);
+    assert!(eventually(Duration::from_secs(5), || proxy
+        .metric("kvmesh_engine_healthy")
+        == 2.0));
+    let ids: HashSet<String> = get(proxy.addr, "/v1/models").unwrap().json()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        ids,
+        HashSet::from(["alpha".to_string(), "beta".to_string()])
+    );
+    // Requests go to the engine that serves the model.
+    for _ in 0..4 {
+        assert_eq!(
+            post(proxy.addr, CHAT, &chat_body("beta", "x", "")).header("x-sim-engine"),
+            Some("b")
+        );
+    }
+    assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
+    assert_eq!(get(proxy.addr, "/ready").unwrap().status, 200);
+}
+
+#[test]
+fn round_robin_and_session_policies() {
+    let sims: Vec<Sim> = (0..3).map(|i| Sim::instant(&format!("e{i}"))).collect();
+    let refs: Vec<&Sim> = sims.iter().collect();
+    let rr = Proxy::start("policy = \"round_robin\"", &refs, true);
+    assert!(eventually(Duration::from_secs(5), || rr
+        .metric("kvmesh_engine_healthy")
+        == 3.0));
+    let seen: Vec<String> = (0..6)
+        .map(|_| {
+            post(rr.addr, CHAT, &chat_body("sim-model", "same", ""))
+                .header("x-sim-engine")
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(seen.iter().collect::<HashSet<_>>().len(), 3, "{seen:?}");
+    let session = Proxy::start("policy = \"session\"", &refs, true);
+    assert!(eventually(Duration::from_secs(5), || session
+        .metric("kvmesh_engine_healthy")
+        == 3.0));
+    for user in ["alice", "bob", "carol"] {
+        let engines: HashSet<String> = (0..4)
+            .map(|i| {
+                let body = chat_body("sim-model", &text(i, 50), &format!(r#","user":"{user}""#));
+                post(session.addr, CHAT, &body)
+                    .header("x-sim-engine")
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(engines.len(), 1, "{user} moved: {engines:?}");
+    }
+}
+
+#[test]
+fn check_config_validates_without_starting() {
+    let dir = std::env::temp_dir();
+    let good = dir.join(format!("kvmesh-good-{}.toml", std::process::id()));
+    let bad = dir.join(format!("kvmesh-bad-{}.toml", std::process::id()));
+    std::fs::write(
+        &good,
+        "[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &bad,
+        "policy = \"fastest\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin("kvmesh-proxy"))
+        .arg("check-config")
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new(bin("kvmesh-proxy"))
+        .arg("check-config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fastest") && err.contains("policy"), "{err}");
+    let _ = std::fs::remove_file(good);
+    let _ = std::fs::remove_file(bad);
+}
+
+#[test]
+fn sigterm_shuts_down_within_seconds() {
+    let sim = Sim::instant("e0");
+    let mut proxy = Proxy::start("", &[&sim], true);
+    let pid = proxy.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let exited = eventually(Duration::from_secs(10), || {
+        proxy.child.try_wait().unwrap().is_some()
+    });
+    assert!(exited, "still running 10 s after SIGTERM");
+}
