@@ -7,4 +7,5 @@
 
 pub mod http;
 pub mod load;
+pub mod procs;
 pub mod sim;

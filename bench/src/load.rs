@@ -1,1 +1,325 @@
-//! load
+//! Load generation: an OpenAI streaming client that measures TTFT and reads `usage`, the
+//! shared-prefix workload, and summary statistics.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kvmesh_filters::usage::{self, SseUsageScanner};
+
+/// The HTTP client the load generator uses (keep-alive pool, HTTP/1.1).
+pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+/// A client with Nagle off and a pool large enough for `concurrency`.
+pub fn client(concurrency: usize) -> HttpClient {
+    let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
+    conn.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(concurrency.max(1))
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(conn)
+}
+
+/// What one request measured.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// HTTP status (0: transport error).
+    pub status: u16,
+    /// Time to the first body byte (non-streamed) or first SSE event (streamed).
+    pub ttft: Duration,
+    /// Time to the end of the response.
+    pub latency: Duration,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u64,
+    /// The `x-sim-engine` (or `x-kvmesh-engine`) header, when present.
+    pub engine: Option<String>,
+}
+
+/// Sends one POST with a JSON body and measures it. Streams are read to the end.
+pub async fn send(client: &HttpClient, url: &str, body: Bytes) -> Sample {
+    let start = Instant::now();
+    let req = match http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(body))
+    {
+        Ok(r) => r,
+        Err(_) => return Sample::default(),
+    };
+    let resp = match client.request(req).await {
+        Ok(r) => r,
+        Err(_) => {
+            return Sample {
+                latency: start.elapsed(),
+                ..Sample::default()
+            }
+        }
+    };
+    let status = resp.status().as_u16();
+    let engine = resp
+        .headers()
+        .get("x-sim-engine")
+        .or_else(|| resp.headers().get("x-kvmesh-engine"))
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    let sse = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut body = resp.into_body();
+    let mut ttft = None;
+    let mut scanner = SseUsageScanner::new(1 << 20);
+    let mut whole = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Sample {
+                status: 0,
+                latency: start.elapsed(),
+                engine,
+                ..Sample::default()
+            };
+        };
+        if let Some(data) = frame.data_ref() {
+            if ttft.is_none() && !data.is_empty() {
+                ttft = Some(start.elapsed());
+            }
+            if sse {
+                scanner.feed(data);
+            } else {
+                whole.extend_from_slice(data);
+            }
+        }
+    }
+    let u = if sse {
+        scanner.usage()
+    } else {
+        usage::from_json(&whole)
+    };
+    Sample {
+        status,
+        ttft: ttft.unwrap_or_else(|| start.elapsed()),
+        latency: start.elapsed(),
+        prompt_tokens: u.map_or(0, |u| u.prompt_tokens),
+        cached_tokens: u.and_then(|u| u.cached_tokens).unwrap_or(0),
+        engine,
+    }
+}
+
+/// Deterministic text of `len` bytes: lowercase words drawn from `seed`.
+pub fn text(seed: u64, len: usize) -> String {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut s = String::with_capacity(len + 8);
+    while s.len() < len {
+        let w = rng.usize(2..9);
+        for _ in 0..w {
+            s.push(rng.lowercase());
+        }
+        s.push(' ');
+    }
+    s.truncate(len);
+    s
+}
+
+/// The shared-prefix workload: `prefixes` system prompts, each shared by `users` users, each
+/// user asking `turns` different questions. Requests come in a seeded random order.
+#[derive(Debug, Clone)]
+pub struct SharedPrefix {
+    /// Distinct system prompts.
+    pub prefixes: usize,
+    /// Users per system prompt.
+    pub users: usize,
+    /// Questions per user.
+    pub turns: usize,
+    /// Bytes of each system prompt.
+    pub prefix_bytes: usize,
+    /// Bytes of each question.
+    pub suffix_bytes: usize,
+    /// `max_tokens` of each request.
+    pub max_tokens: u64,
+    /// Model name.
+    pub model: String,
+    /// Seed of the order and the text.
+    pub seed: u64,
+}
+
+impl SharedPrefix {
+    /// The request bodies, in send order.
+    pub fn bodies(&self) -> Vec<Bytes> {
+        let mut keys: Vec<(usize, usize, usize)> = Vec::new();
+        for p in 0..self.prefixes {
+            for u in 0..self.users {
+                for t in 0..self.turns {
+                    keys.push((p, u, t));
+                }
+            }
+        }
+        fastrand::Rng::with_seed(self.seed).shuffle(&mut keys);
+        keys.into_iter()
+            .map(|(p, u, t)| {
+                let system = text(self.seed ^ ((p as u64 + 1) * 0x1000_0001), self.prefix_bytes);
+                let question = text(self.seed ^ (((p * 1000 + u * 10 + t) as u64 + 7) * 0x2000_0003), self.suffix_bytes);
+                let body = serde_json::json!({
+                    "model": self.model,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                    "max_tokens": self.max_tokens,
+                    "stream": true,
+                    "stream_options": {"include_usage": true},
+                    "user": format!("user-{p}-{u}"),
+                });
+                Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
+            })
+            .collect()
+    }
+}
+
+/// Sends `bodies` to `url` with `concurrency` workers (closed loop); samples in completion order.
+pub async fn closed_loop(
+    client: &HttpClient,
+    url: &str,
+    bodies: Vec<Bytes>,
+    concurrency: usize,
+) -> Vec<Sample> {
+    let queue = Arc::new(parking_lot::Mutex::new(bodies.into_iter()));
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency.max(1) {
+        let (queue, client, url) = (queue.clone(), client.clone(), url.to_string());
+        workers.spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                let next = queue.lock().next();
+                let Some(body) = next else { break };
+                out.push(send(&client, &url, body).await);
+            }
+            out
+        });
+    }
+    let mut all = Vec::new();
+    while let Some(r) = workers.join_next().await {
+        all.extend(r.unwrap_or_default());
+    }
+    all
+}
+
+/// Summary statistics of a run.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    /// Requests sent.
+    pub requests: usize,
+    /// Non-2xx or failed requests.
+    pub errors: usize,
+    /// cached / prompt tokens over the run.
+    pub hit_ratio: f64,
+    /// Mean TTFT, ms.
+    pub mean_ttft_ms: f64,
+    /// p50 / p90 / p99 TTFT, ms.
+    pub ttft_ms: [f64; 3],
+    /// p50 / p90 / p99 latency, ms.
+    pub latency_ms: [f64; 3],
+    /// Requests per second over the wall time.
+    pub rps: f64,
+}
+
+/// The `q`-quantile (0..=1) of sorted values, nearest-rank.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Summarises samples taken over `wall` time.
+pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
+    let ok: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| (200..300).contains(&s.status))
+        .collect();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut ttft: Vec<f64> = ok.iter().map(|s| ms(s.ttft)).collect();
+    let mut lat: Vec<f64> = ok.iter().map(|s| ms(s.latency)).collect();
+    ttft.sort_by(f64::total_cmp);
+    lat.sort_by(f64::total_cmp);
+    let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
+    Summary {
+        requests: samples.len(),
+        errors: samples.len() - ok.len(),
+        hit_ratio: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
+        mean_ttft_ms: if ttft.is_empty() {
+            0.0
+        } else {
+            ttft.iter().sum::<f64>() / ttft.len() as f64
+        },
+        ttft_ms: [
+            quantile(&ttft, 0.5),
+            quantile(&ttft, 0.9),
+            quantile(&ttft, 0.99),
+        ],
+        latency_ms: [
+            quantile(&lat, 0.5),
+            quantile(&lat, 0.9),
+            quantile(&lat, 0.99),
+        ],
+        rps: samples.len() as f64 / wall.as_secs_f64().max(1e-9),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_nearest_rank() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 5.0);
+        assert_eq!(quantile(&v, 0.9), 9.0);
+        assert_eq!(quantile(&v, 0.99), 10.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn shared_prefix_workload_shares_exactly_the_system_prompt() {
+        let w = SharedPrefix {
+            prefixes: 2,
+            users: 2,
+            turns: 2,
+            prefix_bytes: 100,
+            suffix_bytes: 20,
+            max_tokens: 1,
+            model: "m".into(),
+            seed: 3,
+        };
+        let bodies = w.bodies();
+        assert_eq!(bodies.len(), 8);
+        let systems: std::collections::HashSet<String> = bodies
+            .iter()
+            .map(|b| {
+                serde_json::from_slice::<serde_json::Value>(b).unwrap()["messages"][0]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(systems.len(), 2);
+        let questions: std::collections::HashSet<String> = bodies
+            .iter()
+            .map(|b| {
+                serde_json::from_slice::<serde_json::Value>(b).unwrap()["messages"][1]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(questions.len(), 8);
+        assert_eq!(w.bodies(), bodies, "deterministic");
+    }
+}

@@ -101,6 +101,20 @@ pub enum Verdict {
     Confirmed,
     /// The engine had less than predicted: the index listed blocks the engine had evicted.
     Refuted,
+    /// The engine had less than predicted, but other prefills were running there at dispatch
+    /// (perhaps of this very prefix, not cached until computed): no conclusion is drawn.
+    Inconclusive,
+}
+
+impl Verdict {
+    /// A short label for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Verdict::Confirmed => "confirmed",
+            Verdict::Refuted => "refuted",
+            Verdict::Inconclusive => "inconclusive",
+        }
+    }
 }
 
 /// The concurrent residency index. Cheap to share behind an `Arc`.
@@ -213,21 +227,23 @@ impl ResidencyIndex {
 
     /// An engine answered a request routed to `node` and reported (an estimate of) how many
     /// leading blocks of `chain` it already had cached; `predicted` is the overlap the index
-    /// claimed at dispatch. The engine now holds the whole chain, so all of it is recorded as
-    /// [`Source::Reported`]; the node's bound adapts (see the module docs).
+    /// claimed at dispatch, and `settled` says whether the node had no other prefill in flight
+    /// then (only then can a shortfall refute the index). The engine now holds the whole chain,
+    /// so all of it is recorded as [`Source::Reported`]; the node's bound adapts (module docs).
     pub fn confirm(
         &self,
         node: NodeId,
         chain: &[Digest],
         predicted: usize,
         cached_blocks: usize,
+        settled: bool,
         now: Instant,
     ) -> Verdict {
         // One block of slack: text-mode block counts are estimated from token counts.
-        let verdict = if cached_blocks + 1 < predicted {
-            Verdict::Refuted
-        } else {
-            Verdict::Confirmed
+        let verdict = match (cached_blocks + 1 < predicted, settled) {
+            (false, _) => Verdict::Confirmed,
+            (true, true) => Verdict::Refuted,
+            (true, false) => Verdict::Inconclusive,
         };
         {
             let lru = self.node_lru(node);
@@ -242,7 +258,7 @@ impl ResidencyIndex {
                     lru.capacity =
                         (lru.capacity + lru.capacity / 100 + 1).min(self.cfg.capacity_per_node);
                 }
-                Verdict::Confirmed => {}
+                Verdict::Confirmed | Verdict::Inconclusive => {}
             }
         }
         self.record(node, chain, Source::Reported, now);
@@ -392,11 +408,23 @@ mod tests {
         let now = Instant::now();
         let c = chain(&[b'a'; 4 * 50]);
         idx.record(NodeId(1), &c, Source::Optimistic, now);
-        assert_eq!(idx.confirm(NodeId(1), &c, 50, 10, now), Verdict::Refuted);
+        assert_eq!(
+            idx.confirm(NodeId(1), &c, 50, 10, false, now),
+            Verdict::Inconclusive
+        );
+        assert_eq!(
+            idx.node_usage(NodeId(1)).1,
+            100,
+            "an unsettled prediction proves nothing"
+        );
+        assert_eq!(
+            idx.confirm(NodeId(1), &c, 50, 10, true, now),
+            Verdict::Refuted
+        );
         let (_, cap) = idx.node_usage(NodeId(1));
         assert_eq!(cap, 45);
         assert_eq!(
-            idx.confirm(NodeId(1), &c[..40], 40, 40, now),
+            idx.confirm(NodeId(1), &c[..40], 40, 40, true, now),
             Verdict::Confirmed
         );
         assert!(idx.node_usage(NodeId(1)).1 > 45);

@@ -104,6 +104,10 @@ pub struct PrefixParams {
     pub block_bytes: usize,
     /// The cost of one request in flight, in prompt bytes to prefill (decode pressure).
     pub decode_cost_bytes: u64,
+    /// Weight of this request's own uncached bytes against work already queued. Above 1 it
+    /// favours nodes holding the prefix: a miss costs more than its own prefill, since it also
+    /// evicts other prefixes and duplicates this one in a second cache.
+    pub uncached_weight: f64,
     /// The fleet is imbalanced when max - min in-flight exceeds this ...
     pub balance_abs_threshold: u64,
     /// ... and max in-flight exceeds this times min in-flight.
@@ -115,6 +119,7 @@ impl Default for PrefixParams {
         PrefixParams {
             block_bytes: 256,
             decode_cost_bytes: 256,
+            uncached_weight: 2.0,
             balance_abs_threshold: 16,
             balance_rel_threshold: 2.0,
         }
@@ -131,12 +136,13 @@ pub struct Decision {
 }
 
 /// The estimated cost of serving a request of `total_bytes` on `c`, in prompt bytes to prefill:
-/// `pending_prefill_bytes + (total_bytes - overlap_blocks * block_bytes) + decode_cost_bytes * inflight`.
+/// `pending_prefill_bytes + uncached_weight * (total_bytes - overlap_blocks * block_bytes) + decode_cost_bytes * inflight`.
 pub fn prefix_cost(c: &Candidate, total_bytes: usize, p: &PrefixParams) -> u64 {
     let cached = (c.overlap_blocks as u64).saturating_mul(p.block_bytes as u64);
     let uncached = (total_bytes as u64).saturating_sub(cached);
+    let weighted = (uncached as f64 * p.uncached_weight.max(0.0)) as u64;
     c.pending_prefill_bytes
-        .saturating_add(uncached)
+        .saturating_add(weighted)
         .saturating_add(p.decode_cost_bytes.saturating_mul(c.inflight))
 }
 
@@ -338,6 +344,7 @@ mod tests {
         PrefixParams {
             block_bytes: 100,
             decode_cost_bytes: 50,
+            uncached_weight: 1.0,
             balance_abs_threshold: 4,
             balance_rel_threshold: 2.0,
         }

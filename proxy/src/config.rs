@@ -102,6 +102,8 @@ pub struct RoutingConfig {
     pub block_bytes: usize,
     /// The cost of one request in flight, in prompt bytes to prefill (decode pressure).
     pub decode_cost_bytes: u64,
+    /// Weight of a request's own uncached bytes against work already queued (>1 favours holders).
+    pub uncached_weight: f64,
     /// The fleet is imbalanced when max - min in-flight exceeds this ...
     pub balance_abs_threshold: u64,
     /// ... and max in-flight exceeds this times min in-flight; then prefixes are ignored.
@@ -118,6 +120,7 @@ impl Default for RoutingConfig {
         RoutingConfig {
             block_bytes: p.block_bytes,
             decode_cost_bytes: p.decode_cost_bytes,
+            uncached_weight: p.uncached_weight,
             balance_abs_threshold: p.balance_abs_threshold,
             balance_rel_threshold: p.balance_rel_threshold,
             session_header: "x-session-id".into(),
@@ -132,6 +135,7 @@ impl RoutingConfig {
         PrefixParams {
             block_bytes: self.block_bytes,
             decode_cost_bytes: self.decode_cost_bytes,
+            uncached_weight: self.uncached_weight,
             balance_abs_threshold: self.balance_abs_threshold,
             balance_rel_threshold: self.balance_rel_threshold,
         }
@@ -295,7 +299,10 @@ impl ProxyConfig {
         if self.routing.block_bytes == 0 {
             return bad("`routing.block_bytes` must be > 0".into());
         }
-        if !(self.routing.balance_rel_threshold >= 1.0) {
+        if !self.routing.uncached_weight.is_finite() || self.routing.uncached_weight < 0.0 {
+            return bad("`routing.uncached_weight` must be a finite number >= 0".into());
+        }
+        if self.routing.balance_rel_threshold.is_nan() || self.routing.balance_rel_threshold < 1.0 {
             return bad("`routing.balance_rel_threshold` must be >= 1.0".into());
         }
         if self.residency.capacity_per_node == 0 {
@@ -388,6 +395,49 @@ mod tests {
         assert_eq!(c.policy, Policy::Prefix);
         assert_eq!(c.max_body_bytes, 32 << 20);
         assert_eq!(c.engine_addrs().unwrap()[0].addr.port(), 9);
+    }
+
+    #[test]
+    fn shipped_example_is_valid_and_spells_out_the_defaults() {
+        let text = include_str!("../../examples/gateway.toml");
+        let c = ProxyConfig::from_toml(text).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.engines.len(), 3);
+        let d = ProxyConfig::default();
+        assert_eq!(
+            toml::to_string(&RoutingConfig::default()).unwrap(),
+            toml::to_string(&c.routing).unwrap()
+        );
+        assert_eq!(
+            (
+                c.listen.as_str(),
+                c.max_body_bytes,
+                c.max_inflight,
+                c.log.as_str()
+            ),
+            (
+                d.listen.as_str(),
+                d.max_body_bytes,
+                d.max_inflight,
+                d.log.as_str()
+            )
+        );
+        assert_eq!(
+            toml::to_string(&d.residency).unwrap(),
+            toml::to_string(&c.residency).unwrap()
+        );
+        assert_eq!(
+            toml::to_string(&d.upstream).unwrap(),
+            toml::to_string(&c.upstream).unwrap()
+        );
+        assert_eq!(
+            toml::to_string(&d.health).unwrap(),
+            toml::to_string(&c.health).unwrap()
+        );
+        assert_eq!(
+            toml::to_string(&d.shutdown).unwrap(),
+            toml::to_string(&c.shutdown).unwrap()
+        );
     }
 
     #[test]

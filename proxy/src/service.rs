@@ -21,7 +21,7 @@ use http::header;
 use kvmesh_filters::chain::{text_chain, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::{self, Endpoint, ParsedRequest};
-use kvmesh_filters::residency::{ResidencyIndex, Source, Verdict};
+use kvmesh_filters::residency::{ResidencyIndex, Source};
 use kvmesh_filters::route::{Decision, Router};
 use kvmesh_filters::usage::{self, SseUsageScanner};
 use pingora::http::ResponseHeader;
@@ -77,6 +77,7 @@ pub struct Ctx {
     attempts: u32,
     dispatch: Option<Dispatch>,
     predicted_overlap: usize,
+    prediction_settled: bool,
     response_started: bool,
     first_byte: bool,
     status: u16,
@@ -98,6 +99,7 @@ impl Ctx {
             attempts: 0,
             dispatch: None,
             predicted_overlap: 0,
+            prediction_settled: false,
             response_started: false,
             first_byte: false,
             status: 0,
@@ -431,14 +433,12 @@ impl Gateway {
             &plan.chain,
             ctx.predicted_overlap,
             cached_blocks,
+            ctx.prediction_settled,
             Instant::now(),
         );
         self.metrics
             .residency_verdicts
-            .with_label_values(&[match verdict {
-                Verdict::Confirmed => "confirmed",
-                Verdict::Refuted => "refuted",
-            }])
+            .with_label_values(&[verdict.label()])
             .inc();
     }
 
@@ -540,6 +540,7 @@ impl ProxyHttp for Gateway {
         ctx.attempts += 1;
         ctx.body_sent = false;
         ctx.predicted_overlap = cand.overlap_blocks;
+        ctx.prediction_settled = engine.pending_prefill() == 0;
         let (chain, total) = ctx
             .plan
             .as_ref()
@@ -706,23 +707,16 @@ impl ProxyHttp for Gateway {
             .error
             .clone()
             .unwrap_or_else(|| match (e.esource(), e.etype()) {
-                (_, ErrorType::HTTPStatus(413)) => {
-                    ApiError::new(ErrorKind::BodyTooLarge, "request body exceeds the limit")
-                }
-                (ErrorSource::Upstream, t)
-                    if matches!(
-                        t,
-                        ErrorType::ConnectTimedout
-                            | ErrorType::ConnectRefused
-                            | ErrorType::ConnectNoRoute
-                            | ErrorType::ConnectError
-                    ) =>
-                {
-                    ApiError::new(
-                        ErrorKind::NoEngine,
-                        format!("no engine reachable ({} tried): {e}", ctx.attempts),
-                    )
-                }
+                (
+                    ErrorSource::Upstream,
+                    ErrorType::ConnectTimedout
+                    | ErrorType::ConnectRefused
+                    | ErrorType::ConnectNoRoute
+                    | ErrorType::ConnectError,
+                ) => ApiError::new(
+                    ErrorKind::NoEngine,
+                    format!("no engine reachable ({} tried): {e}", ctx.attempts),
+                ),
                 (ErrorSource::Upstream, _) => {
                     ApiError::new(ErrorKind::UpstreamFailed, format!("engine failed: {e}"))
                 }

@@ -192,7 +192,9 @@ fn bad_input_gets_openai_style_errors() {
     let mut non_utf8 = br#"{"model":"sim-model","messages":[{"role":"user","content":"ab"#.to_vec();
     non_utf8.extend_from_slice(&[0xC3, 0x28]);
     non_utf8.extend_from_slice(br#""}]}"#);
-    let cases: Vec<(&str, &str, Vec<u8>, Framing, u16, &str)> = vec![
+    // (case, path, body, framing, expected status, expected words in the message)
+    type Case<'a> = (&'a str, &'a str, Vec<u8>, Framing, u16, &'a str);
+    let cases: Vec<Case> = vec![
         (
             "invalid JSON",
             CHAT,

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, then every unit and end-to-end test (real proxy and
+# simulated-engine processes on loopback ports). This is what CI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
