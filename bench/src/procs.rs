@@ -97,3 +97,74 @@ pub async fn proxy(toml: &str, port: u16) -> anyhow::Result<Proc> {
     let _ = std::fs::remove_file(path);
     Ok(p)
 }
+
+/// Waits until something accepts TCP connections on `addr`.
+async fn wait_listening(addr: SocketAddr) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        if Instant::now() > deadline {
+            bail!("nothing listens on {addr}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Starts `kvmesh-pingora-passthrough` (bare Pingora, no kvmesh hooks) in front of `upstream`.
+pub async fn pingora_passthrough(upstream: SocketAddr, threads: usize) -> anyhow::Result<Proc> {
+    let port = free_port()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let child = Command::new(sibling("kvmesh-pingora-passthrough")?)
+        .args([addr.to_string(), upstream.to_string(), threads.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting kvmesh-pingora-passthrough")?;
+    let p = Proc { child, addr };
+    wait_listening(addr).await?;
+    Ok(p)
+}
+
+/// Starts nginx (from PATH; `apt-get install nginx`) as a keep-alive reverse proxy in front of
+/// `upstreams`, round robin, one worker, no buffering: the plain L7 baseline.
+pub async fn nginx(upstreams: &[SocketAddr]) -> anyhow::Result<Proc> {
+    let bin = ["nginx", "/usr/sbin/nginx"]
+        .into_iter()
+        .find(|b| {
+            Command::new(b)
+                .arg("-v")
+                .stderr(Stdio::null())
+                .status()
+                .is_ok()
+        })
+        .context("nginx is not installed (apt-get install -y nginx)")?;
+    let port = free_port()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let dir = std::env::temp_dir().join(format!("kvmesh-nginx-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let servers: String = upstreams.iter().map(|u| format!("server {u}; ")).collect();
+    let conf = format!(
+        "worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log warn; daemon off;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{ access_log off; client_body_temp_path {d}; proxy_temp_path {d};\n\
+           upstream engines {{ {servers} keepalive 256; }}\n\
+           server {{ listen {addr}; client_max_body_size 64m;\n\
+             location / {{ proxy_pass http://engines; proxy_http_version 1.1; proxy_set_header Connection \"\";\n\
+               proxy_buffering off; proxy_request_buffering off; }} }} }}\n",
+        d = dir.display()
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf)?;
+    let child = Command::new(bin)
+        .arg("-c")
+        .arg(&path)
+        .arg("-p")
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting nginx")?;
+    let p = Proc { child, addr };
+    wait_listening(addr).await?;
+    Ok(p)
+}

@@ -121,6 +121,7 @@ pub struct Engine {
     wake: Notify,
     kv_epoch: u64,
     requests: AtomicU64,
+    connections: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     next_id: AtomicU64,
@@ -215,6 +216,7 @@ impl Engine {
             wake: Notify::new(),
             kv_epoch,
             requests: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -366,11 +368,13 @@ impl Engine {
              # TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{{model_name=\"{m}\"}} {}\n\
              # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
              # TYPE kvmesh_sim_requests_total counter\nkvmesh_sim_requests_total{{engine=\"{}\"}} {}\n\
+             # TYPE kvmesh_sim_connections_total counter\nkvmesh_sim_connections_total {}\n\
              # TYPE kvmesh_sim_kv_epoch gauge\nkvmesh_sim_kv_epoch {}\n",
             self.prompt_tokens.load(Ordering::Relaxed),
             self.cached_tokens.load(Ordering::Relaxed),
             self.cfg.name,
             self.requests.load(Ordering::Relaxed),
+            self.connections.load(Ordering::Relaxed),
             self.kv_epoch,
         )
     }
@@ -603,6 +607,7 @@ pub async fn serve(cfg: SimConfig) -> anyhow::Result<()> {
             }
         };
         let _ = stream.set_nodelay(true);
+        engine.connections.fetch_add(1, Ordering::Relaxed);
         let engine = engine.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req| handle(engine.clone(), req));

@@ -110,6 +110,10 @@ fn deserialize<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError>
     if body.is_empty() {
         return Err(invalid("request body is empty; expected a JSON object"));
     }
+    // Fast path without path tracking; on failure, parse again to name the faulty field.
+    if let Ok(parsed) = serde_json::from_slice::<T>(body) {
+        return Ok(parsed);
+    }
     let mut de = serde_json::Deserializer::from_slice(body);
     let parsed: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();

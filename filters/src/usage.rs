@@ -30,13 +30,38 @@ struct Details {
 }
 
 /// The usage of a complete JSON response body, if it has one.
+///
+/// Engines put `usage` last, so the object after the last `"usage":` is parsed alone (a full
+/// parse of a long completion or embedding would cost far more); anything unexpected falls
+/// back to parsing the whole body.
 pub fn from_json(body: &[u8]) -> Option<Usage> {
+    const KEY: &[u8] = b"\"usage\"";
+    if let Some(at) = rfind(body, KEY) {
+        let rest = &body[at + KEY.len()..];
+        let colon = rest.iter().position(|&b| !b.is_ascii_whitespace());
+        if let Some(i) = colon.filter(|&i| rest[i] == b':') {
+            let mut values = serde_json::Deserializer::from_slice(&rest[i + 1..])
+                .into_iter::<Option<RawUsage>>();
+            if let Some(Ok(u)) = values.next() {
+                return u.map(Usage::from);
+            }
+        }
+    }
     let env: Envelope = serde_json::from_slice(body).ok()?;
-    let u = env.usage?;
-    Some(Usage {
-        prompt_tokens: u.prompt_tokens,
-        cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-    })
+    env.usage.map(Usage::from)
+}
+
+impl From<RawUsage> for Usage {
+    fn from(u: RawUsage) -> Self {
+        Usage {
+            prompt_tokens: u.prompt_tokens,
+            cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+        }
+    }
+}
+
+fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).rposition(|w| w == needle)
 }
 
 /// Finds the usage in a server-sent-event stream fed chunk by chunk, as it passes through.
@@ -134,6 +159,14 @@ mod tests {
             })
         );
         assert_eq!(from_json(b"not json"), None);
+        // A "usage" inside content does not fool the fast path: the last key wins.
+        let u = from_json(
+            br#"{"choices":[{"text":"the \"usage\": field"}],"usage":{"prompt_tokens":3}}"#,
+        );
+        assert_eq!(u.map(|u| u.prompt_tokens), Some(3));
+        assert_eq!(from_json(br#"{"usage":null}"#), None);
+        // No usage key at the end, but one in text: falls back to the full parse.
+        assert_eq!(from_json(br#"{"choices":[{"text":"\"usage\": 5"}]}"#), None);
     }
 
     #[test]

@@ -103,9 +103,12 @@ struct OverheadArgs {
     /// Concurrency levels.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     concurrency: Vec<usize>,
-    /// Requests per level and target.
+    /// Requests per level, target and round.
     #[arg(long, default_value_t = 3000)]
     requests: usize,
+    /// Rounds per level (the median round is reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 fn header() {
@@ -192,34 +195,66 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         "engine-0",
         &zero.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
     )?;
+    // Every proxy gets one worker thread: the machine also runs the engine and the client.
+    let mut targets: Vec<(String, std::net::SocketAddr, Option<procs::Proc>)> =
+        vec![("direct".into(), sim.addr, None)];
+    match procs::nginx(&[sim.addr]).await {
+        Ok(p) => targets.push(("nginx".into(), p.addr, Some(p))),
+        Err(e) => println!("nginx: skipped ({e:#})"),
+    }
+    let passthrough = procs::pingora_passthrough(sim.addr, 1).await?;
+    targets.push((
+        "pingora passthrough".into(),
+        passthrough.addr,
+        Some(passthrough),
+    ));
     let port = procs::free_port()?;
     let toml = format!(
         "listen = \"127.0.0.1:{port}\"\nlog = \"warn\"\nthreads = 1\n[health]\ninterval_ms = 1000\n[[engines]]\nname = \"engine-0\"\nurl = \"http://{}\"\n",
         sim.addr
     );
     let proxy = procs::proxy(&toml, port).await?;
-    let body = bytes::Bytes::from_static(br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#);
-    println!("zero-latency kvmesh-sim-engine, non-streamed chat, {} requests per row (after 200 warm-up), closed loop\n", a.requests);
+    targets.push(("kvmesh-proxy".into(), proxy.addr, Some(proxy)));
+    let body = bytes::Bytes::from_static(
+        br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#,
+    );
+    println!(
+        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); every proxy has 1 worker\n",
+        a.rounds, a.requests
+    );
     println!("| concurrency | target | req/s | p50 ms | p99 ms | added p50 us | added p99 us |");
     println!("|---:|---|---:|---:|---:|---:|---:|");
     for &c in &a.concurrency {
-        let mut direct = None;
-        for (name, addr) in [("direct", sim.addr), ("kvmesh-proxy", proxy.addr)] {
-            let client = load::client(c);
-            let url = format!("http://{addr}/v1/chat/completions");
-            load::closed_loop(&client, &url, vec![body.clone(); 200], c).await;
-            let start = Instant::now();
-            let samples = load::closed_loop(&client, &url, vec![body.clone(); a.requests], c).await;
-            let s = load::summarize(&samples, start.elapsed());
-            let (add50, add99) = match &direct {
-                None => ("-".to_string(), "-".to_string()),
-                Some(d) => {
-                    let d: &Summary = d;
-                    (
-                        format!("{:.0}", (s.latency_ms[0] - d.latency_ms[0]) * 1e3),
-                        format!("{:.0}", (s.latency_ms[2] - d.latency_ms[2]) * 1e3),
-                    )
-                }
+        // Rounds interleave the targets, so a noisy moment hits all of them; each row reports
+        // the median round (by p50).
+        let mut runs: Vec<Vec<Summary>> = vec![Vec::new(); targets.len()];
+        for _ in 0..a.rounds {
+            for (i, (_, addr, _)) in targets.iter().enumerate() {
+                let client = load::client(c);
+                let url = format!("http://{addr}/v1/chat/completions");
+                load::closed_loop(&client, &url, vec![body.clone(); 200], c).await;
+                let start = Instant::now();
+                let samples =
+                    load::closed_loop(&client, &url, vec![body.clone(); a.requests], c).await;
+                runs[i].push(load::summarize(&samples, start.elapsed()));
+            }
+        }
+        let medians: Vec<Summary> = runs
+            .into_iter()
+            .map(|mut r| {
+                r.sort_by(|x, y| x.latency_ms[0].total_cmp(&y.latency_ms[0]));
+                r.swap_remove(r.len() / 2)
+            })
+            .collect();
+        let d = &medians[0];
+        for ((name, _, _), s) in targets.iter().zip(&medians) {
+            let (add50, add99) = if std::ptr::eq(s, d) {
+                ("-".to_string(), "-".to_string())
+            } else {
+                (
+                    format!("{:.0}", (s.latency_ms[0] - d.latency_ms[0]) * 1e3),
+                    format!("{:.0}", (s.latency_ms[2] - d.latency_ms[2]) * 1e3),
+                )
             };
             println!(
                 "| {c} | {name} | {:.0} | {:.3} | {:.3} | {add50} | {add99} |{}",
@@ -232,12 +267,9 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
                     String::new()
                 }
             );
-            if direct.is_none() {
-                direct = Some(s);
-            }
         }
     }
-    drop(proxy);
+    drop(targets);
     drop(sim);
     Ok(())
 }
