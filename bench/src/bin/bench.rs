@@ -39,7 +39,7 @@ enum Cmd {
 #[derive(Args, Clone)]
 struct WorkloadArgs {
     /// Distinct system prompts.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 12)]
     prefixes: usize,
     /// Users per system prompt.
     #[arg(long, default_value_t = 4)]
@@ -92,7 +92,7 @@ struct DemoArgs {
     policies: Vec<String>,
     /// Prefix-cache capacity of each engine, in 16-token blocks (small enough that one engine
     /// cannot hold every system prompt, so routing matters).
-    #[arg(long, default_value_t = 400)]
+    #[arg(long, default_value_t = 450)]
     cache_blocks: usize,
     #[command(flatten)]
     workload: WorkloadArgs,
