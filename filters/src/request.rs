@@ -141,65 +141,65 @@ fn deserialize<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError>
 
 /// Parses and validates `body` for `endpoint`.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
-    match endpoint {
+    // Each endpoint yields (model, stream, user, cache_salt, canonical prompt).
+    let (model, stream, user, cache_salt, canonical) = match endpoint {
         Endpoint::ChatCompletions => {
             let b: ChatBody = deserialize(body)?;
-            require_model(&b.model)?;
-            if b.messages.is_empty() {
-                return Err(
-                    invalid("`messages` must contain at least one message").with_param("messages")
-                );
-            }
-            let mut canonical = Vec::new();
-            if let Some(tools) = b.tools.as_ref().filter(|t| !t.is_null()) {
-                if !tools.is_array() {
-                    return Err(invalid("`tools` must be an array").with_param("tools"));
-                }
-                // Compact JSON of an in-memory Value cannot fail.
-                canonical.extend_from_slice(&serde_json::to_vec(tools).unwrap_or_default());
-            }
-            for (i, m) in b.messages.iter().enumerate() {
-                canonical.extend_from_slice(m.role.as_bytes());
-                canonical.push(b'\n');
-                append_content(&mut canonical, m.content.as_ref(), i)?;
-                canonical.extend_from_slice(b"\n\n");
-            }
-            Ok(ParsedRequest {
-                endpoint,
-                model: b.model,
-                stream: b.stream.unwrap_or(false),
-                user: b.user,
-                cache_salt: b.cache_salt,
-                canonical,
-            })
+            (
+                b.model,
+                b.stream,
+                b.user,
+                b.cache_salt,
+                chat_canonical(b.tools.as_ref(), &b.messages)?,
+            )
         }
         Endpoint::Completions => {
             let b: CompletionBody = deserialize(body)?;
-            require_model(&b.model)?;
             let canonical = prompt_bytes(&b.prompt, "prompt")?;
-            Ok(ParsedRequest {
-                endpoint,
-                model: b.model,
-                stream: b.stream.unwrap_or(false),
-                user: b.user,
-                cache_salt: b.cache_salt,
-                canonical,
-            })
+            (b.model, b.stream, b.user, b.cache_salt, canonical)
         }
         Endpoint::Embeddings => {
             let b: EmbeddingBody = deserialize(body)?;
-            require_model(&b.model)?;
-            let canonical = prompt_bytes(&b.input, "input")?;
-            Ok(ParsedRequest {
-                endpoint,
-                model: b.model,
-                stream: false,
-                user: b.user,
-                cache_salt: None,
-                canonical,
-            })
+            (
+                b.model,
+                None,
+                b.user,
+                None,
+                prompt_bytes(&b.input, "input")?,
+            )
         }
+    };
+    require_model(&model)?;
+    Ok(ParsedRequest {
+        endpoint,
+        model,
+        stream: stream.unwrap_or(false),
+        user,
+        cache_salt,
+        canonical,
+    })
+}
+
+/// Chat canonical text: compact `tools`, then `role\ntext\n\n` per message.
+fn chat_canonical(tools: Option<&Value>, messages: &[ChatMessage]) -> Result<Vec<u8>, ApiError> {
+    if messages.is_empty() {
+        return Err(invalid("`messages` must contain at least one message").with_param("messages"));
     }
+    let mut canonical = Vec::new();
+    if let Some(tools) = tools.filter(|t| !t.is_null()) {
+        if !tools.is_array() {
+            return Err(invalid("`tools` must be an array").with_param("tools"));
+        }
+        // Compact JSON of an in-memory Value cannot fail.
+        canonical.extend_from_slice(&serde_json::to_vec(tools).unwrap_or_default());
+    }
+    for (i, m) in messages.iter().enumerate() {
+        canonical.extend_from_slice(m.role.as_bytes());
+        canonical.push(b'\n');
+        append_content(&mut canonical, m.content.as_ref(), i)?;
+        canonical.extend_from_slice(b"\n\n");
+    }
+    Ok(canonical)
 }
 
 fn require_model(model: &str) -> Result<(), ApiError> {

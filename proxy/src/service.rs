@@ -73,7 +73,6 @@ pub struct Ctx {
     body_sent: bool,
     plan: Option<Plan>,
     decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
-    tried: usize,
     attempts: u32,
     dispatch: Option<Dispatch>,
     predicted_overlap: usize,
@@ -95,7 +94,6 @@ impl Ctx {
             body_sent: false,
             plan: None,
             decision: None,
-            tried: 0,
             attempts: 0,
             dispatch: None,
             predicted_overlap: 0,
@@ -293,13 +291,8 @@ impl Gateway {
         Ok(buf.freeze())
     }
 
-    /// Local endpoints; `Some(true)` when answered.
-    async fn local(
-        &self,
-        session: &mut Session,
-        ctx: &mut Ctx,
-        path: &str,
-    ) -> Result<Option<bool>> {
+    /// Local endpoints; `true` when answered.
+    async fn local(&self, session: &mut Session, ctx: &mut Ctx, path: &str) -> Result<bool> {
         let get = session.req_header().method == http::Method::GET;
         let answer = match (get, path) {
             (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
@@ -336,7 +329,7 @@ impl Gateway {
                     .unwrap_or_default();
                 (200, "application/json", Bytes::from(body))
             }
-            _ => return Ok(None),
+            _ => return Ok(false),
         };
         ctx.route = match path {
             "/v1/models" => "models",
@@ -344,7 +337,7 @@ impl Gateway {
         };
         ctx.status = answer.0;
         respond(session, answer.0, answer.1, answer.2, &[]).await?;
-        Ok(Some(true))
+        Ok(true)
     }
 
     fn plan(&self, session: &Session, parsed: ParsedRequest) -> Plan {
@@ -443,10 +436,9 @@ impl Gateway {
     }
 
     fn can_retry(&self, ctx: &Ctx) -> bool {
-        let remaining = ctx
-            .decision
-            .as_ref()
-            .map_or(0, |(_, d)| d.order.len().saturating_sub(ctx.tried));
+        let remaining = ctx.decision.as_ref().map_or(0, |(_, d)| {
+            d.order.len().saturating_sub(ctx.attempts as usize)
+        });
         !ctx.response_started && ctx.attempts < self.cfg.upstream.max_attempts && remaining > 0
     }
 }
@@ -461,8 +453,8 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let path = session.req_header().uri.path().to_string();
-        if let Some(done) = self.local(session, ctx, &path).await? {
-            return Ok(done);
+        if self.local(session, ctx, &path).await? {
+            return Ok(true);
         }
         let Some(endpoint) = Endpoint::from_path(&path) else {
             let e = ApiError::new(
@@ -510,12 +502,15 @@ impl ProxyHttp for Gateway {
         let Some((cands, decision)) = ctx.decision.as_ref() else {
             return Err(pingora_error(ErrorKind::Internal, "no routing decision"));
         };
-        // The next engine in the ranking that is still healthy (the ranking's own order if none is).
-        let pick = decision.order[ctx.tried.min(decision.order.len())..]
+        // Engines before `tried` in the order were attempted already. Take the next one that
+        // is still healthy (or simply the next, if none is).
+        let tried = ctx.attempts as usize;
+        let rest = decision.order.get(tried..).unwrap_or(&[]);
+        let pick = rest
             .iter()
             .position(|&i| self.fleet.get(cands[i].node).is_some_and(|e| e.healthy()))
             .unwrap_or(0);
-        let Some(&ci) = decision.order.get(ctx.tried + pick) else {
+        let Some(&ci) = rest.get(pick) else {
             ctx.error = Some(ApiError::new(
                 ErrorKind::NoEngine,
                 "no engine could be reached",
@@ -525,10 +520,10 @@ impl ProxyHttp for Gateway {
                 "all ranked engines tried",
             ));
         };
-        // Keep the unchosen ones ahead in line for a later failover.
+        // Move the chosen engine to position `tried`, keeping the skipped ones for a failover.
         let mut order = decision.order.clone();
-        let chosen = order.remove(ctx.tried + pick);
-        order.insert(ctx.tried, chosen);
+        let chosen = order.remove(tried + pick);
+        order.insert(tried, chosen);
         let cand = cands[ci];
         let Some(engine) = self.fleet.get(cand.node).cloned() else {
             return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
@@ -536,7 +531,6 @@ impl ProxyHttp for Gateway {
         if let Some((_, d)) = ctx.decision.as_mut() {
             d.order = order;
         }
-        ctx.tried += 1;
         ctx.attempts += 1;
         ctx.body_sent = false;
         ctx.predicted_overlap = cand.overlap_blocks;
