@@ -6,4 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The end-to-end tests start other packages' binaries (kvmesh-sim-engine), which `cargo test`
+# alone does not build.
+cargo build --workspace --bins --locked
 cargo test --workspace --locked

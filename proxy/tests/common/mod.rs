@@ -8,13 +8,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Path of a workspace binary (all are built by `cargo test --workspace`).
+/// Path of a workspace binary (`cargo build --workspace --bins` builds them all).
 pub fn bin(name: &str) -> PathBuf {
     let proxy = PathBuf::from(env!("CARGO_BIN_EXE_kvmesh-proxy"));
     let p = proxy.parent().unwrap().join(name);
     assert!(
         p.exists(),
-        "{} is missing: build the workspace (cargo test --workspace builds it)",
+        "{} is missing: run `cargo build --workspace --bins` first (scripts/test.sh does)",
         p.display()
     );
     p
