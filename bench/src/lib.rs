@@ -9,3 +9,5 @@ pub mod http;
 pub mod load;
 pub mod procs;
 pub mod sim;
+pub mod trace;
+pub mod workload;

@@ -24,12 +24,16 @@ pub fn client(concurrency: usize) -> HttpClient {
 }
 
 /// What one request measured.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Sample {
     /// HTTP status (0: transport error).
     pub status: u16,
-    /// Time to the first body byte (non-streamed) or first SSE event (streamed).
+    /// Time to the first body byte (non-streamed) or to the first SSE event carrying content.
     pub ttft: Duration,
+    /// Gaps between consecutive content events of a stream, ms.
+    pub itl_ms: Vec<f32>,
+    /// Content events received (output tokens, for engines that stream one token an event).
+    pub output_events: u64,
     /// Time to the end of the response.
     pub latency: Duration,
     /// `usage.prompt_tokens`.
@@ -38,6 +42,45 @@ pub struct Sample {
     pub cached_tokens: u64,
     /// The `x-sim-engine` (or `x-kvmesh-engine`) header, when present.
     pub engine: Option<String>,
+}
+
+/// Splits an SSE stream into events and notes when each content-carrying event arrives.
+#[derive(Default)]
+struct ContentEvents {
+    pending: Vec<u8>,
+    first: Option<Duration>,
+    last: Option<Duration>,
+    gaps_ms: Vec<f32>,
+    count: u64,
+}
+
+impl ContentEvents {
+    fn feed(&mut self, data: &[u8], at: Duration) {
+        self.pending.extend_from_slice(data);
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            if has_content(&event) {
+                self.count += 1;
+                match self.last {
+                    None => self.first = Some(at),
+                    Some(prev) => self.gaps_ms.push((at - prev).as_secs_f32() * 1e3),
+                }
+                self.last = Some(at);
+            }
+        }
+    }
+}
+
+/// Whether an SSE event carries generated text (a non-empty `content` or `text` field).
+fn has_content(event: &[u8]) -> bool {
+    [&b"\"content\":\""[..], &b"\"text\":\""[..]]
+        .iter()
+        .any(|key| {
+            event
+                .windows(key.len())
+                .position(|w| w == *key)
+                .is_some_and(|i| event.get(i + key.len()).is_some_and(|&c| c != b'"'))
+        })
 }
 
 /// Sends one POST with a JSON body and measures it. Streams are read to the end.
@@ -72,7 +115,8 @@ pub async fn send(client: &HttpClient, url: &str, body: Bytes) -> Sample {
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let mut body = resp.into_body();
-    let mut ttft = None;
+    let mut first_byte = None;
+    let mut events = ContentEvents::default();
     let mut scanner = SseUsageScanner::new(1 << 20);
     let mut whole = Vec::new();
     while let Some(frame) = body.frame().await {
@@ -85,11 +129,13 @@ pub async fn send(client: &HttpClient, url: &str, body: Bytes) -> Sample {
             };
         };
         if let Some(data) = frame.data_ref() {
-            if ttft.is_none() && !data.is_empty() {
-                ttft = Some(start.elapsed());
+            let at = start.elapsed();
+            if first_byte.is_none() && !data.is_empty() {
+                first_byte = Some(at);
             }
             if sse {
                 scanner.feed(data);
+                events.feed(data, at);
             } else {
                 whole.extend_from_slice(data);
             }
@@ -102,7 +148,12 @@ pub async fn send(client: &HttpClient, url: &str, body: Bytes) -> Sample {
     };
     Sample {
         status,
-        ttft: ttft.unwrap_or_else(|| start.elapsed()),
+        ttft: events
+            .first
+            .or(first_byte)
+            .unwrap_or_else(|| start.elapsed()),
+        itl_ms: events.gaps_ms,
+        output_events: events.count,
         latency: start.elapsed(),
         prompt_tokens: u.map_or(0, |u| u.prompt_tokens),
         cached_tokens: u.and_then(|u| u.cached_tokens).unwrap_or(0),
@@ -177,36 +228,111 @@ impl SharedPrefix {
     }
 }
 
-/// Sends `bodies` to `url` with `concurrency` workers (closed loop); samples in completion order.
-pub async fn closed_loop(
+/// Sends `n` requests to `url` with `concurrency` workers (closed loop: each sends its next
+/// request when the last one ends); request `i`'s body is `body(i)`, rendered when sent.
+/// Samples come back in request order.
+pub async fn closed_loop<F>(
     client: &HttpClient,
     url: &str,
-    bodies: Vec<Bytes>,
+    n: usize,
     concurrency: usize,
-) -> Vec<Sample> {
-    let queue = Arc::new(parking_lot::Mutex::new(bodies.into_iter()));
+    body: F,
+) -> Vec<Sample>
+where
+    F: Fn(usize) -> Bytes + Send + Sync + 'static,
+{
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let body = Arc::new(body);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency.max(1) {
-        let (queue, client, url) = (queue.clone(), client.clone(), url.to_string());
+        let (next, body, client, url) =
+            (next.clone(), body.clone(), client.clone(), url.to_string());
         workers.spawn(async move {
             let mut out = Vec::new();
             loop {
-                let next = queue.lock().next();
-                let Some(body) = next else { break };
-                out.push(send(&client, &url, body).await);
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                out.push((i, send(&client, &url, body(i)).await));
             }
             out
         });
     }
-    let mut all = Vec::new();
+    let mut all = Vec::with_capacity(n);
     while let Some(r) = workers.join_next().await {
         all.extend(r.unwrap_or_default());
     }
-    all
+    all.sort_by_key(|(i, _)| *i);
+    all.into_iter().map(|(_, s)| s).collect()
+}
+
+/// Sends `plan` open loop: each request at its planned offset from now, whatever is still in
+/// flight (at most `max_inflight` at once; later ones wait for a slot and their lateness counts
+/// in their latency). Prints progress to stderr every 5 s when `progress`.
+pub async fn open_loop(
+    client: &HttpClient,
+    url: &str,
+    model: &str,
+    plan: &[crate::workload::Planned],
+    max_inflight: usize,
+    progress: bool,
+) -> Vec<Sample> {
+    let start = tokio::time::Instant::now();
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_inflight.max(1)));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let failed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let total = plan.len();
+    let reporter = progress.then(|| {
+        let (done, failed) = (done.clone(), failed.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                eprintln!(
+                    "  [{:>5.0}s] {}/{} done, {} failed",
+                    start.elapsed().as_secs_f64(),
+                    done.load(std::sync::atomic::Ordering::Relaxed),
+                    total,
+                    failed.load(std::sync::atomic::Ordering::Relaxed)
+                );
+            }
+        })
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, p) in plan.iter().enumerate() {
+        tokio::time::sleep_until(start + p.at).await;
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            break;
+        };
+        let (client, url, body) = (client.clone(), url.to_string(), p.body(model));
+        let (done, failed) = (done.clone(), failed.clone());
+        tasks.spawn(async move {
+            let s = send(&client, &url, body).await;
+            drop(permit);
+            if !(200..300).contains(&s.status) {
+                failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (i, s)
+        });
+    }
+    let mut out: Vec<(usize, Sample)> = Vec::with_capacity(plan.len());
+    while let Some(r) = tasks.join_next().await {
+        if let Ok(x) = r {
+            out.push(x);
+        }
+    }
+    if let Some(r) = reporter {
+        r.abort();
+    }
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, s)| s).collect()
 }
 
 /// Summary statistics of a run.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Summary {
     /// Requests sent.
     pub requests: usize,
@@ -222,6 +348,14 @@ pub struct Summary {
     pub latency_ms: [f64; 3],
     /// Requests per second over the wall time.
     pub rps: f64,
+    /// p50 / p90 / p99 inter-token latency, ms (streams).
+    pub itl_ms: [f64; 3],
+    /// Content events (about output tokens) per second over the wall time.
+    pub output_tps: f64,
+    /// Prompt tokens the engines reported, in total.
+    pub prompt_tokens: u64,
+    /// Of those, cached.
+    pub cached_tokens: u64,
 }
 
 /// The `q`-quantile (0..=1) of sorted values, nearest-rank.
@@ -246,9 +380,23 @@ pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
     lat.sort_by(f64::total_cmp);
     let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|s| s.itl_ms.iter().map(|&g| f64::from(g)))
+        .collect();
+    itl.sort_by(f64::total_cmp);
+    let events: u64 = ok.iter().map(|s| s.output_events).sum();
     Summary {
         requests: samples.len(),
         errors: samples.len() - ok.len(),
+        itl_ms: [
+            quantile(&itl, 0.5),
+            quantile(&itl, 0.9),
+            quantile(&itl, 0.99),
+        ],
+        output_tps: events as f64 / wall.as_secs_f64().max(1e-9),
+        prompt_tokens: prompt,
+        cached_tokens: cached,
         hit_ratio: if prompt == 0 {
             0.0
         } else {

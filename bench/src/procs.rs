@@ -168,3 +168,95 @@ pub async fn nginx(upstreams: &[SocketAddr]) -> anyhow::Result<Proc> {
     wait_listening(addr).await?;
     Ok(p)
 }
+
+/// Which peer router to start (../shared/peers.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// sglang-router (`smg launch`), `cache_aware`.
+    Sglang,
+    /// vllm-router, `cache_aware` (calls the engines' `/render` endpoints).
+    Vllm,
+}
+
+/// Starts a peer router from `venv` in front of `workers` and waits until it routes a request.
+/// Its policy is `cache_aware` with the thresholds from ../shared/peers.md; logs go to a file
+/// in the temp dir (their INFO logs cost CPU on every request).
+pub async fn peer(
+    kind: Peer,
+    venv: &std::path::Path,
+    workers: &[SocketAddr],
+) -> anyhow::Result<Proc> {
+    let (exe, mut args): (PathBuf, Vec<String>) = match kind {
+        Peer::Sglang => (venv.join("bin/smg"), vec!["launch".into()]),
+        Peer::Vllm => (venv.join("bin/vllm-router"), Vec::new()),
+    };
+    if !exe.exists() {
+        bail!("{} not found (install: python3 -m venv {v} && {v}/bin/pip install sglang-router vllm-router)", exe.display(), v = venv.display());
+    }
+    let port = free_port()?;
+    let metrics_port = free_port()?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    args.extend([
+        "--host".into(),
+        "127.0.0.1".into(),
+        "--port".into(),
+        port.to_string(),
+        "--worker-urls".into(),
+    ]);
+    args.extend(workers.iter().map(|w| format!("http://{w}")));
+    args.extend(
+        [
+            "--policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.3",
+            "--balance-abs-threshold",
+            "64",
+            "--balance-rel-threshold",
+            "1.5",
+            "--prometheus-host",
+            "127.0.0.1",
+        ]
+        .map(String::from),
+    );
+    args.extend([
+        "--prometheus-port".into(),
+        metrics_port.to_string(),
+        "--log-level".into(),
+    ]);
+    args.push(
+        if kind == Peer::Vllm {
+            "warning"
+        } else {
+            "warn"
+        }
+        .into(),
+    );
+    let log = std::fs::File::create(
+        std::env::temp_dir().join(format!("kvmesh-peer-{kind:?}-{port}.log")),
+    )?;
+    let child = Command::new(&exe)
+        .args(&args)
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let p = Proc { child, addr };
+    // Ready when a real request goes through (workers register asynchronously).
+    let client = crate::load::client(1);
+    let url = format!("http://{addr}/v1/chat/completions");
+    let body = bytes::Bytes::from_static(
+        br#"{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}"#,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if crate::load::send(&client, &url, body.clone()).await.status == 200 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("{kind:?} router did not route a request within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(p)
+}

@@ -20,8 +20,8 @@
 //! emits one token. A step lasts
 //! `prefill_tokens * prefill_us_per_token + (decoding > 0 ? decode_us_per_step + decoding * decode_us_per_seq : 0)`
 //! microseconds (rounded up to the 1 ms timer when it sleeps). A request's first token comes at
-//! the end of the step that finishes its prefill. With both per-token costs at zero the engine
-//! answers at once, without the scheduler (for proxy-overhead benchmarks).
+//! the end of the step that finishes its prefill. With `--instant` (or every cost at zero) the
+//! engine answers at once, without the scheduler (for proxy-overhead benchmarks).
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -88,6 +88,9 @@ pub struct SimConfig {
     /// Largest accepted request body in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_body_bytes: usize,
+    /// Answer at once, whatever the per-token costs (for proxy-overhead benchmarks and tests).
+    #[arg(long)]
+    pub instant: bool,
     /// The engine's `kv_epoch`, reported in /server_info and /metrics (0: seconds since the epoch at start).
     #[arg(long, default_value_t = 0)]
     pub kv_epoch: u64,
@@ -225,9 +228,10 @@ impl Engine {
     }
 
     fn instant(&self) -> bool {
-        self.cfg.prefill_us_per_token <= 0.0
-            && self.cfg.decode_us_per_step <= 0.0
-            && self.cfg.decode_us_per_seq <= 0.0
+        self.cfg.instant
+            || self.cfg.prefill_us_per_token <= 0.0
+                && self.cfg.decode_us_per_step <= 0.0
+                && self.cfg.decode_us_per_seq <= 0.0
     }
 
     /// Looks up the leading cached blocks of `tokens`; returns (cached tokens, chain).
@@ -586,6 +590,36 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
         .header("cache-control", "no-cache")
         .body(body.boxed())
         .unwrap_or_else(|_| error(500, "response build failed"))
+}
+
+/// The oracle: the token hit ratio one simulated engine with an infinite cache would reach on
+/// `bodies` sent one after another (same tokenizer, block size and at-least-one-token rule as
+/// the simulator). No router can beat it.
+pub fn oracle_hit_ratio<'a>(
+    model: &str,
+    block_tokens: usize,
+    bodies: impl IntoIterator<Item = &'a Value>,
+) -> f64 {
+    let ns = Namespace::new(model, b"");
+    let mut seen = std::collections::HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for body in bodies {
+        let chat = body.get("messages").is_some();
+        let Ok(tokens) = prompt_tokens(body, chat) else {
+            continue;
+        };
+        let chain = token_chain(&ns, &tokens, block_tokens.max(1));
+        let blocks = chain.iter().take_while(|d| seen.contains(*d)).count();
+        let cached = ((blocks * block_tokens) as u64).min((tokens.len() as u64).saturating_sub(1));
+        hit += cached;
+        total += tokens.len() as u64;
+        seen.extend(chain);
+    }
+    if total == 0 {
+        0.0
+    } else {
+        hit as f64 / total as f64
+    }
 }
 
 /// Binds, prints `kvmesh-sim-engine listening on http://ADDR` on stdout, and serves forever.

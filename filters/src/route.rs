@@ -119,9 +119,9 @@ impl Default for PrefixParams {
         PrefixParams {
             block_bytes: 256,
             decode_cost_bytes: 256,
-            uncached_weight: 2.0,
-            balance_abs_threshold: 16,
-            balance_rel_threshold: 2.0,
+            uncached_weight: 8.0,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
         }
     }
 }

@@ -1,14 +1,18 @@
 //! `kvmesh-bench`: load generation and benchmark runs for kvmesh (an instrument, not the product).
 //!
 //! - `demo`: 3 fresh sim engines + kvmesh-proxy, a shared-prefix workload once per policy.
-//! - `overhead`: requests/s and latency through kvmesh-proxy vs direct, on a zero-latency engine.
-//! - `run`: the shared-prefix workload against any OpenAI URL.
+//! - `overhead`: requests/s and added latency of kvmesh-proxy, a bare Pingora proxy, nginx and
+//!   the peer routers against direct, on a zero-latency engine.
+//! - `replay`: a workload (the Mooncake trace or a synthetic one) against any OpenAI URL, open
+//!   or closed loop.
+//! - `compare`: the same workload through kvmesh's policies and peer routers, each in front of
+//!   fresh simulated engines, side by side, with the oracle.
 
 use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use kvmesh_bench::load::{self, SharedPrefix, Summary};
-use kvmesh_bench::procs;
+use kvmesh_bench::{procs, sim, trace, workload};
 
 #[derive(Parser)]
 #[command(
@@ -24,16 +28,21 @@ struct Cli {
 enum Cmd {
     /// Fresh engines per policy, one shared-prefix workload each, a table of the results.
     Demo(DemoArgs),
-    /// Proxy overhead: the same closed-loop load direct and through kvmesh-proxy.
+    /// Proxy overhead: the same closed-loop load direct and through each router.
     Overhead(OverheadArgs),
-    /// The shared-prefix workload against a URL (e.g. http://127.0.0.1:8080).
-    Run {
+    /// A workload against a URL, with a summary (and JSON with --out).
+    Replay {
         /// Base URL of an OpenAI-compatible server.
         #[arg(long)]
         url: String,
         #[command(flatten)]
-        workload: WorkloadArgs,
+        spec: Spec,
+        /// Write the samples and summary here as JSON.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
     },
+    /// Side by side: kvmesh policies and peer routers on the same workload and fresh engines.
+    Compare(CompareArgs),
 }
 
 #[derive(Args, Clone)]
@@ -82,6 +91,184 @@ impl WorkloadArgs {
     }
 }
 
+/// Which workload, and how much of it.
+#[derive(Args, Clone, Debug, serde::Serialize)]
+struct Spec {
+    /// `trace`, `shared`, `multi-turn`, `rag` or `agent`.
+    #[arg(long, default_value = "trace")]
+    workload: String,
+    /// The Mooncake trace (for `--workload trace`).
+    #[arg(
+        long,
+        default_value = "../shared/data/traces/mooncake_synthetic_trace.jsonl"
+    )]
+    trace: std::path::PathBuf,
+    /// Trace timestamps are divided by this (higher: more load).
+    #[arg(long, default_value_t = 20.0)]
+    time_scale: f64,
+    /// At most this many trace requests (0: all).
+    #[arg(long, default_value_t = 0)]
+    max_requests: usize,
+    /// Synthetic workloads: about this many requests.
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// Synthetic workloads: Poisson arrival rate, requests per second.
+    #[arg(long, default_value_t = 20.0)]
+    rate: f64,
+    /// Synthetic workloads: max_tokens per request.
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u64,
+    /// Seed of synthetic workloads.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Model name sent.
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Most requests in flight from the load generator (open loop).
+    #[arg(long, default_value_t = 2048)]
+    max_inflight: usize,
+    /// Closed loop with this many concurrent requests instead of open loop (0: open loop at the
+    /// planned arrival times).
+    #[arg(long, default_value_t = 0)]
+    concurrency: usize,
+}
+
+impl Spec {
+    /// Sends `plan` open or closed loop, as asked.
+    async fn send(
+        &self,
+        client: &load::HttpClient,
+        url: &str,
+        plan: &[workload::Planned],
+    ) -> Vec<load::Sample> {
+        if self.concurrency == 0 {
+            return load::open_loop(client, url, &self.model, plan, self.max_inflight, true).await;
+        }
+        let (plan, model) = (std::sync::Arc::new(plan.to_vec()), self.model.clone());
+        load::closed_loop(client, url, plan.len(), self.concurrency, move |i| {
+            plan[i].body(&model)
+        })
+        .await
+    }
+}
+
+impl Spec {
+    /// The planned requests, and a one-line description.
+    fn plan(&self) -> anyhow::Result<(Vec<workload::Planned>, String)> {
+        let n = self.requests.max(1);
+        let (items, what) = match self.workload.as_str() {
+            "trace" => {
+                let t = trace::read(&self.trace)?;
+                let plan = workload::trace(&t, self.time_scale, self.max_requests);
+                let what = format!(
+                    "Mooncake trace {}: {} requests, timestamps / {}",
+                    self.trace.display(),
+                    plan.len(),
+                    self.time_scale
+                );
+                return Ok((plan, what));
+            }
+            "shared" => (
+                workload::shared_prompts(&SharedPrefix {
+                    prefixes: 16,
+                    users: 8,
+                    turns: n.div_ceil(128),
+                    prefix_bytes: 8000,
+                    suffix_bytes: 400,
+                    max_tokens: self.max_tokens,
+                    model: self.model.clone(),
+                    seed: self.seed,
+                }),
+                "shared system prompts: 16 prompts of 8,000 B x 8 users, 400 B questions".to_string(),
+            ),
+            "multi-turn" => (
+                workload::multi_turn(n.div_ceil(6), 6, 2000, 600, self.max_tokens, self.seed),
+                format!("multi-turn chat: {} sessions x 6 turns, 2,000 B system prompt, 600 B per message", n.div_ceil(6)),
+            ),
+            "rag" => (
+                workload::rag(n, 200, 4, 1.1, 3000, 200, self.max_tokens, self.seed),
+                "RAG: 4 of 200 documents of 3,000 B by Zipf(1.1), 200 B questions".to_string(),
+            ),
+            "agent" => (
+                workload::agent(n.div_ceil(8), 4, 8, 8000, 400, self.max_tokens, self.seed),
+                format!("agent loops: {} loops x 8 steps, 4 kinds of 8,000 B prefix, +400 B per step", n.div_ceil(8)),
+            ),
+            other => anyhow::bail!("unknown workload {other:?}: use trace, shared, multi-turn, rag or agent"),
+        };
+        let plan = workload::poisson(items, self.rate, self.seed);
+        let what = format!(
+            "{what}; {} requests, Poisson {} req/s",
+            plan.len(),
+            self.rate
+        );
+        Ok((plan, what))
+    }
+}
+
+/// Engine settings, identical for every target.
+#[derive(Args, Clone, Debug, serde::Serialize)]
+struct EngineArgs {
+    /// Replicas per target.
+    #[arg(long, default_value_t = 8)]
+    replicas: usize,
+    /// Prefix-cache capacities to sweep, in 16-token blocks per replica.
+    #[arg(long, value_delimiter = ',', default_value = "20000,80000")]
+    cache_blocks: Vec<usize>,
+    /// Microseconds of step time per prefilled prompt token.
+    #[arg(long, default_value_t = 5.0)]
+    prefill_us_per_token: f64,
+    /// Microseconds of step time when any request decodes.
+    #[arg(long, default_value_t = 8000.0)]
+    decode_us_per_step: f64,
+    /// Extra microseconds of step time per decoding request.
+    #[arg(long, default_value_t = 100.0)]
+    decode_us_per_seq: f64,
+    /// Prompt tokens prefilled per step at most.
+    #[arg(long, default_value_t = 8192)]
+    max_batch_tokens: u64,
+}
+
+impl EngineArgs {
+    fn sim_args(&self, cache_blocks: usize) -> Vec<String> {
+        [
+            ("--cache-blocks", cache_blocks.to_string()),
+            (
+                "--prefill-us-per-token",
+                self.prefill_us_per_token.to_string(),
+            ),
+            ("--decode-us-per-step", self.decode_us_per_step.to_string()),
+            ("--decode-us-per-seq", self.decode_us_per_seq.to_string()),
+            ("--max-batch-tokens", self.max_batch_tokens.to_string()),
+            ("--max-running", "256".to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect()
+    }
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    #[command(flatten)]
+    spec: Spec,
+    #[command(flatten)]
+    engines: EngineArgs,
+    /// Targets, in order: kvmesh-<policy> (prefix, round_robin, least_inflight, power_of_two,
+    /// session), sglang, vllm, nginx.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kvmesh-prefix,kvmesh-round_robin,kvmesh-least_inflight,sglang,vllm,nginx"
+    )]
+    targets: Vec<String>,
+    /// Virtual environment holding sglang-router and vllm-router.
+    #[arg(long, default_value = ".venv-peers")]
+    peers_venv: std::path::PathBuf,
+    /// Write the results here as JSON (and a Markdown table beside it).
+    #[arg(long, default_value = "bench-out/compare.json")]
+    out: std::path::PathBuf,
+}
+
 #[derive(Args)]
 struct DemoArgs {
     /// Number of engines.
@@ -109,6 +296,9 @@ struct OverheadArgs {
     /// Rounds per level (the median round is reported).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Virtual environment holding sglang-router and vllm-router (skipped when absent).
+    #[arg(long, default_value = ".venv-peers")]
+    peers_venv: std::path::PathBuf,
 }
 
 fn header() {
@@ -155,8 +345,15 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         let client = load::client(a.workload.concurrency);
         let url = format!("http://{}/v1/chat/completions", proxy.addr);
         let start = Instant::now();
-        let samples =
-            load::closed_loop(&client, &url, bodies.clone(), a.workload.concurrency).await;
+        let shared = std::sync::Arc::new(bodies.clone());
+        let samples = load::closed_loop(
+            &client,
+            &url,
+            bodies.len(),
+            a.workload.concurrency,
+            move |i| shared[i].clone(),
+        )
+        .await;
         let s = load::summarize(&samples, start.elapsed());
         row(&format!("kvmesh {policy}"), &s);
         results.push((policy.clone(), s));
@@ -181,16 +378,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
-    let zero = [
-        "--prefill-us-per-token",
-        "0",
-        "--decode-us-per-step",
-        "0",
-        "--decode-us-per-seq",
-        "0",
-        "--default-max-tokens",
-        "1",
-    ];
+    let zero = ["--instant", "--default-max-tokens", "1"];
     let sim = procs::sim(
         "engine-0",
         &zero.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
@@ -201,6 +389,15 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     match procs::nginx(&[sim.addr]).await {
         Ok(p) => targets.push(("nginx".into(), p.addr, Some(p))),
         Err(e) => println!("nginx: skipped ({e:#})"),
+    }
+    for (name, kind) in [
+        ("sglang-router", procs::Peer::Sglang),
+        ("vllm-router", procs::Peer::Vllm),
+    ] {
+        match procs::peer(kind, &a.peers_venv, &[sim.addr]).await {
+            Ok(p) => targets.push((name.into(), p.addr, Some(p))),
+            Err(e) => println!("{name}: skipped ({e:#})"),
+        }
     }
     let passthrough = procs::pingora_passthrough(sim.addr, 1).await?;
     targets.push((
@@ -219,7 +416,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#,
     );
     println!(
-        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); every proxy has 1 worker\n",
+        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); nginx and the Pingora proxies have 1 worker, the peer routers their defaults\n",
         a.rounds, a.requests
     );
     println!("| concurrency | target | req/s | p50 ms | p99 ms | added p50 us | added p99 us |");
@@ -232,10 +429,12 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
             for (i, (_, addr, _)) in targets.iter().enumerate() {
                 let client = load::client(c);
                 let url = format!("http://{addr}/v1/chat/completions");
-                load::closed_loop(&client, &url, vec![body.clone(); 200], c).await;
+                let b = body.clone();
+                load::closed_loop(&client, &url, 200, c, move |_| b.clone()).await;
                 let start = Instant::now();
+                let b = body.clone();
                 let samples =
-                    load::closed_loop(&client, &url, vec![body.clone(); a.requests], c).await;
+                    load::closed_loop(&client, &url, a.requests, c, move |_| b.clone()).await;
                 runs[i].push(load::summarize(&samples, start.elapsed()));
             }
         }
@@ -274,20 +473,157 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The oracle for a plan: one infinite-cache engine, requests in order.
+fn oracle(plan: &[workload::Planned], model: &str) -> f64 {
+    let bodies: Vec<serde_json::Value> = plan
+        .iter()
+        .filter_map(|p| serde_json::from_slice(&p.body(model)).ok())
+        .collect();
+    sim::oracle_hit_ratio(model, 16, bodies.iter())
+}
+
+fn full_header() {
+    println!("| target | requests | errors | hit ratio | mean TTFT ms | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | p50 E2E s | req/s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+}
+
+fn full_row(name: &str, s: &Summary) -> String {
+    format!(
+        "| {name} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+        s.requests, s.errors, s.hit_ratio, s.mean_ttft_ms, s.ttft_ms[0], s.ttft_ms[1], s.ttft_ms[2],
+        s.itl_ms[0], s.itl_ms[2], s.latency_ms[0] / 1e3, s.rps
+    )
+}
+
+#[derive(serde::Serialize)]
+struct TargetResult {
+    target: String,
+    cache_blocks: usize,
+    summary: Summary,
+    ttft_ms: Vec<f64>,
+}
+
+async fn start_target(
+    target: &str,
+    sims: &[procs::Proc],
+    a: &CompareArgs,
+) -> anyhow::Result<procs::Proc> {
+    let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
+    if let Some(policy) = target.strip_prefix("kvmesh-") {
+        let port = procs::free_port()?;
+        let mut toml = format!("listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\n[health]\ninterval_ms = 1000\n");
+        for (i, s) in addrs.iter().enumerate() {
+            toml.push_str(&format!(
+                "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{s}\"\n"
+            ));
+        }
+        return procs::proxy(&toml, port).await;
+    }
+    match target {
+        "sglang" => procs::peer(procs::Peer::Sglang, &a.peers_venv, &addrs).await,
+        "vllm" => procs::peer(procs::Peer::Vllm, &a.peers_venv, &addrs).await,
+        "nginx" => procs::nginx(&addrs).await,
+        other => anyhow::bail!("unknown target {other:?}"),
+    }
+}
+
+async fn compare(a: CompareArgs) -> anyhow::Result<()> {
+    let (plan, what) = a.spec.plan()?;
+    let oracle = oracle(&plan, &a.spec.model);
+    let e = &a.engines;
+    println!("workload: {what}");
+    println!(
+        "engines: {} x kvmesh-sim-engine per target, fresh for each run; {} us/prompt token, {} ms/decode step + {} us/decoding request, {} prompt tokens/step",
+        e.replicas, e.prefill_us_per_token, e.decode_us_per_step / 1e3, e.decode_us_per_seq, e.max_batch_tokens
+    );
+    println!("oracle (one engine, infinite cache): token hit ratio {oracle:.3}\n");
+    let mut results = Vec::new();
+    let mut markdown = String::new();
+    for &cap in &e.cache_blocks {
+        println!("### cache {cap} blocks (16 tokens) per replica\n");
+        full_header();
+        markdown.push_str(&format!("### cache {cap} blocks per replica\n\n"));
+        for target in &a.targets {
+            let sims = (0..e.replicas)
+                .map(|i| procs::sim(&format!("engine-{i}"), &e.sim_args(cap)))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let router = match start_target(target, &sims, &a).await {
+                Ok(r) => r,
+                Err(err) => {
+                    println!("| {target} | skipped: {err:#} |");
+                    continue;
+                }
+            };
+            eprintln!("{target}, cache {cap}: replaying {} requests", plan.len());
+            let client = load::client(256);
+            let url = format!("http://{}/v1/chat/completions", router.addr);
+            let start = Instant::now();
+            let samples = a.spec.send(&client, &url, &plan).await;
+            let summary = load::summarize(&samples, start.elapsed());
+            let row = full_row(target, &summary);
+            println!("{row}");
+            markdown.push_str(&row);
+            markdown.push('\n');
+            let mut ttft: Vec<f64> = samples
+                .iter()
+                .filter(|s| (200..300).contains(&s.status))
+                .map(|s| s.ttft.as_secs_f64() * 1e3)
+                .collect();
+            ttft.sort_by(f64::total_cmp);
+            results.push(TargetResult {
+                target: target.clone(),
+                cache_blocks: cap,
+                summary,
+                ttft_ms: ttft,
+            });
+            drop(router);
+            drop(sims);
+        }
+        println!();
+    }
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let json = serde_json::json!({
+        "workload": what,
+        "spec": a.spec,
+        "engines": a.engines,
+        "oracle_hit_ratio": oracle,
+        "results": results,
+    });
+    std::fs::write(&a.out, serde_json::to_vec_pretty(&json)?)?;
+    std::fs::write(a.out.with_extension("md"), markdown)?;
+    println!(
+        "wrote {} and {}",
+        a.out.display(),
+        a.out.with_extension("md").display()
+    );
+    Ok(())
+}
+
+async fn replay(url: &str, spec: &Spec, out: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let (plan, what) = spec.plan()?;
+    println!("workload: {what}");
+    let client = load::client(256);
+    let url = format!("{}/v1/chat/completions", url.trim_end_matches('/'));
+    let start = Instant::now();
+    let samples = spec.send(&client, &url, &plan).await;
+    let summary = load::summarize(&samples, start.elapsed());
+    full_header();
+    println!("{}", full_row(&url, &summary));
+    if let Some(out) = out {
+        let json = serde_json::json!({"workload": what, "spec": spec, "summary": summary, "samples": samples});
+        std::fs::write(out, serde_json::to_vec_pretty(&json)?)?;
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo(a).await,
         Cmd::Overhead(a) => overhead(a).await,
-        Cmd::Run { url, workload } => {
-            let bodies = workload.workload().bodies();
-            let client = load::client(workload.concurrency);
-            let start = Instant::now();
-            let url = format!("{}/v1/chat/completions", url.trim_end_matches('/'));
-            let samples = load::closed_loop(&client, &url, bodies, workload.concurrency).await;
-            header();
-            row(&url, &load::summarize(&samples, start.elapsed()));
-            Ok(())
-        }
+        Cmd::Compare(a) => compare(a).await,
+        Cmd::Replay { url, spec, out } => replay(&url, &spec, out.as_deref()).await,
     }
 }

@@ -56,17 +56,7 @@ impl Sim {
 
     /// Zero-latency engine (answers at once).
     pub fn instant(name: &str) -> Sim {
-        Sim::start(
-            name,
-            &[
-                "--prefill-us-per-token",
-                "0",
-                "--decode-us-per-step",
-                "0",
-                "--decode-us-per-seq",
-                "0",
-            ],
-        )
+        Sim::start(name, &["--instant"])
     }
 
     pub fn url(&self) -> String {
