@@ -520,16 +520,13 @@ impl ProxyHttp for Gateway {
                 "all ranked engines tried",
             ));
         };
-        // Move the chosen engine to position `tried`, keeping the skipped ones for a failover.
-        let mut order = decision.order.clone();
-        let chosen = order.remove(tried + pick);
-        order.insert(tried, chosen);
         let cand = cands[ci];
         let Some(engine) = self.fleet.get(cand.node).cloned() else {
             return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
         };
+        // Move the chosen engine to position `tried`, keeping the skipped ones for a failover.
         if let Some((_, d)) = ctx.decision.as_mut() {
-            d.order = order;
+            d.order[tried..=tried + pick].rotate_right(1);
         }
         ctx.attempts += 1;
         ctx.body_sent = false;
