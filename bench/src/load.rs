@@ -199,8 +199,8 @@ pub struct SharedPrefix {
 }
 
 impl SharedPrefix {
-    /// The request bodies, in send order.
-    pub fn bodies(&self) -> Vec<Bytes> {
+    /// The requests in send order: the user id (`user-{prompt}-{user}`) and the messages.
+    pub fn requests(&self) -> Vec<(String, Vec<serde_json::Value>)> {
         let mut keys: Vec<(usize, usize, usize)> = Vec::new();
         for p in 0..self.prefixes {
             for u in 0..self.users {
@@ -212,15 +212,35 @@ impl SharedPrefix {
         fastrand::Rng::with_seed(self.seed).shuffle(&mut keys);
         keys.into_iter()
             .map(|(p, u, t)| {
-                let system = text(self.seed ^ ((p as u64 + 1) * 0x1000_0001), self.prefix_bytes);
-                let question = text(self.seed ^ (((p * 1000 + u * 10 + t) as u64 + 7) * 0x2000_0003), self.suffix_bytes);
+                let system = text(
+                    self.seed ^ ((p as u64 + 1) * 0x1000_0001),
+                    self.prefix_bytes,
+                );
+                let question = text(
+                    self.seed ^ (((p * 1000 + u * 10 + t) as u64 + 7) * 0x2000_0003),
+                    self.suffix_bytes,
+                );
+                let messages = vec![
+                    serde_json::json!({"role": "system", "content": system}),
+                    serde_json::json!({"role": "user", "content": question}),
+                ];
+                (format!("user-{p}-{u}"), messages)
+            })
+            .collect()
+    }
+
+    /// The streamed request bodies, in send order.
+    pub fn bodies(&self) -> Vec<Bytes> {
+        self.requests()
+            .into_iter()
+            .map(|(user, messages)| {
                 let body = serde_json::json!({
                     "model": self.model,
-                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                    "messages": messages,
                     "max_tokens": self.max_tokens,
                     "stream": true,
                     "stream_options": {"include_usage": true},
-                    "user": format!("user-{p}-{u}"),
+                    "user": user,
                 });
                 Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
             })
@@ -263,8 +283,13 @@ where
     while let Some(r) = workers.join_next().await {
         all.extend(r.unwrap_or_default());
     }
-    all.sort_by_key(|(i, _)| *i);
-    all.into_iter().map(|(_, s)| s).collect()
+    in_request_order(all)
+}
+
+/// Samples tagged with their request index, back in request order.
+fn in_request_order(mut tagged: Vec<(usize, Sample)>) -> Vec<Sample> {
+    tagged.sort_by_key(|(i, _)| *i);
+    tagged.into_iter().map(|(_, s)| s).collect()
 }
 
 /// Sends `plan` open loop: each request at its planned offset from now, whatever is still in
@@ -327,8 +352,7 @@ pub async fn open_loop(
     if let Some(r) = reporter {
         r.abort();
     }
-    out.sort_by_key(|(i, _)| *i);
-    out.into_iter().map(|(_, s)| s).collect()
+    in_request_order(out)
 }
 
 /// Summary statistics of a run.
@@ -367,6 +391,16 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
+/// p50 / p90 / p99 of `values` (nearest rank).
+fn percentiles(mut values: Vec<f64>) -> [f64; 3] {
+    values.sort_by(f64::total_cmp);
+    [
+        quantile(&values, 0.5),
+        quantile(&values, 0.9),
+        quantile(&values, 0.99),
+    ]
+}
+
 /// Summarises samples taken over `wall` time.
 pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
     let ok: Vec<&Sample> = samples
@@ -374,29 +408,14 @@ pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
         .filter(|s| (200..300).contains(&s.status))
         .collect();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let mut ttft: Vec<f64> = ok.iter().map(|s| ms(s.ttft)).collect();
-    let mut lat: Vec<f64> = ok.iter().map(|s| ms(s.latency)).collect();
-    ttft.sort_by(f64::total_cmp);
-    lat.sort_by(f64::total_cmp);
+    let ttft: Vec<f64> = ok.iter().map(|s| ms(s.ttft)).collect();
     let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = ok.iter().map(|s| s.cached_tokens).sum();
-    let mut itl: Vec<f64> = ok
-        .iter()
-        .flat_map(|s| s.itl_ms.iter().map(|&g| f64::from(g)))
-        .collect();
-    itl.sort_by(f64::total_cmp);
     let events: u64 = ok.iter().map(|s| s.output_events).sum();
+    let wall_s = wall.as_secs_f64().max(1e-9);
     Summary {
         requests: samples.len(),
         errors: samples.len() - ok.len(),
-        itl_ms: [
-            quantile(&itl, 0.5),
-            quantile(&itl, 0.9),
-            quantile(&itl, 0.99),
-        ],
-        output_tps: events as f64 / wall.as_secs_f64().max(1e-9),
-        prompt_tokens: prompt,
-        cached_tokens: cached,
         hit_ratio: if prompt == 0 {
             0.0
         } else {
@@ -407,17 +426,17 @@ pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
         } else {
             ttft.iter().sum::<f64>() / ttft.len() as f64
         },
-        ttft_ms: [
-            quantile(&ttft, 0.5),
-            quantile(&ttft, 0.9),
-            quantile(&ttft, 0.99),
-        ],
-        latency_ms: [
-            quantile(&lat, 0.5),
-            quantile(&lat, 0.9),
-            quantile(&lat, 0.99),
-        ],
-        rps: samples.len() as f64 / wall.as_secs_f64().max(1e-9),
+        ttft_ms: percentiles(ttft),
+        latency_ms: percentiles(ok.iter().map(|s| ms(s.latency)).collect()),
+        rps: samples.len() as f64 / wall_s,
+        itl_ms: percentiles(
+            ok.iter()
+                .flat_map(|s| s.itl_ms.iter().map(|&g| f64::from(g)))
+                .collect(),
+        ),
+        output_tps: events as f64 / wall_s,
+        prompt_tokens: prompt,
+        cached_tokens: cached,
     }
 }
 

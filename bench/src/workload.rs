@@ -102,15 +102,9 @@ fn system(content: String) -> Value {
 
 /// K system prompts x M users x T turns, in seeded random order.
 pub fn shared_prompts(w: &crate::load::SharedPrefix) -> Vec<Item> {
-    w.bodies()
-        .iter()
-        .filter_map(|b| serde_json::from_slice::<Value>(b).ok())
-        .map(|v| {
-            Item::Chat(
-                v["messages"].as_array().cloned().unwrap_or_default(),
-                w.max_tokens,
-            )
-        })
+    w.requests()
+        .into_iter()
+        .map(|(_, messages)| Item::Chat(messages, w.max_tokens))
         .collect()
 }
 
