@@ -64,10 +64,43 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Starts `kvmesh-proxy` with `toml` (which must listen on `port`) and waits for `/ready`.
-pub async fn proxy(toml: &str, port: u16) -> anyhow::Result<Proc> {
-    let dir = std::env::temp_dir();
-    let path = dir.join(format!("kvmesh-bench-{}-{port}.toml", std::process::id()));
+/// Polls `ready` every `every` until it says yes, or fails with `what` after `timeout`.
+async fn wait_until(
+    what: &str,
+    timeout: Duration,
+    every: Duration,
+    mut ready: impl AsyncFnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    while !ready().await {
+        if Instant::now() > deadline {
+            bail!("{what}");
+        }
+        tokio::time::sleep(every).await;
+    }
+    Ok(())
+}
+
+/// Starts `kvmesh-proxy` on a free port in front of `engines` (named `engine-0`, `engine-1`, ...)
+/// with `policy`, `threads` workers (0: one per CPU) and health probes every `health_ms`, and
+/// waits for `/ready`.
+pub async fn kvmesh(
+    policy: &str,
+    engines: &[SocketAddr],
+    threads: usize,
+    health_ms: u64,
+) -> anyhow::Result<Proc> {
+    let port = free_port()?;
+    let mut toml = format!(
+        "listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\nthreads = {threads}\n[health]\ninterval_ms = {health_ms}\n"
+    );
+    for (i, e) in engines.iter().enumerate() {
+        toml.push_str(&format!(
+            "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
+        ));
+    }
+    let path =
+        std::env::temp_dir().join(format!("kvmesh-bench-{}-{port}.toml", std::process::id()));
     std::fs::write(&path, toml)?;
     let child = Command::new(sibling("kvmesh-proxy")?)
         .arg("--config")
@@ -79,35 +112,34 @@ pub async fn proxy(toml: &str, port: u16) -> anyhow::Result<Proc> {
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
     let p = Proc { child, addr };
     let client = crate::load::client(1);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let ready = client
-            .get(format!("http://{addr}/ready").parse()?)
-            .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false);
-        if ready {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!("kvmesh-proxy did not become ready on {addr}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let ready_uri: http::Uri = format!("http://{addr}/ready").parse()?;
+    let what = format!("kvmesh-proxy did not become ready on {addr}");
+    wait_until(
+        &what,
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        async || {
+            client
+                .get(ready_uri.clone())
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await?;
     let _ = std::fs::remove_file(path);
     Ok(p)
 }
 
 /// Waits until something accepts TCP connections on `addr`.
 async fn wait_listening(addr: SocketAddr) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        if Instant::now() > deadline {
-            bail!("nothing listens on {addr}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
+    let what = format!("nothing listens on {addr}");
+    wait_until(
+        &what,
+        Duration::from_secs(20),
+        Duration::from_millis(20),
+        async || tokio::net::TcpStream::connect(addr).await.is_ok(),
+    )
+    .await
 }
 
 /// Starts `kvmesh-pingora-passthrough` (bare Pingora, no kvmesh hooks) in front of `upstream`.
@@ -248,15 +280,13 @@ pub async fn peer(
     let body = bytes::Bytes::from_static(
         br#"{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}"#,
     );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if crate::load::send(&client, &url, body.clone()).await.status == 200 {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!("{kind:?} router did not route a request within 60 s");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let what = format!("{kind:?} router did not route a request within 60 s");
+    wait_until(
+        &what,
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        async || crate::load::send(&client, &url, body.clone()).await.status == 200,
+    )
+    .await?;
     Ok(p)
 }

@@ -333,15 +333,8 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         let sims = (0..a.engines)
             .map(|i| procs::sim(&format!("engine-{i}"), &sim_args))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        let port = procs::free_port()?;
-        let mut toml = format!("listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\n[health]\ninterval_ms = 500\n");
-        for (i, s) in sims.iter().enumerate() {
-            toml.push_str(&format!(
-                "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{}\"\n",
-                s.addr
-            ));
-        }
-        let proxy = procs::proxy(&toml, port).await?;
+        let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
+        let proxy = procs::kvmesh(policy, &addrs, 0, 500).await?;
         let client = load::client(a.workload.concurrency);
         let url = format!("http://{}/v1/chat/completions", proxy.addr);
         let start = Instant::now();
@@ -405,12 +398,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         passthrough.addr,
         Some(passthrough),
     ));
-    let port = procs::free_port()?;
-    let toml = format!(
-        "listen = \"127.0.0.1:{port}\"\nlog = \"warn\"\nthreads = 1\n[health]\ninterval_ms = 1000\n[[engines]]\nname = \"engine-0\"\nurl = \"http://{}\"\n",
-        sim.addr
-    );
-    let proxy = procs::proxy(&toml, port).await?;
+    let proxy = procs::kvmesh("prefix", &[sim.addr], 1, 1000).await?;
     targets.push(("kvmesh-proxy".into(), proxy.addr, Some(proxy)));
     let body = bytes::Bytes::from_static(
         br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#,
@@ -510,14 +498,7 @@ async fn start_target(
 ) -> anyhow::Result<procs::Proc> {
     let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
     if let Some(policy) = target.strip_prefix("kvmesh-") {
-        let port = procs::free_port()?;
-        let mut toml = format!("listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\n[health]\ninterval_ms = 1000\n");
-        for (i, s) in addrs.iter().enumerate() {
-            toml.push_str(&format!(
-                "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{s}\"\n"
-            ));
-        }
-        return procs::proxy(&toml, port).await;
+        return procs::kvmesh(policy, &addrs, 0, 1000).await;
     }
     match target {
         "sglang" => procs::peer(procs::Peer::Sglang, &a.peers_venv, &addrs).await,
