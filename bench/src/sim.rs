@@ -137,6 +137,12 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// Cached tokens of a prompt of `prompt_len` tokens whose first `hit_blocks` blocks are
+/// resident: at least one token is always computed, as in vLLM.
+fn cached_tokens(hit_blocks: usize, block_tokens: usize, prompt_len: usize) -> u64 {
+    ((hit_blocks * block_tokens) as u64).min((prompt_len as u64).saturating_sub(1))
+}
+
 /// The simulator's tokenizer: one token per 4 bytes, little-endian, last one zero-padded.
 pub fn tokenize(text: &[u8]) -> Vec<u32> {
     text.chunks(4)
@@ -239,12 +245,10 @@ impl Engine {
         let chain = token_chain(&self.ns, tokens, self.cfg.block_tokens.max(1));
         let mut cache = self.cache.lock();
         let hit = chain.iter().take_while(|d| cache.get(*d).is_some()).count();
-        let mut cached = (hit * self.cfg.block_tokens) as u64;
-        // At least one token is always computed, as in vLLM.
-        if cached >= tokens.len() as u64 && cached > 0 {
-            cached = tokens.len() as u64 - 1;
-        }
-        (cached, chain)
+        (
+            cached_tokens(hit, self.cfg.block_tokens, tokens.len()),
+            chain,
+        )
     }
 
     fn insert(&self, chain: &[Digest]) {
@@ -610,7 +614,7 @@ pub fn oracle_hit_ratio<'a>(
         };
         let chain = token_chain(&ns, &tokens, block_tokens.max(1));
         let blocks = chain.iter().take_while(|d| seen.contains(*d)).count();
-        let cached = ((blocks * block_tokens) as u64).min((tokens.len() as u64).saturating_sub(1));
+        let cached = cached_tokens(blocks, block_tokens, tokens.len());
         hit += cached;
         total += tokens.len() as u64;
         seen.extend(chain);
