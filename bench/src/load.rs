@@ -392,7 +392,7 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 /// p50 / p90 / p99 of `values` (nearest rank).
-fn percentiles(mut values: Vec<f64>) -> [f64; 3] {
+pub fn percentiles(mut values: Vec<f64>) -> [f64; 3] {
     values.sort_by(f64::total_cmp);
     [
         quantile(&values, 0.5),

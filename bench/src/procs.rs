@@ -130,6 +130,30 @@ pub async fn kvmesh(
     Ok(p)
 }
 
+/// Starts `kvagent` with its files under `dir` (created), gRPC on a free port, no metrics
+/// listener, and `extra` TOML tables; waits until it accepts connections.
+pub async fn kvagent(dir: &std::path::Path, extra: &str) -> anyhow::Result<Proc> {
+    std::fs::create_dir_all(dir)?;
+    let port = free_port()?;
+    let config = dir.join("kvagent.toml");
+    std::fs::write(
+        &config,
+        format!("listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"\"\nlog = \"warn\"\n{extra}"),
+    )?;
+    let child = Command::new(sibling("kvagent")?)
+        .arg("--config")
+        .arg(&config)
+        .env("KVAGENT_SSD_DIR", dir.join("ssd"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting kvagent")?;
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let p = Proc { child, addr };
+    wait_listening(addr).await?;
+    Ok(p)
+}
+
 /// Waits until something accepts TCP connections on `addr`.
 async fn wait_listening(addr: SocketAddr) -> anyhow::Result<()> {
     let what = format!("nothing listens on {addr}");

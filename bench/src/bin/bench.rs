@@ -7,6 +7,7 @@
 //!   or closed loop.
 //! - `compare`: the same workload through kvmesh's policies and peer routers, each in front of
 //!   fresh simulated engines, side by side, with the oracle.
+//! - `kvagent`: kvagent's GetBlocks, Lookup, spill and promote against plain baselines.
 
 use std::time::Instant;
 
@@ -43,6 +44,18 @@ enum Cmd {
     },
     /// Side by side: kvmesh policies and peer routers on the same workload and fresh engines.
     Compare(CompareArgs),
+    /// kvagent's data path (GetBlocks, Lookup, spill, promote) against plain baselines.
+    Kvagent {
+        /// Directory for block files and the baseline file: put it on the disk to measure.
+        #[arg(long, default_value = "bench-out/kvagent")]
+        dir: std::path::PathBuf,
+        /// Payload MiB moved per measurement.
+        #[arg(long, default_value_t = 256)]
+        total_mib: usize,
+        /// Rounds of each GetBlocks measurement (the best is reported).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -605,6 +618,19 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Demo(a) => demo(a).await,
         Cmd::Overhead(a) => overhead(a).await,
         Cmd::Compare(a) => compare(a).await,
+        Cmd::Kvagent {
+            dir,
+            total_mib,
+            rounds,
+        } => {
+            let b = kvmesh_bench::kvagent::KvagentBench {
+                dir,
+                total_mib,
+                rounds: rounds.max(1),
+            };
+            println!("{}", kvmesh_bench::kvagent::run(&b).await?);
+            Ok(())
+        }
         Cmd::Replay { url, spec, out } => replay(&url, &spec, out.as_deref()).await,
     }
 }

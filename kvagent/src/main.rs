@@ -1,0 +1,186 @@
+//! `kvagent`: the kvmesh node agent (tiered KV block store over gRPC, residency feed, engine load).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use kvagent::config::AgentConfig;
+use kvagent::metrics::Metrics;
+use kvagent::pb::kv_agent_server::KvAgentServer;
+use kvagent::service::KvAgentService;
+use kvagent::store::{BlockStore, StoreConfig};
+use kvagent::telemetry::{self, Scraper};
+
+#[derive(Parser)]
+#[command(
+    name = "kvagent",
+    version,
+    about = "kvmesh node agent: tiered KV block store over gRPC"
+)]
+struct Cli {
+    /// TOML configuration file (see docs/kvagent.md).
+    #[arg(long, short = 'c', env = "KVAGENT_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a configuration file and exit (0: valid).
+    CheckConfig {
+        /// The file to check.
+        file: PathBuf,
+    },
+}
+
+/// HTTP/2 flow-control windows: large enough that one multi-megabyte block streams without
+/// waiting for window updates on loopback or a LAN.
+const STREAM_WINDOW: u32 = 8 << 20;
+const CONNECTION_WINDOW: u32 = 32 << 20;
+/// Largest HTTP/2 frame the agent accepts (clients may set theirs for what they receive).
+const MAX_FRAME: u32 = 1 << 20;
+/// How long a graceful stop waits for in-flight calls.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::CheckConfig { file }) = cli.command {
+        AgentConfig::load(Some(&file))?;
+        println!("{}: ok", file.display());
+        return Ok(());
+    }
+    let cfg = AgentConfig::load(cli.config.as_deref())?;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
+        )
+        .init();
+
+    let metrics = Arc::new(Metrics::new());
+    let ssd = (cfg.ssd.capacity_bytes > 0).then_some((cfg.ssd.dir.as_path(), cfg.ssd.fsync));
+    let store = BlockStore::open(StoreConfig::from_agent(&cfg), ssd, metrics.clone())
+        .context("opening the SSD tier")?;
+    tokio::spawn(
+        store
+            .clone()
+            .run_maintenance(Duration::from_secs(cfg.ssd.sweep_interval_secs.max(1))),
+    );
+
+    let scraper = Scraper::new();
+    let t = &cfg.telemetry;
+    if !t.engine_metrics_url.is_empty() {
+        let url = telemetry::parse_http_url(&t.engine_metrics_url).map_err(anyhow::Error::msg)?;
+        tokio::spawn(scraper.clone().run(
+            url,
+            Duration::from_millis(t.scrape_interval_ms),
+            Duration::from_millis(t.scrape_timeout_ms),
+            metrics.clone(),
+        ));
+    }
+
+    if !cfg.metrics_listen.is_empty() {
+        let addr: SocketAddr = cfg.metrics_listen.parse().context("metrics_listen")?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding metrics_listen {addr}"))?;
+        tokio::spawn(serve_metrics(listener, metrics.clone()));
+    }
+
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding listen {}", cfg.listen))?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<KvAgentServer<KvAgentService>>().await;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let service = KvAgentServer::new(KvAgentService::new(
+        store.clone(),
+        scraper,
+        cfg.limits.clone(),
+        stop_rx.clone(),
+    ))
+    .max_decoding_message_size(cfg.limits.max_message_bytes)
+    .max_encoding_message_size(cfg.limits.max_message_bytes);
+    tracing::info!(listen = %cfg.listen, metrics = %cfg.metrics_listen, epoch = store.epoch(), "kvagent serving");
+    let mut stopped = stop_rx;
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONNECTION_WINDOW)
+            .max_frame_size(MAX_FRAME)
+            .add_service(health_service)
+            .add_service(service)
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            ),
+    );
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    // In-flight calls get a bounded time to finish; clients that keep connections open do not
+    // hold the stop up.
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+        Err(_) => tracing::warn!("in-flight calls still open after {SHUTDOWN_GRACE:?}; stopping"),
+        _ => {}
+    }
+    // A graceful stop keeps what RAM held: it goes to the SSD tier and is served after restart.
+    tracing::info!("shutting down: flushing the RAM tier to SSD");
+    store.flush().await;
+    let (ram_blocks, _, ssd_blocks, _) = store.occupancy();
+    tracing::info!(ram_blocks, ssd_blocks, "stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+/// `/metrics` (Prometheus text) and `/health` over plain HTTP/1.1.
+async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let metrics = metrics.clone();
+                async move {
+                    let (status, body) = match req.uri().path() {
+                        "/metrics" => (StatusCode::OK, metrics.encode()),
+                        "/health" => (StatusCode::OK, "ok\n".to_string()),
+                        _ => (StatusCode::NOT_FOUND, "not found\n".to_string()),
+                    };
+                    let mut resp = Response::new(Full::new(Bytes::from(body)));
+                    *resp.status_mut() = status;
+                    Ok::<_, std::convert::Infallible>(resp)
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}

@@ -1,0 +1,863 @@
+//! The tiered block store: a RAM tier with watermarks that spills its least recently used blocks
+//! to the SSD tier ([`crate::disk`]), which has its own capacity and TTL. A read from SSD
+//! promotes the block back to RAM. Tiers are exclusive: a block is in one of them.
+//!
+//! Concurrency: one short `parking_lot` lock guards both tier indexes (no I/O under it). Every
+//! file-system mutation (spill writes, unlinks) happens in [`BlockStore::maintain`], which one
+//! async mutex serialises; requests queue unlinks instead of doing them. So a spill's write and
+//! an unlink of the same file never race. SSD reads happen outside both locks and tolerate a
+//! file vanishing underneath them (a miss).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use kvmesh_filters::chain::Digest;
+use lru::LruCache;
+use parking_lot::Mutex;
+use tokio::sync::{broadcast, Notify};
+
+use crate::config::AgentConfig;
+use crate::disk::{BlockDir, DiskError};
+use crate::metrics::Metrics;
+
+/// Which tier holds a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// In memory.
+    Ram,
+    /// In the block directory.
+    Ssd,
+}
+
+/// A block as clients see it.
+#[derive(Debug, Clone)]
+pub struct Block {
+    /// Prefix-chain digest naming the block.
+    pub digest: Digest,
+    /// Model (namespace) of the block.
+    pub model: Arc<str>,
+    /// Tokens covered.
+    pub token_count: u32,
+    /// Opaque payload.
+    pub payload: Bytes,
+}
+
+/// What [`BlockStore::lookup`] reports for a stored digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Location {
+    /// The tier.
+    pub tier: Tier,
+    /// Payload bytes.
+    pub size: u64,
+    /// Tokens covered.
+    pub token_count: u32,
+    /// Milliseconds since the Unix epoch of the last put or read.
+    pub last_access_unix_ms: u64,
+}
+
+/// One change of the node's resident set, broadcast to `WatchResidency` subscribers.
+#[derive(Debug, Clone, Default)]
+pub struct ResidencyChange {
+    /// The epoch the change belongs to.
+    pub epoch: u64,
+    /// The resident set was replaced wholesale (`added` is then the new set).
+    pub reset: bool,
+    /// Digests that became resident.
+    pub added: Vec<Digest>,
+    /// Digests that are no longer resident.
+    pub removed: Vec<Digest>,
+}
+
+/// Errors a request can get from the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The request is malformed or over a bound.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Sizes the store works with, in payload bytes.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// RAM tier capacity.
+    pub ram_capacity: u64,
+    /// Spill starts above this.
+    pub ram_high: u64,
+    /// Spill stops at this.
+    pub ram_low: u64,
+    /// SSD tier capacity (0: no SSD tier).
+    pub ssd_capacity: u64,
+    /// SSD time to live since the last write or read.
+    pub ssd_ttl: Duration,
+    /// Largest block payload.
+    pub max_block_bytes: u64,
+}
+
+impl StoreConfig {
+    /// Derives the store's sizes from the agent configuration.
+    pub fn from_agent(cfg: &AgentConfig) -> Self {
+        let cap = cfg.ram.capacity_bytes;
+        StoreConfig {
+            ram_capacity: cap,
+            ram_high: (cap as f64 * cfg.ram.high_watermark) as u64,
+            ram_low: (cap as f64 * cfg.ram.low_watermark) as u64,
+            ssd_capacity: cfg.ssd.capacity_bytes,
+            ssd_ttl: cfg.ssd.ttl(),
+            max_block_bytes: cfg.limits.max_block_bytes,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct RamBlock {
+    model: Arc<str>,
+    token_count: u32,
+    payload: Bytes,
+    last_access_ms: u64,
+    /// Changes on every put, so a spill can tell whether the block it wrote is still current.
+    generation: u64,
+}
+
+struct SsdBlock {
+    token_count: u32,
+    size: u64,
+    last_access_ms: u64,
+}
+
+/// Digests are hashed with foldhash (fast, seeded per process) rather than SipHash: a lookup of
+/// 1,000 digests is two hash probes each, on the `Lookup` RPC's latency path.
+type DigestMap<V> = LruCache<Digest, V, foldhash::fast::RandomState>;
+
+struct State {
+    epoch: u64,
+    ram: DigestMap<RamBlock>,
+    ram_bytes: u64,
+    ssd: DigestMap<SsdBlock>,
+    ssd_bytes: u64,
+    /// Block files to delete in the next maintenance pass.
+    unlink: Vec<Digest>,
+    next_generation: u64,
+}
+
+/// Spill batches: enough blocks per directory fsync to amortise it, few enough to keep the
+/// lock hold and the memory of one batch small.
+const SPILL_BATCH_BLOCKS: usize = 256;
+const SPILL_BATCH_BYTES: u64 = 64 << 20;
+
+/// The store. Cheap to share behind an `Arc`.
+pub struct BlockStore {
+    cfg: StoreConfig,
+    disk: Option<BlockDir>,
+    state: Mutex<State>,
+    maintenance: tokio::sync::Mutex<()>,
+    wake: Notify,
+    events: broadcast::Sender<Arc<ResidencyChange>>,
+    /// Counters and gauges (shared with `/metrics`).
+    pub metrics: Arc<Metrics>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn new_epoch() -> u64 {
+    // Random, so a restarted agent never reuses an epoch its watchers saw before.
+    fastrand::u64(1..i64::MAX as u64)
+}
+
+impl BlockStore {
+    /// Opens the store: the SSD directory is scanned and its blocks indexed (oldest first in LRU
+    /// order); corrupt files are dropped and counted. A new epoch starts.
+    pub fn open(
+        cfg: StoreConfig,
+        ssd_dir: Option<(&std::path::Path, bool)>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Self>, DiskError> {
+        let mut state = State {
+            epoch: new_epoch(),
+            ram: LruCache::unbounded_with_hasher(Default::default()),
+            ram_bytes: 0,
+            ssd: LruCache::unbounded_with_hasher(Default::default()),
+            ssd_bytes: 0,
+            unlink: Vec::new(),
+            next_generation: 0,
+        };
+        let disk = match ssd_dir {
+            Some((root, fsync)) if cfg.ssd_capacity > 0 => {
+                let dir = BlockDir::open(root, fsync)?;
+                let mut scan = dir.scan()?;
+                scan.blocks.sort_by_key(|b| b.modified);
+                for b in scan.blocks {
+                    let last = b
+                        .modified
+                        .duration_since(UNIX_EPOCH)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or(0);
+                    state.ssd_bytes += b.size;
+                    state.ssd.put(
+                        b.digest,
+                        SsdBlock {
+                            token_count: b.token_count,
+                            size: b.size,
+                            last_access_ms: last,
+                        },
+                    );
+                }
+                metrics.corrupt_dropped.inc_by(scan.corrupt_dropped);
+                tracing::info!(
+                    blocks = state.ssd.len(),
+                    bytes = state.ssd_bytes,
+                    corrupt_dropped = scan.corrupt_dropped,
+                    temp_removed = scan.temp_removed,
+                    dir = %root.display(),
+                    "SSD tier indexed"
+                );
+                Some(dir)
+            }
+            _ => None,
+        };
+        metrics
+            .capacity_bytes
+            .with_label_values(&["ram"])
+            .set(cfg.ram_capacity as i64);
+        metrics
+            .capacity_bytes
+            .with_label_values(&["ssd"])
+            .set(cfg.ssd_capacity as i64);
+        let (events, _) = broadcast::channel(1024);
+        let store = Arc::new(BlockStore {
+            cfg,
+            disk,
+            state: Mutex::new(state),
+            maintenance: tokio::sync::Mutex::new(()),
+            wake: Notify::new(),
+            events,
+            metrics,
+        });
+        store.sync_gauges(&store.state.lock());
+        Ok(store)
+    }
+
+    /// The store's sizes.
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.state.lock().epoch
+    }
+
+    fn sync_gauges(&self, st: &State) {
+        let m = &self.metrics;
+        m.blocks
+            .with_label_values(&["ram"])
+            .set(st.ram.len() as i64);
+        m.blocks
+            .with_label_values(&["ssd"])
+            .set(st.ssd.len() as i64);
+        m.bytes.with_label_values(&["ram"]).set(st.ram_bytes as i64);
+        m.bytes.with_label_values(&["ssd"]).set(st.ssd_bytes as i64);
+        m.kv_epoch.set(st.epoch as i64);
+    }
+
+    fn publish(&self, st: &State, added: Vec<Digest>, removed: Vec<Digest>) {
+        self.sync_gauges(st);
+        if added.is_empty() && removed.is_empty() {
+            return;
+        }
+        // No subscriber is not an error.
+        let _ = self.events.send(Arc::new(ResidencyChange {
+            epoch: st.epoch,
+            reset: false,
+            added,
+            removed,
+        }));
+    }
+
+    fn is_live(&self, last_access_ms: u64, now: u64) -> bool {
+        now.saturating_sub(last_access_ms) <= self.cfg.ssd_ttl.as_millis() as u64
+    }
+
+    /// Stores blocks in RAM, waiting for a spill first when they would not fit under the RAM
+    /// capacity. Returns the number stored and the epoch.
+    pub async fn put(&self, blocks: Vec<Block>) -> Result<(u32, u64), StoreError> {
+        let need: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
+        if let Some(b) = blocks
+            .iter()
+            .find(|b| b.payload.len() as u64 > self.cfg.max_block_bytes)
+        {
+            return Err(StoreError::Invalid(format!(
+                "block {} has {} payload bytes; the limit is {}",
+                b.digest.to_hex(),
+                b.payload.len(),
+                self.cfg.max_block_bytes
+            )));
+        }
+        if need > self.cfg.ram_capacity {
+            return Err(StoreError::Invalid(format!(
+                "batch of {need} payload bytes exceeds the RAM tier's capacity ({})",
+                self.cfg.ram_capacity
+            )));
+        }
+        let count = blocks.len() as u32;
+        let mut blocks = Some(blocks);
+        loop {
+            {
+                let mut st = self.state.lock();
+                // Replaced blocks free their bytes, so count only what is new.
+                let freed: u64 = blocks
+                    .iter()
+                    .flatten()
+                    .filter_map(|b| st.ram.peek(&b.digest).map(|r| r.payload.len() as u64))
+                    .sum();
+                if st.ram_bytes.saturating_sub(freed) + need <= self.cfg.ram_capacity {
+                    let epoch = st.epoch;
+                    self.insert_locked(&mut st, blocks.take().into_iter().flatten());
+                    if st.ram_bytes > self.cfg.ram_high {
+                        self.wake.notify_one();
+                    }
+                    return Ok((count, epoch));
+                }
+            }
+            let target = self
+                .cfg
+                .ram_low
+                .min(self.cfg.ram_capacity.saturating_sub(need));
+            self.maintain(target).await;
+        }
+    }
+
+    fn insert_locked(&self, st: &mut State, blocks: impl Iterator<Item = Block>) {
+        let now = now_ms();
+        let mut added = Vec::new();
+        for b in blocks {
+            let size = b.payload.len() as u64;
+            self.metrics.put_blocks.inc();
+            self.metrics.put_bytes.inc_by(size);
+            st.next_generation += 1;
+            let generation = st.next_generation;
+            let fresh = RamBlock {
+                model: b.model,
+                token_count: b.token_count,
+                payload: b.payload,
+                last_access_ms: now,
+                generation,
+            };
+            let mut was_resident = false;
+            if let Some(old) = st.ram.put(b.digest, fresh) {
+                st.ram_bytes -= old.payload.len() as u64;
+                was_resident = true;
+            }
+            if let Some(old) = st.ssd.pop(&b.digest) {
+                st.ssd_bytes -= old.size;
+                st.unlink.push(b.digest);
+                was_resident = true;
+            }
+            st.ram_bytes += size;
+            if !was_resident {
+                added.push(b.digest);
+            }
+        }
+        self.publish(st, added, Vec::new());
+    }
+
+    /// Reads one block: from RAM, or from SSD (verifying its checksum and promoting it to RAM when
+    /// it fits under the RAM capacity). `None` when absent, expired or corrupt.
+    pub async fn get(&self, digest: Digest) -> Option<(Block, Tier)> {
+        let now = now_ms();
+        {
+            let mut st = self.state.lock();
+            if let Some(b) = st.ram.get_mut(&digest) {
+                b.last_access_ms = now;
+                let block = Block {
+                    digest,
+                    model: b.model.clone(),
+                    token_count: b.token_count,
+                    payload: b.payload.clone(),
+                };
+                self.metrics.hits.with_label_values(&["ram"]).inc();
+                return Some((block, Tier::Ram));
+            }
+            match st.ssd.peek(&digest).map(|s| s.last_access_ms) {
+                None => {
+                    self.metrics.misses.inc();
+                    return None;
+                }
+                Some(last) if !self.is_live(last, now) => {
+                    self.drop_ssd_locked(&mut st, &digest);
+                    self.metrics.expired.inc();
+                    self.metrics.misses.inc();
+                    return None;
+                }
+                Some(_) => {}
+            }
+        }
+        let dir = self.disk.clone()?;
+        let read = tokio::task::spawn_blocking(move || dir.read(&digest)).await;
+        if let Ok(Ok(Some(disk))) = &read {
+            // Make room so the read can promote (a put would wait the same way).
+            let need = disk.payload.len() as u64;
+            let full = self.state.lock().ram_bytes + need > self.cfg.ram_capacity;
+            if full {
+                let target = self
+                    .cfg
+                    .ram_low
+                    .min(self.cfg.ram_capacity.saturating_sub(need));
+                self.maintain(target).await;
+            }
+        }
+        let mut st = self.state.lock();
+        match read {
+            Ok(Ok(Some(disk))) => {
+                let size = disk.payload.len() as u64;
+                let model: Arc<str> = disk.model.into();
+                let block = Block {
+                    digest,
+                    model: model.clone(),
+                    token_count: disk.token_count,
+                    payload: disk.payload,
+                };
+                self.metrics.hits.with_label_values(&["ssd"]).inc();
+                let in_ssd = st.ssd.peek(&digest).is_some();
+                let fits = st.ram_bytes + size <= self.cfg.ram_capacity;
+                if in_ssd && fits && !st.ram.contains(&digest) {
+                    if let Some(old) = st.ssd.pop(&digest) {
+                        st.ssd_bytes -= old.size;
+                    }
+                    st.unlink.push(digest);
+                    st.next_generation += 1;
+                    let generation = st.next_generation;
+                    st.ram.put(
+                        digest,
+                        RamBlock {
+                            model,
+                            token_count: block.token_count,
+                            payload: block.payload.clone(),
+                            last_access_ms: now,
+                            generation,
+                        },
+                    );
+                    st.ram_bytes += size;
+                    self.metrics.promoted_blocks.inc();
+                    self.metrics.promoted_bytes.inc_by(size);
+                    self.sync_gauges(&st);
+                    self.wake.notify_one();
+                } else if let Some(s) = st.ssd.get_mut(&digest) {
+                    s.last_access_ms = now;
+                }
+                Some((block, Tier::Ssd))
+            }
+            Ok(Ok(None)) => {
+                // Removed by maintenance while we read; the index entry (if any) is stale.
+                if st.ssd.peek(&digest).is_some() {
+                    self.drop_ssd_locked(&mut st, &digest);
+                }
+                self.metrics.misses.inc();
+                None
+            }
+            Ok(Err(DiskError::Corrupt { path, why })) => {
+                tracing::warn!(path = %path.display(), why, "dropping corrupt block file");
+                self.drop_ssd_locked(&mut st, &digest);
+                self.metrics.corrupt_dropped.inc();
+                self.metrics.misses.inc();
+                None
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "reading a block file failed");
+                self.metrics.disk_errors.inc();
+                self.metrics.misses.inc();
+                None
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "block read task failed");
+                self.metrics.misses.inc();
+                None
+            }
+        }
+    }
+
+    fn drop_ssd_locked(&self, st: &mut State, digest: &Digest) {
+        if let Some(old) = st.ssd.pop(digest) {
+            st.ssd_bytes -= old.size;
+            st.unlink.push(*digest);
+            self.publish(st, Vec::new(), vec![*digest]);
+            self.wake.notify_one();
+        }
+    }
+
+    /// Where each digest is, without touching LRU order or reading payloads.
+    pub fn lookup(&self, digests: &[Digest]) -> Vec<Option<Location>> {
+        let now = now_ms();
+        let st = self.state.lock();
+        digests
+            .iter()
+            .map(|d| {
+                if let Some(b) = st.ram.peek(d) {
+                    return Some(Location {
+                        tier: Tier::Ram,
+                        size: b.payload.len() as u64,
+                        token_count: b.token_count,
+                        last_access_unix_ms: b.last_access_ms,
+                    });
+                }
+                st.ssd
+                    .peek(d)
+                    .filter(|s| self.is_live(s.last_access_ms, now))
+                    .map(|s| Location {
+                        tier: Tier::Ssd,
+                        size: s.size,
+                        token_count: s.token_count,
+                        last_access_unix_ms: s.last_access_ms,
+                    })
+            })
+            .collect()
+    }
+
+    /// Deletes the listed digests, or everything (which starts a new epoch). Block files are
+    /// removed before this returns. Returns the number deleted and the epoch.
+    pub async fn delete(&self, digests: &[Digest], all: bool) -> (u32, u64) {
+        let (deleted, epoch) = {
+            let mut st = self.state.lock();
+            if all {
+                let n = st.ram.len() + st.ssd.len();
+                let files: Vec<Digest> = st.ssd.iter().map(|(d, _)| *d).collect();
+                st.unlink.extend(files);
+                st.ram.clear();
+                st.ssd.clear();
+                st.ram_bytes = 0;
+                st.ssd_bytes = 0;
+                st.epoch = new_epoch();
+                self.sync_gauges(&st);
+                let _ = self.events.send(Arc::new(ResidencyChange {
+                    epoch: st.epoch,
+                    reset: true,
+                    ..Default::default()
+                }));
+                (n as u32, st.epoch)
+            } else {
+                let mut removed = Vec::new();
+                for d in digests {
+                    if let Some(old) = st.ram.pop(d) {
+                        st.ram_bytes -= old.payload.len() as u64;
+                        removed.push(*d);
+                    }
+                    if let Some(old) = st.ssd.pop(d) {
+                        st.ssd_bytes -= old.size;
+                        st.unlink.push(*d);
+                        removed.push(*d);
+                    }
+                }
+                removed.dedup();
+                let n = removed.len() as u32;
+                self.publish(&st, Vec::new(), removed);
+                (n, st.epoch)
+            }
+        };
+        let target = self.cfg.ram_capacity;
+        self.maintain(target).await;
+        (deleted, epoch)
+    }
+
+    /// Subscribes to residency changes and returns the current resident set with it, taken under
+    /// the same lock so no change falls between the snapshot and the first event.
+    pub fn subscribe(&self) -> (broadcast::Receiver<Arc<ResidencyChange>>, ResidencyChange) {
+        let now = now_ms();
+        let st = self.state.lock();
+        let rx = self.events.subscribe();
+        let mut added: Vec<Digest> = st.ram.iter().map(|(d, _)| *d).collect();
+        added.extend(
+            st.ssd
+                .iter()
+                .filter(|(_, s)| self.is_live(s.last_access_ms, now))
+                .map(|(d, _)| *d),
+        );
+        let snapshot = ResidencyChange {
+            epoch: st.epoch,
+            reset: true,
+            added,
+            removed: Vec::new(),
+        };
+        (rx, snapshot)
+    }
+
+    /// Occupancy now: (ram blocks, ram bytes, ssd blocks, ssd bytes).
+    pub fn occupancy(&self) -> (u64, u64, u64, u64) {
+        let st = self.state.lock();
+        (
+            st.ram.len() as u64,
+            st.ram_bytes,
+            st.ssd.len() as u64,
+            st.ssd_bytes,
+        )
+    }
+
+    /// One maintenance pass, serialised with every other: delete queued files, spill RAM down to
+    /// `ram_target` bytes, hold the SSD tier to its capacity.
+    pub async fn maintain(&self, ram_target: u64) {
+        let _only_one = self.maintenance.lock().await;
+        self.drain_unlinks().await;
+        loop {
+            let victims = {
+                let st = self.state.lock();
+                if st.ram_bytes <= ram_target {
+                    break;
+                }
+                let excess = st.ram_bytes - ram_target;
+                let mut picked = Vec::new();
+                let mut bytes = 0u64;
+                for (d, b) in st.ram.iter().rev() {
+                    if bytes >= excess
+                        || picked.len() >= SPILL_BATCH_BLOCKS
+                        || bytes >= SPILL_BATCH_BYTES
+                    {
+                        break;
+                    }
+                    bytes += b.payload.len() as u64;
+                    picked.push((*d, b.clone()));
+                }
+                picked
+            };
+            if victims.is_empty() {
+                break;
+            }
+            let written = match self.disk.clone() {
+                None => vec![false; victims.len()],
+                Some(dir) => {
+                    let batch: Vec<(Digest, Arc<str>, u32, Bytes)> = victims
+                        .iter()
+                        .map(|(d, b)| (*d, b.model.clone(), b.token_count, b.payload.clone()))
+                        .collect();
+                    let metrics = self.metrics.clone();
+                    tokio::task::spawn_blocking(move || write_batch(&dir, &batch, &metrics))
+                        .await
+                        .unwrap_or_else(|_| vec![false; victims.len()])
+                }
+            };
+            self.settle_spill(victims, written);
+            self.drain_unlinks().await;
+        }
+    }
+
+    /// Moves the spilled blocks that are still current from the RAM index to the SSD index, then
+    /// holds the SSD tier to its capacity.
+    fn settle_spill(&self, victims: Vec<(Digest, RamBlock)>, written: Vec<bool>) {
+        let mut st = self.state.lock();
+        let mut removed = Vec::new();
+        {
+            for ((d, b), ok) in victims.into_iter().zip(written) {
+                let current = st.ram.peek(&d).map(|r| r.generation) == Some(b.generation);
+                if !current {
+                    // Replaced or deleted while we wrote it: the file is stale.
+                    if ok {
+                        st.unlink.push(d);
+                    }
+                    continue;
+                }
+                st.ram.pop(&d);
+                let size = b.payload.len() as u64;
+                st.ram_bytes -= size;
+                if ok {
+                    st.ssd_bytes += size;
+                    st.ssd.put(
+                        d,
+                        SsdBlock {
+                            token_count: b.token_count,
+                            size,
+                            last_access_ms: now_ms(),
+                        },
+                    );
+                    self.metrics.spilled_blocks.inc();
+                    self.metrics.spilled_bytes.inc_by(size);
+                } else {
+                    self.metrics.evicted.with_label_values(&["ram"]).inc();
+                    removed.push(d);
+                }
+            }
+            while st.ssd_bytes > self.cfg.ssd_capacity {
+                let Some((d, old)) = st.ssd.pop_lru() else {
+                    break;
+                };
+                st.ssd_bytes -= old.size;
+                st.unlink.push(d);
+                self.metrics.evicted.with_label_values(&["ssd"]).inc();
+                removed.push(d);
+            }
+            self.publish(&st, Vec::new(), removed);
+        }
+    }
+
+    /// Deletes SSD blocks idle for longer than the TTL. Returns how many.
+    pub async fn sweep_expired(&self) -> u64 {
+        let now = now_ms();
+        let expired = {
+            let mut st = self.state.lock();
+            let mut removed = Vec::new();
+            while let Some((_, s)) = st.ssd.peek_lru() {
+                if self.is_live(s.last_access_ms, now) {
+                    break;
+                }
+                if let Some((d, old)) = st.ssd.pop_lru() {
+                    st.ssd_bytes -= old.size;
+                    st.unlink.push(d);
+                    removed.push(d);
+                }
+            }
+            let n = removed.len() as u64;
+            self.publish(&st, Vec::new(), removed);
+            n
+        };
+        self.metrics.expired.inc_by(expired);
+        if expired > 0 {
+            let _only_one = self.maintenance.lock().await;
+            self.drain_unlinks().await;
+        }
+        expired
+    }
+
+    async fn drain_unlinks(&self) {
+        let files = std::mem::take(&mut self.state.lock().unlink);
+        let Some(dir) = self.disk.clone() else {
+            return;
+        };
+        if files.is_empty() {
+            return;
+        }
+        let metrics = self.metrics.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            for d in &files {
+                if let Err(e) = dir.remove(d) {
+                    tracing::error!(error = %e, "removing a block file failed");
+                    metrics.disk_errors.inc();
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Runs maintenance whenever RAM passes its high watermark, and TTL sweeps every
+    /// `sweep_interval`, until the returned future is dropped.
+    pub async fn run_maintenance(self: Arc<Self>, sweep_interval: Duration) {
+        let mut sweep = tokio::time::interval(sweep_interval);
+        sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = sweep.tick() => {
+                    self.sweep_expired().await;
+                }
+            }
+            let over = self.state.lock().ram_bytes > self.cfg.ram_high;
+            if over {
+                self.maintain(self.cfg.ram_low).await;
+            } else {
+                self.maintain(u64::MAX).await;
+            }
+        }
+    }
+
+    /// Spills every RAM block to SSD (as far as the SSD capacity allows), for a graceful stop.
+    pub async fn flush(&self) {
+        self.maintain(0).await;
+    }
+}
+
+fn write_batch(dir: &BlockDir, batch: &[(Digest, Arc<str>, u32, Bytes)], m: &Metrics) -> Vec<bool> {
+    let blocks: Vec<(&Digest, &str, u32, &[u8])> = batch
+        .iter()
+        .map(|(d, model, tokens, payload)| (d, &**model, *tokens, &payload[..]))
+        .collect();
+    dir.write_batch(&blocks)
+        .into_iter()
+        .map(|r| match r {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, "spilling a block failed; it is dropped");
+                m.disk_errors.inc();
+                false
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(ram: u64, ssd: u64) -> StoreConfig {
+        StoreConfig {
+            ram_capacity: ram,
+            ram_high: ram * 9 / 10,
+            ram_low: ram / 2,
+            ssd_capacity: ssd,
+            ssd_ttl: Duration::from_secs(3600),
+            max_block_bytes: ram,
+        }
+    }
+
+    fn block(i: u32, size: usize) -> Block {
+        Block {
+            digest: Digest(*blake3::hash(&i.to_le_bytes()).as_bytes()),
+            model: "m".into(),
+            token_count: 16,
+            payload: Bytes::from(vec![i as u8; size]),
+        }
+    }
+
+    #[tokio::test]
+    async fn ram_overflow_spills_coldest_first_and_reads_promote() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = BlockStore::open(
+            cfg(10_000, 1 << 20),
+            Some((dir.path(), false)),
+            Arc::new(Metrics::new()),
+        )
+        .expect("open");
+        for i in 0..20 {
+            s.put(vec![block(i, 1000)]).await.expect("put");
+        }
+        s.maintain(s.cfg.ram_low).await;
+        let (ram_blocks, ram_bytes, ssd_blocks, _) = s.occupancy();
+        assert!(ram_bytes <= 10_000 / 2, "{ram_bytes}");
+        assert_eq!(ram_blocks + ssd_blocks, 20);
+        // The oldest went to SSD, the newest stayed.
+        let loc = s.lookup(&[block(0, 0).digest, block(19, 0).digest]);
+        assert_eq!(loc[0].map(|l| l.tier), Some(Tier::Ssd));
+        assert_eq!(loc[1].map(|l| l.tier), Some(Tier::Ram));
+        let (b, tier) = s.get(block(0, 0).digest).await.expect("served");
+        assert_eq!((tier, &b.payload[..]), (Tier::Ssd, &[0u8; 1000][..]));
+        assert_eq!(s.lookup(&[b.digest])[0].map(|l| l.tier), Some(Tier::Ram));
+    }
+
+    #[tokio::test]
+    async fn without_ssd_overflow_is_dropped_and_reported_removed() {
+        let s = BlockStore::open(cfg(4000, 0), None, Arc::new(Metrics::new())).expect("open");
+        let (mut rx, snap) = s.subscribe();
+        assert!(snap.reset && snap.added.is_empty());
+        for i in 0..8 {
+            s.put(vec![block(i, 1000)]).await.expect("put");
+        }
+        let mut added = 0;
+        let mut removed = 0;
+        while let Ok(c) = rx.try_recv() {
+            added += c.added.len();
+            removed += c.removed.len();
+        }
+        let (ram_blocks, _, _, _) = s.occupancy();
+        assert_eq!(added, 8);
+        assert_eq!(removed as u64, 8 - ram_blocks);
+        assert!(removed > 0);
+    }
+
+    #[tokio::test]
+    async fn oversize_blocks_and_batches_are_rejected() {
+        let s = BlockStore::open(cfg(4000, 0), None, Arc::new(Metrics::new())).expect("open");
+        assert!(s.put(vec![block(1, 4001)]).await.is_err());
+        assert!(s.put(vec![block(1, 3000), block(2, 3000)]).await.is_err());
+        assert_eq!(s.occupancy().0, 0);
+    }
+}

@@ -1,0 +1,647 @@
+//! End-to-end tests: a real `kvagent` process on loopback, driven over gRPC.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvagent::pb::{self, Tier};
+use kvagent::KvAgentClient;
+use tonic::transport::Channel;
+use tonic::Code;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running agent; killed on drop.
+struct Agent {
+    child: Child,
+    port: u16,
+    metrics_port: u16,
+    dir: PathBuf,
+    extra: String,
+}
+
+impl Agent {
+    /// Starts an agent on `dir` with `extra` TOML appended after the ports and log level.
+    async fn start(dir: &Path, extra: &str) -> Agent {
+        let port = free_port();
+        let metrics_port = free_port();
+        let config = dir.join(format!("kvagent-{port}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:{metrics_port}\"\nlog = \"warn\"\n{extra}\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kvagent"))
+            .arg("--config")
+            .arg(&config)
+            .env("KVAGENT_SSD_DIR", dir.join("ssd"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvagent");
+        let agent = Agent {
+            child,
+            port,
+            metrics_port,
+            dir: dir.to_owned(),
+            extra: extra.to_owned(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "kvagent did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        agent
+    }
+
+    async fn client(&self) -> KvAgentClient<Channel> {
+        kvagent::connect(format!("http://127.0.0.1:{}", self.port), 64 << 20)
+            .await
+            .expect("connect")
+    }
+
+    /// SIGTERM and wait: a graceful stop (RAM flushed to SSD).
+    fn stop(&mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "kvagent ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL: no chance to flush anything.
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn restart(mut self) -> Agent {
+        if self.child.try_wait().unwrap().is_none() {
+            self.stop();
+        }
+        Agent::start(&self.dir.clone(), &self.extra.clone()).await
+    }
+
+    fn metrics(&self) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn digest(i: u32) -> Bytes {
+    Bytes::copy_from_slice(blake3::hash(format!("block {i}").as_bytes()).as_bytes())
+}
+
+/// Deterministic payload for block `i`, so any served copy can be checked.
+fn payload(i: u32, size: usize) -> Bytes {
+    let mut out = vec![0u8; size];
+    blake3::Hasher::new()
+        .update(&i.to_le_bytes())
+        .finalize_xof()
+        .fill(&mut out);
+    Bytes::from(out)
+}
+
+fn block(i: u32, size: usize) -> pb::Block {
+    pb::Block {
+        digest: digest(i),
+        model: "smollm2".into(),
+        token_count: 16,
+        payload: payload(i, size),
+    }
+}
+
+async fn put(c: &mut KvAgentClient<Channel>, blocks: Vec<pb::Block>) -> pb::PutBlocksResponse {
+    c.put_blocks(pb::PutBlocksRequest { blocks })
+        .await
+        .expect("put")
+        .into_inner()
+}
+
+async fn get(c: &mut KvAgentClient<Channel>, ids: &[u32]) -> Vec<pb::GetBlocksResponse> {
+    let mut stream = c
+        .get_blocks(pb::GetBlocksRequest {
+            digests: ids.iter().map(|i| digest(*i)).collect(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await.expect("stream") {
+        out.push(m);
+    }
+    out
+}
+
+async fn stats(c: &mut KvAgentClient<Channel>) -> pb::StatsResponse {
+    c.stats(pb::StatsRequest {})
+        .await
+        .expect("stats")
+        .into_inner()
+}
+
+async fn lookup(c: &mut KvAgentClient<Channel>, ids: &[u32]) -> Vec<pb::LookupEntry> {
+    c.lookup(pb::LookupRequest {
+        digests: ids.iter().map(|i| digest(*i)).collect(),
+    })
+    .await
+    .expect("lookup")
+    .into_inner()
+    .entries
+}
+
+#[tokio::test]
+async fn put_get_round_trip_lookup_and_bad_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), "[limits]\nmax_block_bytes = 1048576\n").await;
+    let mut c = agent.client().await;
+    let r = put(&mut c, vec![block(1, 1000), block(2, 300_000)]).await;
+    assert_eq!(r.stored, 2);
+    let got = get(&mut c, &[2, 3, 1]).await;
+    assert_eq!(got.len(), 3, "one message per requested digest, in order");
+    assert_eq!(got[0].digest, digest(2));
+    let b2 = got[0].block.as_ref().expect("2 served");
+    assert_eq!((b2.model.as_str(), b2.token_count), ("smollm2", 16));
+    assert_eq!(b2.payload, payload(2, 300_000));
+    assert_eq!(got[0].tier(), Tier::Ram);
+    assert!(got[1].block.is_none() && got[1].tier() == Tier::None);
+    assert_eq!(got[2].block.as_ref().unwrap().payload, payload(1, 1000));
+
+    let l = lookup(&mut c, &[1, 3]).await;
+    assert_eq!(
+        (l[0].tier(), l[0].size, l[0].token_count),
+        (Tier::Ram, 1000, 16)
+    );
+    assert!(l[0].last_access_unix_ms > 0);
+    assert_eq!((l[1].tier(), l[1].size), (Tier::None, 0));
+    let s = stats(&mut c).await;
+    assert_eq!(
+        (s.ram_blocks, s.ram_bytes, s.hits_ram, s.misses),
+        (2, 301_000, 2, 1)
+    );
+
+    // Oversize block, bad digest, empty model, nothing to delete: InvalidArgument, clear message,
+    // and nothing stored.
+    let e = c
+        .put_blocks(pb::PutBlocksRequest {
+            blocks: vec![block(9, 1000), block(10, (1 << 20) + 1)],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains("blocks[1].payload") && e.message().contains("1048576"),
+        "{}",
+        e.message()
+    );
+    let mut bad = block(11, 10);
+    bad.digest = Bytes::from_static(b"short");
+    let e = c
+        .put_blocks(pb::PutBlocksRequest { blocks: vec![bad] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains("32-byte digest, got 5"),
+        "{}",
+        e.message()
+    );
+    let mut unnamed = block(12, 10);
+    unnamed.model.clear();
+    let e = c
+        .put_blocks(pb::PutBlocksRequest {
+            blocks: vec![unnamed],
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("model"), "{}", e.message());
+    let e = c
+        .get_blocks(pb::GetBlocksRequest {
+            digests: vec![Bytes::from_static(b"x")],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c.delete(pb::DeleteRequest::default()).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert_eq!(stats(&mut c).await.ram_blocks, 2);
+
+    // Delete one, then all (a new epoch).
+    let d = c
+        .delete(pb::DeleteRequest {
+            digests: vec![digest(1)],
+            all: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d.deleted, 1);
+    let d2 = c
+        .delete(pb::DeleteRequest {
+            digests: vec![],
+            all: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(d2.deleted, 1);
+    assert_ne!(d2.kv_epoch, d.kv_epoch);
+    assert_eq!(stats(&mut c).await.ram_blocks, 0);
+
+    // The standard health service answers SERVING for the KvAgent service.
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", agent.port))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let h = tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "kvmesh.kvagent.v1.KvAgent".into(),
+        })
+        .await
+        .expect("health")
+        .into_inner();
+    assert_eq!(
+        h.status(),
+        tonic_health::pb::health_check_response::ServingStatus::Serving
+    );
+
+    let m = agent.metrics();
+    assert!(m.contains("kvagent_hits_total{tier=\"ram\"} 2"), "{m}");
+    assert!(m.contains("kvagent_put_blocks_total 2"), "{m}");
+}
+
+#[tokio::test]
+async fn ram_pressure_spills_to_ssd_and_reads_promote() {
+    let dir = tempfile::tempdir().unwrap();
+    // 1 MiB of RAM, 64 KiB blocks: 40 blocks must spill.
+    let agent = Agent::start(
+        dir.path(),
+        "[ram]\ncapacity_bytes = 1048576\n[limits]\nmax_block_bytes = 65536\n",
+    )
+    .await;
+    let mut c = agent.client().await;
+    for i in 0..40 {
+        put(&mut c, vec![block(i, 65536)]).await;
+    }
+    let s = stats(&mut c).await;
+    assert!(s.ram_bytes <= 1 << 20, "RAM over capacity: {}", s.ram_bytes);
+    assert!(s.spilled_blocks >= 24, "spilled {}", s.spilled_blocks);
+    assert_eq!(s.ram_blocks + s.ssd_blocks, 40, "nothing lost");
+    // The oldest is on SSD, the newest in RAM.
+    let l = lookup(&mut c, &[0, 39]).await;
+    assert_eq!((l[0].tier(), l[1].tier()), (Tier::Ssd, Tier::Ram));
+    let got = get(&mut c, &[0]).await;
+    assert_eq!(got[0].tier(), Tier::Ssd);
+    assert_eq!(got[0].block.as_ref().unwrap().payload, payload(0, 65536));
+    assert_eq!(
+        lookup(&mut c, &[0]).await[0].tier(),
+        Tier::Ram,
+        "promoted by the read"
+    );
+    let s = stats(&mut c).await;
+    assert_eq!((s.promoted_blocks, s.hits_ssd), (1, 1));
+    // Every block still reads back intact.
+    let all: Vec<u32> = (0..40).collect();
+    for (i, m) in get(&mut c, &all).await.iter().enumerate() {
+        assert_eq!(
+            m.block.as_ref().expect("served").payload,
+            payload(i as u32, 65536)
+        );
+    }
+    let m = agent.metrics();
+    assert!(m.contains("kvagent_spilled_blocks_total"), "{m}");
+}
+
+#[tokio::test]
+async fn restart_keeps_blocks_and_watch_sees_adds_removes_and_new_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), "").await;
+    let mut c = agent.client().await;
+    let mut watch = c
+        .watch_residency(pb::WatchResidencyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert!(first.reset && first.added.is_empty());
+    let epoch = first.kv_epoch;
+
+    put(&mut c, vec![block(1, 100), block(2, 100), block(3, 100)]).await;
+    let added = watch.message().await.unwrap().unwrap();
+    assert_eq!(added.added, vec![digest(1), digest(2), digest(3)]);
+    assert!(!added.reset && added.kv_epoch == epoch);
+    // Replacing a resident block is not an add.
+    put(&mut c, vec![block(1, 100)]).await;
+    c.delete(pb::DeleteRequest {
+        digests: vec![digest(2)],
+        all: false,
+    })
+    .await
+    .unwrap();
+    let removed = watch.message().await.unwrap().unwrap();
+    assert!(removed.added.is_empty(), "re-put announced as an add");
+    assert_eq!(removed.removed, vec![digest(2)]);
+
+    // Graceful restart: RAM blocks go to SSD and are served by the new process, new epoch.
+    let agent = agent.restart().await;
+    let mut c = agent.client().await;
+    let got = get(&mut c, &[1, 2, 3]).await;
+    assert_eq!(got[0].block.as_ref().unwrap().payload, payload(1, 100));
+    assert!(got[1].block.is_none());
+    assert_eq!(got[2].tier(), Tier::Ssd);
+    let mut watch = c
+        .watch_residency(pb::WatchResidencyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let snap = watch.message().await.unwrap().unwrap();
+    assert!(snap.reset);
+    assert_ne!(snap.kv_epoch, epoch, "epoch must change on restart");
+    let mut resident = snap.added.clone();
+    resident.sort();
+    let mut want = vec![digest(1), digest(3)];
+    want.sort();
+    assert_eq!(resident, want);
+    // Delete everything: a reset with a new epoch.
+    c.delete(pb::DeleteRequest {
+        digests: vec![],
+        all: true,
+    })
+    .await
+    .unwrap();
+    let reset = watch.message().await.unwrap().unwrap();
+    assert!(reset.reset && reset.added.is_empty() && reset.kv_epoch != snap.kv_epoch);
+}
+
+#[tokio::test]
+async fn kill_9_during_a_burst_of_puts_never_serves_a_damaged_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    // A small RAM tier so that most of the burst is being spilled when the process dies.
+    let extra = "[ram]\ncapacity_bytes = 524288\n[limits]\nmax_block_bytes = 65536\n";
+    let mut agent = Agent::start(dir.path(), extra).await;
+    let size = 48 * 1024;
+    let writer = {
+        let mut c = agent.client().await;
+        tokio::spawn(async move {
+            let mut acked = 0u32;
+            for i in 0..100_000u32 {
+                match c
+                    .put_blocks(pb::PutBlocksRequest {
+                        blocks: vec![block(i, size)],
+                    })
+                    .await
+                {
+                    Ok(_) => acked = i + 1,
+                    Err(_) => break,
+                }
+            }
+            acked
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    agent.kill9();
+    let acked = writer.await.unwrap();
+    assert!(acked > 20, "the burst barely started ({acked} puts)");
+
+    let agent = agent.restart().await;
+    let mut c = agent.client().await;
+    let ids: Vec<u32> = (0..acked + 1).collect();
+    let mut served = 0;
+    for chunk in ids.chunks(512) {
+        for m in get(&mut c, chunk).await {
+            if let Some(b) = m.block {
+                let i =
+                    chunk[0] + chunk.iter().position(|x| digest(*x) == m.digest).unwrap() as u32;
+                assert_eq!(
+                    blake3::hash(&b.payload),
+                    blake3::hash(&payload(i, size)),
+                    "block {i} served damaged"
+                );
+                served += 1;
+            }
+        }
+    }
+    assert!(served > 0, "nothing survived on SSD (acked {acked})");
+    assert_eq!(
+        std::fs::read_dir(ssd.join("tmp")).unwrap().count(),
+        0,
+        "half-written temp files left behind"
+    );
+    eprintln!("kill -9: {acked} puts acknowledged, {served} blocks served intact after restart");
+}
+
+#[tokio::test]
+async fn corrupt_and_truncated_files_are_dropped_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    let mut agent = Agent::start(dir.path(), "").await;
+    let mut c = agent.client().await;
+    put(&mut c, vec![block(1, 5000), block(2, 5000), block(3, 5000)]).await;
+    agent.stop();
+    let file = |i: u32| ssd.join("blocks").join(format!("{}.kvb", hex(&digest(i))));
+    // Flip one payload bit in block 1, cut block 2 short.
+    let mut b1 = std::fs::read(file(1)).unwrap();
+    b1[2000] ^= 0x10;
+    std::fs::write(file(1), &b1).unwrap();
+    let b2 = std::fs::read(file(2)).unwrap();
+    std::fs::write(file(2), &b2[..b2.len() - 100]).unwrap();
+
+    let agent = agent.restart().await;
+    let mut c = agent.client().await;
+    assert_eq!(
+        stats(&mut c).await.corrupt_dropped,
+        1,
+        "truncated file dropped at start"
+    );
+    assert!(!file(2).exists());
+    let got = get(&mut c, &[1, 2, 3]).await;
+    assert!(got[0].block.is_none(), "bit-flipped block was served");
+    assert!(got[1].block.is_none());
+    assert_eq!(got[2].block.as_ref().unwrap().payload, payload(3, 5000));
+    let s = stats(&mut c).await;
+    assert_eq!(s.corrupt_dropped, 2);
+    assert_eq!(s.ssd_blocks, 0, "block 3 promoted, the others gone");
+    assert!(agent.metrics().contains("kvagent_corrupt_dropped_total 2"));
+    // Maintenance removes the corrupt file shortly after.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while file(1).exists() {
+        assert!(Instant::now() < deadline, "corrupt file never removed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn ssd_blocks_expire_after_their_ttl() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = "[ram]\ncapacity_bytes = 65536\n[ssd]\nttl_secs = 1\nsweep_interval_secs = 1\n[limits]\nmax_block_bytes = 32768\n";
+    let agent = Agent::start(dir.path(), extra).await;
+    let mut c = agent.client().await;
+    let mut watch = c
+        .watch_residency(pb::WatchResidencyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    watch.message().await.unwrap();
+    for i in 0..4 {
+        put(&mut c, vec![block(i, 30000)]).await;
+    }
+    assert_eq!(lookup(&mut c, &[0]).await[0].tier(), Tier::Ssd);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut removed = Vec::new();
+    while !removed.contains(&digest(0)) {
+        assert!(Instant::now() < deadline, "TTL never removed block 0");
+        let m = tokio::time::timeout(Duration::from_secs(5), watch.message())
+            .await
+            .expect("an update")
+            .unwrap()
+            .unwrap();
+        removed.extend(m.removed);
+    }
+    assert_eq!(lookup(&mut c, &[0]).await[0].tier(), Tier::None);
+    assert!(get(&mut c, &[0]).await[0].block.is_none());
+    assert!(stats(&mut c).await.expired >= 1);
+}
+
+#[tokio::test]
+async fn node_load_reads_the_engine_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    // No engine configured: not available, and says why.
+    let agent = Agent::start(dir.path(), "").await;
+    let l = agent
+        .client()
+        .await
+        .node_load(pb::NodeLoadRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!l.available && l.error.contains("no engine"), "{l:?}");
+    drop(agent);
+
+    // A real kvmesh-sim-engine exposes vLLM's metric names.
+    let sim_bin = PathBuf::from(env!("CARGO_BIN_EXE_kvagent"))
+        .parent()
+        .unwrap()
+        .join("kvmesh-sim-engine");
+    assert!(
+        sim_bin.exists(),
+        "run `cargo build --workspace --bins` first"
+    );
+    let mut sim = Command::new(sim_bin)
+        .args(["--listen", "127.0.0.1:0", "--name", "e0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(sim.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let url = format!("{}/metrics", line.trim().rsplit(' ').next().unwrap());
+    let agent = Agent::start(
+        dir.path(),
+        &format!("[telemetry]\nengine_metrics_url = \"{url}\"\nscrape_interval_ms = 100\n"),
+    )
+    .await;
+    let mut c = agent.client().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let l = loop {
+        let l = c
+            .node_load(pb::NodeLoadRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if l.available {
+            break l;
+        }
+        assert!(Instant::now() < deadline, "never scraped: {l:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (l.flavor.as_str(), l.running, l.waiting),
+        ("vllm", 0.0, 0.0)
+    );
+    assert!(l.scraped_unix_ms > 0);
+    // The engine goes away: the next scrapes fail and say so.
+    let _ = sim.kill();
+    let _ = sim.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = c
+            .node_load(pb::NodeLoadRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if !l.available {
+            assert!(!l.error.is_empty());
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a dead engine still reads as available"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn check_config_rejects_a_bad_file_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("bad.toml");
+    std::fs::write(&f, "[ram]\nhigh_watermark = 2.0\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvagent"))
+        .arg("check-config")
+        .arg(&f)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("high_watermark"), "{err}");
+    let ok = Command::new(env!("CARGO_BIN_EXE_kvagent"))
+        .arg("check-config")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../examples/kvagent.toml"
+        ))
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
