@@ -15,6 +15,8 @@ pub enum ErrorKind {
     NotFound,
     /// The method is not allowed on this path (405).
     MethodNotAllowed,
+    /// The client may not make this request, e.g. a peer-only header from an untrusted source (403).
+    Forbidden,
     /// Admission control refused the request; retry later (429).
     Overloaded,
     /// No engine is reachable (503).
@@ -33,6 +35,7 @@ impl ErrorKind {
             ErrorKind::BodyTooLarge => 413,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::Forbidden => 403,
             ErrorKind::Overloaded => 429,
             ErrorKind::NoEngine => 503,
             ErrorKind::UpstreamFailed => 502,
@@ -48,6 +51,7 @@ impl ErrorKind {
             | ErrorKind::ModelNotFound
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::Overloaded => "rate_limit_error",
             ErrorKind::NoEngine | ErrorKind::UpstreamFailed | ErrorKind::Internal => "server_error",
         }
@@ -61,6 +65,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::Forbidden => "forbidden",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::NoEngine => "no_engine_available",
             ErrorKind::UpstreamFailed => "upstream_failed",

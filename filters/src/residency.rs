@@ -1,5 +1,10 @@
 //! The residency index: which node holds which prefix digest, from which source, until when.
 //!
+//! Keys are [`Digest::short`], the first 8 bytes of each digest: that is the form peers gossip
+//! (docs/architecture.md), and it quarters the key memory. Two different prefixes share a key
+//! with probability about n^2 / 2^65 (10^-8 for a million digests); a collision can only make
+//! one routing decision over-estimate an overlap, never change what an engine computes.
+//!
 //! Shape (DESIGN section 3): `digest -> [(node, source, expiry)]`, plus one LRU per node that
 //! bounds how many digests a node may hold in the index. Reads ([`ResidencyIndex::overlap`]) touch
 //! only the concurrent map; writes take the node's LRU lock first, then map shards, always in that
@@ -28,6 +33,9 @@ pub struct NodeId(pub u32);
 pub enum Source {
     /// Recorded for the chosen node at dispatch; not confirmed yet.
     Optimistic,
+    /// Published by the peer proxy that fronts the node (gossip); removed when the peer
+    /// withdraws it, leaves, or changes `kv_epoch`.
+    Gossip,
     /// Confirmed by `usage.prompt_tokens_details.cached_tokens` in an engine response.
     Reported,
     /// From the node's own feed of resident digests.
@@ -39,6 +47,7 @@ impl Source {
     pub fn label(self) -> &'static str {
         match self {
             Source::Optimistic => "optimistic",
+            Source::Gossip => "gossip",
             Source::Reported => "reported",
             Source::EngineFeed => "engine_feed",
         }
@@ -58,6 +67,8 @@ pub struct ResidencyConfig {
     pub reported_ttl: Duration,
     /// Lifetime of an entry from an engine feed.
     pub feed_ttl: Duration,
+    /// Lifetime of an entry learnt by gossip (a backstop: peers withdraw entries themselves).
+    pub gossip_ttl: Duration,
 }
 
 impl Default for ResidencyConfig {
@@ -68,6 +79,7 @@ impl Default for ResidencyConfig {
             optimistic_ttl: Duration::from_secs(60),
             reported_ttl: Duration::from_secs(600),
             feed_ttl: Duration::from_secs(600),
+            gossip_ttl: Duration::from_secs(3600),
         }
     }
 }
@@ -78,6 +90,7 @@ impl ResidencyConfig {
             Source::Optimistic => self.optimistic_ttl,
             Source::Reported => self.reported_ttl,
             Source::EngineFeed => self.feed_ttl,
+            Source::Gossip => self.gossip_ttl,
         }
     }
 }
@@ -89,8 +102,11 @@ struct Holder {
     expires: Instant,
 }
 
+/// The key of a digest in the index.
+type Key = u64;
+
 struct NodeLru {
-    lru: LruCache<Digest, ()>,
+    lru: LruCache<Key, ()>,
     capacity: usize,
 }
 
@@ -120,7 +136,7 @@ impl Verdict {
 /// The concurrent residency index. Cheap to share behind an `Arc`.
 pub struct ResidencyIndex {
     cfg: ResidencyConfig,
-    map: DashMap<Digest, Vec<Holder>>,
+    map: DashMap<Key, Vec<Holder>>,
     nodes: DashMap<NodeId, Arc<Mutex<NodeLru>>>,
 }
 
@@ -151,8 +167,8 @@ impl ResidencyIndex {
             .clone()
     }
 
-    fn remove_holder(&self, digest: &Digest, node: NodeId) {
-        self.map.remove_if_mut(digest, |_, holders| {
+    fn remove_holder(&self, key: &Key, node: NodeId) {
+        self.map.remove_if_mut(key, |_, holders| {
             holders.retain(|h| h.node != node);
             holders.is_empty()
         });
@@ -161,37 +177,66 @@ impl ResidencyIndex {
     /// Records that `node` holds every digest of `chain` (a whole prefix), from `source`.
     /// An entry keeps the most trustworthy unexpired source and the latest expiry.
     pub fn record(&self, node: NodeId, chain: &[Digest], source: Source, now: Instant) {
-        if chain.is_empty() {
-            return;
-        }
+        // Tail first, so that a chain's head ends up most recently used: it is what other
+        // prompts share, and what an engine evicts last.
+        self.record_keys(node, chain.iter().rev().map(Digest::short), source, now);
+    }
+
+    /// Records digests by their short form ([`Digest::short`]), in the given order (the last is
+    /// most recently used): how residency learnt from a peer enters the index.
+    pub fn record_keys(
+        &self,
+        node: NodeId,
+        keys: impl IntoIterator<Item = u64>,
+        source: Source,
+        now: Instant,
+    ) {
         let expires = now + self.cfg.ttl(source);
         let lru = self.node_lru(node);
         let mut lru = lru.lock();
-        // Tail first, so that a chain's head ends up most recently used: it is what other
-        // prompts share, and what an engine evicts last.
-        for d in chain.iter().rev() {
-            lru.lru.put(*d, ());
-            {
-                let mut holders = self.map.entry(*d).or_default();
-                match holders.iter_mut().find(|h| h.node == node) {
-                    Some(h) => {
-                        if h.expires <= now || source >= h.source {
-                            h.source = source;
-                        }
-                        h.expires = h.expires.max(expires);
+        for k in keys {
+            lru.lru.put(k, ());
+            let mut holders = self.map.entry(k).or_default();
+            match holders.iter_mut().find(|h| h.node == node) {
+                Some(h) => {
+                    if h.expires <= now || source >= h.source {
+                        h.source = source;
                     }
-                    None => holders.push(Holder {
-                        node,
-                        source,
-                        expires,
-                    }),
+                    h.expires = h.expires.max(expires);
                 }
+                None => holders.push(Holder {
+                    node,
+                    source,
+                    expires,
+                }),
             }
         }
         Self::trim(&mut lru, |d| self.remove_holder(&d, node));
     }
 
-    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Digest)) {
+    /// Forgets that `node` holds these digests (short form): a peer withdrew them.
+    pub fn remove_keys(&self, node: NodeId, keys: impl IntoIterator<Item = u64>) {
+        let Some(lru) = self.nodes.get(&node).map(|l| l.clone()) else {
+            return;
+        };
+        let mut lru = lru.lock();
+        for k in keys {
+            if lru.lru.pop(&k).is_some() {
+                self.remove_holder(&k, node);
+            }
+        }
+    }
+
+    /// The digests (short form) the index holds for `node`, most recently used first, at most
+    /// `limit`: what a sidecar publishes about its own engine.
+    pub fn node_keys(&self, node: NodeId, limit: usize) -> Vec<u64> {
+        self.nodes
+            .get(&node)
+            .map(|l| l.lock().lru.iter().take(limit).map(|(k, ())| *k).collect())
+            .unwrap_or_default()
+    }
+
+    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Key)) {
         while lru.lru.len() > lru.capacity {
             match lru.lru.pop_lru() {
                 Some((d, ())) => evict(d),
@@ -205,7 +250,7 @@ impl ResidencyIndex {
     pub fn overlap(&self, chain: &[Digest], now: Instant) -> Vec<(NodeId, usize)> {
         let mut runs: Vec<(NodeId, usize)> = Vec::new();
         for (i, d) in chain.iter().enumerate() {
-            let Some(holders) = self.map.get(d) else {
+            let Some(holders) = self.map.get(&d.short()) else {
                 break;
             };
             let mut extended = false;
@@ -307,6 +352,30 @@ impl ResidencyIndex {
         removed
     }
 
+    /// Entries (digest, node) by their current source. Walks the whole index: for metrics
+    /// scrapes, not the request path.
+    pub fn count_by_source(&self) -> [(Source, usize); 4] {
+        let mut counts = [
+            (Source::Optimistic, 0),
+            (Source::Gossip, 0),
+            (Source::Reported, 0),
+            (Source::EngineFeed, 0),
+        ];
+        for entry in self.map.iter() {
+            for h in entry.value() {
+                if let Some(c) = counts.iter_mut().find(|c| c.0 == h.source) {
+                    c.1 += 1;
+                }
+            }
+        }
+        counts
+    }
+
+    /// Nodes that have entries in the index.
+    pub fn nodes(&self) -> Vec<NodeId> {
+        self.nodes.iter().map(|e| *e.key()).collect()
+    }
+
     /// Number of distinct digests in the index.
     pub fn len(&self) -> usize {
         self.map.len()
@@ -390,6 +459,33 @@ mod tests {
         assert_eq!(idx.overlap(&chain(b"aaaabbbb"), now), vec![(NodeId(1), 1)]);
         assert_eq!(idx.overlap(&chain(b"ccccdddd"), now), vec![(NodeId(1), 2)]);
         assert_eq!(idx.len(), 3);
+    }
+
+    #[test]
+    fn keys_learnt_by_gossip_match_chains_and_can_be_withdrawn() {
+        let idx = index(100);
+        let now = Instant::now();
+        let c = chain(b"aaaabbbbcccc");
+        idx.record(NodeId(1), &c, Source::Reported, now);
+        // What node 1's proxy would publish, learnt by another proxy for its node 7.
+        let published = idx.node_keys(NodeId(1), 10);
+        assert_eq!(published.len(), 3);
+        assert_eq!(
+            published[0],
+            c[0].short(),
+            "the chain's head is most recent"
+        );
+        let other = index(100);
+        other.record_keys(
+            NodeId(7),
+            published.iter().rev().copied(),
+            Source::Gossip,
+            now,
+        );
+        assert_eq!(other.overlap(&c, now), vec![(NodeId(7), 3)]);
+        other.remove_keys(NodeId(7), [c[1].short()]);
+        assert_eq!(other.overlap(&c, now), vec![(NodeId(7), 1)]);
+        assert_eq!(idx.node_keys(NodeId(1), 2).len(), 2, "limit applies");
     }
 
     #[test]

@@ -38,6 +38,9 @@ pub enum ConfigError {
 pub struct ProxyConfig {
     /// Address the OpenAI API (and /metrics, /health, /ready) listens on. Env: `KVMESH_LISTEN`.
     pub listen: String,
+    /// `gateway` (in front of the configured engines) or `sidecar` (beside one engine, forwarding
+    /// to a better peer found by gossip; needs `[cluster]`).
+    pub mode: Mode,
     /// Routing policy: `prefix`, `round_robin`, `least_inflight`, `power_of_two`, `session`.
     pub policy: Policy,
     /// Largest accepted request body, bytes; larger bodies get 413.
@@ -60,12 +63,106 @@ pub struct ProxyConfig {
     pub health: HealthConfig,
     /// Graceful shutdown.
     pub shutdown: ShutdownConfig,
+    /// Gossip with peer proxies (off unless `cluster.enabled`).
+    pub cluster: ClusterToml,
+    /// Sidecar-mode forwarding knobs.
+    pub sidecar: SidecarConfig,
+}
+
+/// How the proxy is deployed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// In front of N engines.
+    #[default]
+    Gateway,
+    /// Beside one engine; other engines are reached through their own sidecars.
+    Sidecar,
+}
+
+/// Who may send a request carrying `x-kvmesh-hop` (which is always served locally).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum HopTrust {
+    /// Only clients on a loopback address (peers on the same host).
+    #[default]
+    Loopback,
+    /// Loopback, and the IP addresses of live gossip members.
+    Members,
+}
+
+/// The `[cluster]` table: membership and residency gossip (chitchat over UDP).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterToml {
+    /// Join the gossip. Required in sidecar mode; a gateway may join to learn engines.
+    pub enabled: bool,
+    /// Nodes gossip only with nodes of the same id.
+    pub cluster_id: String,
+    /// This proxy's id, unique in the cluster (default: `kvmesh-<listen address>`).
+    pub node_id: String,
+    /// UDP address gossip binds.
+    pub gossip_listen: String,
+    /// UDP address peers reach this node's gossip at (default: `gossip_listen`).
+    pub advertise: String,
+    /// URL peers forward requests to (default: `http://<listen>`).
+    pub proxy_url: String,
+    /// `host:port` of gossip seeds.
+    pub seeds: Vec<String>,
+    /// Milliseconds between gossip rounds (and between publishing this node's state).
+    pub gossip_interval_ms: u64,
+    /// Failure detector threshold (phi accrual); higher: slower but surer death verdicts.
+    pub phi_threshold: f64,
+    /// Seconds a dead node's state is kept before it is forgotten.
+    pub dead_node_grace_secs: u64,
+}
+
+impl Default for ClusterToml {
+    fn default() -> Self {
+        ClusterToml {
+            enabled: false,
+            cluster_id: "kvmesh".into(),
+            node_id: String::new(),
+            gossip_listen: "127.0.0.1:7946".into(),
+            advertise: String::new(),
+            proxy_url: String::new(),
+            seeds: Vec::new(),
+            gossip_interval_ms: 200,
+            phi_threshold: 8.0,
+            dead_node_grace_secs: 60,
+        }
+    }
+}
+
+/// The `[sidecar]` table.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SidecarConfig {
+    /// Forward to a peer only when it saves at least this much of the `prefix` policy's cost
+    /// (weighted prompt bytes: `uncached_weight` x uncached bytes + queued prefill + decode
+    /// pressure) against serving locally.
+    pub forward_min_saving: u64,
+    /// Who may send `x-kvmesh-hop`: `loopback` or `members`. Others get 403.
+    pub accept_hop_from: HopTrust,
+    /// Seconds a peer that refused a connection is skipped, whatever gossip says.
+    pub peer_down_secs: u64,
+}
+
+impl Default for SidecarConfig {
+    fn default() -> Self {
+        SidecarConfig {
+            forward_min_saving: 4096,
+            accept_hop_from: HopTrust::Loopback,
+            peer_down_secs: 5,
+        }
+    }
 }
 
 impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig {
             listen: "127.0.0.1:8080".into(),
+            mode: Mode::Gateway,
             policy: Policy::Prefix,
             max_body_bytes: 32 << 20,
             max_inflight: 4096,
@@ -77,6 +174,8 @@ impl Default for ProxyConfig {
             upstream: UpstreamConfig::default(),
             health: HealthConfig::default(),
             shutdown: ShutdownConfig::default(),
+            cluster: ClusterToml::default(),
+            sidecar: SidecarConfig::default(),
         }
     }
 }
@@ -277,7 +376,7 @@ impl ProxyConfig {
                 self.listen
             ));
         }
-        if self.engines.is_empty() {
+        if self.engines.is_empty() && !(self.cluster.enabled && self.mode == Mode::Gateway) {
             return bad(
                 "`engines` is empty: list at least one [[engines]] with a name and url".into(),
             );
@@ -317,6 +416,26 @@ impl ProxyConfig {
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
             return bad("`health` interval and timeout must be > 0".into());
         }
+        if self.mode == Mode::Sidecar {
+            if self.engines.len() != 1 {
+                return bad(format!(
+                    "`mode = \"sidecar\"` fronts exactly one engine; {} are listed",
+                    self.engines.len()
+                ));
+            }
+            if !self.cluster.enabled {
+                return bad("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
+            }
+        }
+        if self.cluster.enabled {
+            self.cluster_config()?;
+            let c = &self.cluster;
+            if c.gossip_interval_ms == 0 || c.phi_threshold.is_nan() || c.phi_threshold <= 0.0 {
+                return bad(
+                    "`cluster.gossip_interval_ms` and `cluster.phi_threshold` must be > 0".into(),
+                );
+            }
+        }
         if tracing_subscriber::EnvFilter::try_new(&self.log).is_err() {
             return bad(format!("`log` = {:?} is not a valid log filter", self.log));
         }
@@ -338,6 +457,66 @@ impl ProxyConfig {
                 })
             })
             .collect()
+    }
+
+    /// The gossip configuration, with defaults filled in (call when `cluster.enabled`).
+    pub fn cluster_config(&self) -> Result<kvmesh_cluster::ClusterConfig, ConfigError> {
+        let c = &self.cluster;
+        let bad = |m: String| ConfigError::Invalid(m);
+        let listen: SocketAddr = c.gossip_listen.parse().map_err(|_| {
+            bad(format!(
+                "`cluster.gossip_listen` = {:?} is not an IP:port address",
+                c.gossip_listen
+            ))
+        })?;
+        let advertise: SocketAddr = if c.advertise.is_empty() {
+            listen
+        } else {
+            c.advertise.parse().map_err(|_| {
+                bad(format!(
+                    "`cluster.advertise` = {:?} is not an IP:port address",
+                    c.advertise
+                ))
+            })?
+        };
+        if advertise.ip().is_unspecified() {
+            return Err(bad(
+                "`cluster.advertise` must be an address peers can reach, not 0.0.0.0".into(),
+            ));
+        }
+        for s in &c.seeds {
+            if !s.contains(':') {
+                return Err(bad(format!("`cluster.seeds`: {s:?} is not host:port")));
+            }
+        }
+        Ok(kvmesh_cluster::ClusterConfig {
+            cluster_id: c.cluster_id.clone(),
+            node_id: self.node_id(),
+            listen,
+            advertise,
+            seeds: c.seeds.clone(),
+            gossip_interval: Duration::from_millis(c.gossip_interval_ms),
+            phi_threshold: c.phi_threshold,
+            dead_node_grace: Duration::from_secs(c.dead_node_grace_secs),
+        })
+    }
+
+    /// This proxy's node id in the cluster.
+    pub fn node_id(&self) -> String {
+        if self.cluster.node_id.is_empty() {
+            format!("kvmesh-{}", self.listen)
+        } else {
+            self.cluster.node_id.clone()
+        }
+    }
+
+    /// The URL peers forward to.
+    pub fn proxy_url(&self) -> String {
+        if self.cluster.proxy_url.is_empty() {
+            format!("http://{}", self.listen)
+        } else {
+            self.cluster.proxy_url.clone()
+        }
     }
 
     /// The residency index configuration.
@@ -438,6 +617,48 @@ mod tests {
             toml::to_string(&d.shutdown).unwrap(),
             toml::to_string(&c.shutdown).unwrap()
         );
+        assert_eq!(c.mode, d.mode);
+        assert_eq!(
+            toml::to_string(&d.cluster).unwrap(),
+            toml::to_string(&c.cluster).unwrap()
+        );
+        assert_eq!(
+            toml::to_string(&d.sidecar).unwrap(),
+            toml::to_string(&c.sidecar).unwrap()
+        );
+    }
+
+    #[test]
+    fn shipped_sidecar_example_is_valid() {
+        let c = ProxyConfig::from_toml(include_str!("../../examples/sidecar.toml")).unwrap();
+        c.validate().unwrap();
+        assert_eq!(
+            (c.mode, c.engines.len(), c.cluster.enabled),
+            (Mode::Sidecar, 1, true)
+        );
+        // Sidecar mode needs gossip and exactly one engine.
+        let mut no_gossip = c.clone();
+        no_gossip.cluster.enabled = false;
+        assert!(no_gossip
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("[cluster]"));
+        let mut two = c.clone();
+        two.engines.push(two.engines[0].clone());
+        two.engines[1].name = "other".into();
+        assert!(two
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("exactly one engine"));
+        let mut bad = c;
+        bad.cluster.advertise = "0.0.0.0:7946".into();
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("advertise"));
     }
 
     #[test]

@@ -1,10 +1,14 @@
 //! The engines behind the proxy: their load, health and models, and the RAII guard that keeps
 //! load counts honest whatever happens to a request.
+//!
+//! Engines are the configured ones (probed over HTTP) plus, with gossip, peers' engines (their
+//! state comes from the peer's node record). In sidecar mode a peer's engine is reached through
+//! the peer proxy (`via_peer`), which serves the forwarded request locally.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -16,9 +20,18 @@ use kvmesh_filters::NodeId;
 
 use crate::config::EngineAddr;
 
+/// Where a peer's engine came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerLink {
+    /// The peer proxy's node id.
+    pub node_id: String,
+    /// Requests go to the peer proxy (sidecar mode) rather than straight to its engine.
+    pub via_peer: bool,
+}
+
 /// One engine and its live state.
 pub struct Engine {
-    /// Index in the fleet; also its [`NodeId`] in the residency index.
+    /// Its [`NodeId`] in the residency index (stable while the engine is known).
     pub id: NodeId,
     /// Configured name.
     pub name: String,
@@ -34,17 +47,44 @@ pub struct Engine {
     static_models: bool,
     models: ArcSwap<Vec<String>>,
     models_known: AtomicBool,
+    /// Set for engines learnt by gossip.
+    pub peer: Option<PeerLink>,
+    /// Load the peer reports for it (its own count includes what we sent).
+    reported_inflight: AtomicU64,
+    reported_pending: AtomicU64,
+    /// A peer that refused a connection stays down until then (ms since `Fleet::epoch`).
+    down_until_ms: AtomicU64,
 }
 
 impl Engine {
-    /// Requests in flight on this engine.
+    /// Requests in flight on this engine: ours, or what its peer reports, whichever is larger.
     pub fn inflight(&self) -> u64 {
+        self.inflight
+            .load(Ordering::Relaxed)
+            .max(self.reported_inflight.load(Ordering::Relaxed))
+    }
+
+    /// Uncached prompt bytes dispatched here whose first response byte has not come back yet
+    /// (ours, or the peer's report, whichever is larger).
+    pub fn pending_prefill(&self) -> u64 {
+        self.pending_prefill
+            .load(Ordering::Relaxed)
+            .max(self.reported_pending.load(Ordering::Relaxed))
+    }
+
+    /// Requests this proxy has in flight on the engine.
+    pub fn own_inflight(&self) -> u64 {
         self.inflight.load(Ordering::Relaxed)
     }
 
-    /// Uncached prompt bytes dispatched here whose first response byte has not come back yet.
-    pub fn pending_prefill(&self) -> u64 {
+    /// Uncached prompt bytes this proxy dispatched to the engine and not yet answered.
+    pub fn own_pending_prefill(&self) -> u64 {
         self.pending_prefill.load(Ordering::Relaxed)
+    }
+
+    /// Whether requests to it go through a peer proxy.
+    pub fn via_peer(&self) -> bool {
+        self.peer.as_ref().is_some_and(|p| p.via_peer)
     }
 
     /// Whether the last health probe (or request) succeeded.
@@ -71,8 +111,41 @@ impl Engine {
 
 /// All engines.
 pub struct Fleet {
-    engines: Vec<Arc<Engine>>,
+    engines: ArcSwap<Vec<Arc<Engine>>>,
+    /// Serialises changes to `engines` (readers never wait).
+    change: parking_lot::Mutex<()>,
+    next_id: AtomicU32,
     total_inflight: AtomicU64,
+    epoch: Instant,
+    peer_down: Duration,
+}
+
+/// What a peer's node record says about its engine.
+#[derive(Debug, Clone)]
+pub struct PeerEngine {
+    /// The peer proxy's node id (the engine's name in metrics and headers).
+    pub node_id: String,
+    /// Where requests go: the peer proxy (sidecar mode) or its engine (gateway mode).
+    pub addr: SocketAddr,
+    /// That address as a URL.
+    pub url: String,
+    /// Through the peer proxy.
+    pub via_peer: bool,
+    /// Models it serves.
+    pub models: Vec<String>,
+    /// Healthy, per the peer.
+    pub ready: bool,
+    /// In flight, per the peer.
+    pub inflight: u64,
+    /// Pending prefill bytes, per the peer.
+    pub pending_prefill_bytes: u64,
+}
+
+fn name_key(name: &str) -> u64 {
+    let h = blake3::hash(name.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h.as_bytes()[..8]);
+    u64::from_le_bytes(b)
 }
 
 /// Why no engine can take a request.
@@ -86,42 +159,45 @@ pub enum NoRoute {
 
 impl Fleet {
     /// A fleet from validated engine addresses; every engine starts unhealthy until probed.
-    pub fn new(addrs: Vec<EngineAddr>) -> Arc<Self> {
-        let engines = addrs
+    /// Peers refusing connections are skipped for `peer_down`.
+    pub fn new(addrs: Vec<EngineAddr>, peer_down: Duration) -> Arc<Self> {
+        let engines: Vec<Arc<Engine>> = addrs
             .into_iter()
             .enumerate()
             .map(|(i, a)| {
-                let key = {
-                    let h = blake3::hash(a.name.as_bytes());
-                    let mut b = [0u8; 8];
-                    b.copy_from_slice(&h.as_bytes()[..8]);
-                    u64::from_le_bytes(b)
-                };
                 let static_models = !a.models.is_empty();
                 Arc::new(Engine {
                     id: NodeId(i as u32),
+                    key: name_key(&a.name),
                     name: a.name,
                     url: a.url,
                     addr: a.addr,
-                    key,
                     inflight: AtomicU64::new(0),
                     pending_prefill: AtomicU64::new(0),
                     healthy: AtomicBool::new(false),
                     static_models,
                     models_known: AtomicBool::new(static_models),
                     models: ArcSwap::from_pointee(a.models),
+                    peer: None,
+                    reported_inflight: AtomicU64::new(0),
+                    reported_pending: AtomicU64::new(0),
+                    down_until_ms: AtomicU64::new(0),
                 })
             })
             .collect();
         Arc::new(Fleet {
-            engines,
+            next_id: AtomicU32::new(engines.len() as u32),
+            engines: ArcSwap::from_pointee(engines),
+            change: parking_lot::Mutex::new(()),
             total_inflight: AtomicU64::new(0),
+            epoch: Instant::now(),
+            peer_down,
         })
     }
 
-    /// Every engine, in configuration order.
-    pub fn engines(&self) -> &[Arc<Engine>] {
-        &self.engines
+    /// Every engine: configured ones first, in configuration order, then peers'.
+    pub fn engines(&self) -> Arc<Vec<Arc<Engine>>> {
+        self.engines.load_full()
     }
 
     /// Requests in flight through the proxy.
@@ -131,15 +207,21 @@ impl Fleet {
 
     /// Whether at least one engine is healthy.
     pub fn ready(&self) -> bool {
-        self.engines.iter().any(|e| e.healthy())
+        self.engines.load().iter().any(|e| e.healthy())
     }
 
-    /// Healthy engines serving `model`, as routing candidates (overlap left at 0).
-    pub fn candidates(&self, model: &str) -> Result<Vec<Candidate>, NoRoute> {
-        let serving: Vec<&Arc<Engine>> = self.engines.iter().filter(|e| e.serves(model)).collect();
+    /// Healthy engines serving `model`, as routing candidates (overlap left at 0). With
+    /// `local_only`, only configured engines (a request forwarded by a peer).
+    pub fn candidates(&self, model: &str, local_only: bool) -> Result<Vec<Candidate>, NoRoute> {
+        let engines = self.engines.load();
+        let pool: Vec<&Arc<Engine>> = engines
+            .iter()
+            .filter(|e| !local_only || e.peer.is_none())
+            .collect();
+        let serving: Vec<&&Arc<Engine>> = pool.iter().filter(|e| e.serves(model)).collect();
         if serving.is_empty() {
             // An engine whose list is unknown yet might serve it: say "unhealthy", not "unknown".
-            let unknown = self.engines.iter().any(|e| e.models().is_none());
+            let unknown = pool.iter().any(|e| e.models().is_none());
             return Err(if unknown {
                 NoRoute::NoneHealthy
             } else {
@@ -165,8 +247,92 @@ impl Fleet {
     }
 
     /// The engine with id `node`.
-    pub fn get(&self, node: NodeId) -> Option<&Arc<Engine>> {
-        self.engines.get(node.0 as usize)
+    pub fn get(&self, node: NodeId) -> Option<Arc<Engine>> {
+        self.engines.load().iter().find(|e| e.id == node).cloned()
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// A connection to `engine` failed: mark it down (until the next good probe, or for a
+    /// peer, for `peer_down` whatever its gossip says).
+    pub fn mark_down(&self, engine: &Engine) {
+        engine.mark_down();
+        if engine.peer.is_some() {
+            engine.down_until_ms.store(
+                self.now_ms() + self.peer_down.as_millis() as u64,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Adds or updates the engine a peer published; returns its node id.
+    pub fn upsert_peer(&self, p: &PeerEngine) -> NodeId {
+        let _one_writer = self.change.lock();
+        let engines = self.engines.load_full();
+        if let Some(e) = engines
+            .iter()
+            .find(|e| e.peer.as_ref().is_some_and(|l| l.node_id == p.node_id))
+        {
+            if e.addr == p.addr && e.via_peer() == p.via_peer {
+                e.reported_inflight.store(p.inflight, Ordering::Relaxed);
+                e.reported_pending
+                    .store(p.pending_prefill_bytes, Ordering::Relaxed);
+                if **e.models.load() != p.models {
+                    e.models.store(Arc::new(p.models.clone()));
+                }
+                let up = p.ready && self.now_ms() >= e.down_until_ms.load(Ordering::Relaxed);
+                e.healthy.store(up, Ordering::Relaxed);
+                return e.id;
+            }
+        }
+        // New peer, or it moved: a fresh entry (and a fresh node id for its residency).
+        let id = NodeId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let engine = Arc::new(Engine {
+            id,
+            name: p.node_id.clone(),
+            url: p.url.clone(),
+            addr: p.addr,
+            key: name_key(&p.node_id),
+            inflight: AtomicU64::new(0),
+            pending_prefill: AtomicU64::new(0),
+            healthy: AtomicBool::new(p.ready),
+            static_models: true,
+            models: ArcSwap::from_pointee(p.models.clone()),
+            models_known: AtomicBool::new(true),
+            peer: Some(PeerLink {
+                node_id: p.node_id.clone(),
+                via_peer: p.via_peer,
+            }),
+            reported_inflight: AtomicU64::new(p.inflight),
+            reported_pending: AtomicU64::new(p.pending_prefill_bytes),
+            down_until_ms: AtomicU64::new(0),
+        });
+        let mut next: Vec<Arc<Engine>> = engines
+            .iter()
+            .filter(|e| e.peer.as_ref().is_none_or(|l| l.node_id != p.node_id))
+            .cloned()
+            .collect();
+        next.push(engine);
+        self.engines.store(Arc::new(next));
+        tracing::info!(peer = %p.node_id, addr = %p.addr, via_peer = p.via_peer, "peer engine added");
+        id
+    }
+
+    /// Forgets a peer's engine (it left).
+    pub fn remove_peer(&self, node_id: &str) {
+        let _one_writer = self.change.lock();
+        let engines = self.engines.load_full();
+        let next: Vec<Arc<Engine>> = engines
+            .iter()
+            .filter(|e| e.peer.as_ref().is_none_or(|l| l.node_id != node_id))
+            .cloned()
+            .collect();
+        if next.len() != engines.len() {
+            self.engines.store(Arc::new(next));
+            tracing::info!(peer = %node_id, "peer engine removed");
+        }
     }
 
     /// Counts a request against `engine` until the guard drops; `prefill_bytes` count as pending
@@ -184,10 +350,11 @@ impl Fleet {
         }
     }
 
-    /// Probes every engine once, concurrently: `GET /v1/models`.
+    /// Probes every configured engine once, concurrently: `GET /v1/models`. (Peers' engines
+    /// are known through gossip.)
     pub async fn probe_all(&self, client: &ProbeClient, timeout: Duration) {
         let mut probes = tokio::task::JoinSet::new();
-        for e in &self.engines {
+        for e in self.engines.load().iter().filter(|e| e.peer.is_none()) {
             let (e, client) = (e.clone(), client.clone());
             probes.spawn(async move {
                 let result = tokio::time::timeout(timeout, fetch_models(&client, &e.url)).await;
@@ -281,20 +448,23 @@ mod tests {
     use super::*;
 
     fn fleet() -> Arc<Fleet> {
-        Fleet::new(vec![
-            EngineAddr {
-                name: "a".into(),
-                url: "http://127.0.0.1:1".into(),
-                addr: "127.0.0.1:1".parse().unwrap(),
-                models: vec!["m".into()],
-            },
-            EngineAddr {
-                name: "b".into(),
-                url: "http://127.0.0.1:2".into(),
-                addr: "127.0.0.1:2".parse().unwrap(),
-                models: vec!["m".into()],
-            },
-        ])
+        Fleet::new(
+            vec![
+                EngineAddr {
+                    name: "a".into(),
+                    url: "http://127.0.0.1:1".into(),
+                    addr: "127.0.0.1:1".parse().unwrap(),
+                    models: vec!["m".into()],
+                },
+                EngineAddr {
+                    name: "b".into(),
+                    url: "http://127.0.0.1:2".into(),
+                    addr: "127.0.0.1:2".parse().unwrap(),
+                    models: vec!["m".into()],
+                },
+            ],
+            Duration::from_secs(5),
+        )
     }
 
     #[test]
@@ -320,11 +490,47 @@ mod tests {
     #[test]
     fn candidates_need_health_and_model() {
         let f = fleet();
-        assert_eq!(f.candidates("m").unwrap_err(), NoRoute::NoneHealthy);
-        assert_eq!(f.candidates("other").unwrap_err(), NoRoute::UnknownModel);
+        assert_eq!(f.candidates("m", false).unwrap_err(), NoRoute::NoneHealthy);
+        assert_eq!(
+            f.candidates("other", false).unwrap_err(),
+            NoRoute::UnknownModel
+        );
         f.engines()[1].healthy.store(true, Ordering::Relaxed);
-        let c = f.candidates("m").unwrap();
+        let c = f.candidates("m", false).unwrap();
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].node, NodeId(1));
+    }
+
+    #[test]
+    fn peers_come_and_go_and_a_refusing_peer_stays_down() {
+        let f = fleet();
+        let peer = PeerEngine {
+            node_id: "c".into(),
+            addr: "127.0.0.1:3".parse().unwrap(),
+            url: "http://127.0.0.1:3".into(),
+            via_peer: true,
+            models: vec!["m".into()],
+            ready: true,
+            inflight: 7,
+            pending_prefill_bytes: 0,
+        };
+        let id = f.upsert_peer(&peer);
+        assert_eq!(id, NodeId(2));
+        assert_eq!(f.candidates("m", false).unwrap().len(), 1);
+        assert!(
+            f.candidates("m", true).is_err(),
+            "local_only excludes peers"
+        );
+        let e = f.get(id).unwrap();
+        assert_eq!((e.inflight(), e.via_peer()), (7, true));
+        f.mark_down(&e);
+        assert_eq!(f.upsert_peer(&peer), id, "same peer, same id");
+        assert!(
+            !e.healthy(),
+            "gossip does not revive a peer that refused a connection"
+        );
+        f.remove_peer("c");
+        assert!(f.get(id).is_none());
+        assert_ne!(f.upsert_peer(&peer), id, "a returning peer gets a fresh id");
     }
 }

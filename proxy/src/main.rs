@@ -1,5 +1,6 @@
 //! `kvmesh-proxy`: the KV-cache-aware gateway in front of OpenAI-compatible engines.
 
+mod cluster;
 mod config;
 mod fleet;
 mod metrics;
@@ -88,11 +89,13 @@ fn main() -> anyhow::Result<()> {
         })?;
         cfg.engine_addrs()?;
         println!(
-            "{}: ok (listen {}, policy {}, {} engines)",
+            "{}: ok (listen {}, mode {:?}, policy {}, {} engines, cluster {})",
             file.display(),
             cfg.listen,
+            cfg.mode,
             cfg.policy.label(),
-            cfg.engines.len()
+            cfg.engines.len(),
+            if cfg.cluster.enabled { "on" } else { "off" }
         );
         return Ok(());
     }
@@ -102,7 +105,16 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
         )
         .init();
-    let fleet = Fleet::new(cfg.engine_addrs()?);
+    let fleet = Fleet::new(
+        cfg.engine_addrs()?,
+        Duration::from_secs(cfg.sidecar.peer_down_secs),
+    );
+    if cfg.cluster.enabled {
+        // Fail now, with a clear message, rather than from inside a background service.
+        let gossip = cfg.cluster_config()?;
+        std::net::UdpSocket::bind(gossip.listen)
+            .with_context(|| format!("cannot bind the gossip address {}", gossip.listen))?;
+    }
     let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
     let metrics = Arc::new(Metrics::new().context("metrics registry")?);
 
@@ -126,6 +138,12 @@ fn main() -> anyhow::Result<()> {
         timeout: Duration::from_millis(cfg.health.timeout_ms),
     };
     let listen = cfg.listen.clone();
+    let gossip = cfg.cluster.enabled.then(|| cluster::ClusterService {
+        cfg: cfg.clone(),
+        fleet: fleet.clone(),
+        index: index.clone(),
+        metrics: metrics.clone(),
+    });
     let gateway = Gateway {
         router: Router::new(cfg.policy, cfg.routing.prefix_params()),
         cfg,
@@ -137,6 +155,9 @@ fn main() -> anyhow::Result<()> {
     proxy.add_tcp(&listen);
     server.add_service(proxy);
     server.add_service(background_service("housekeeping", housekeeping));
+    if let Some(g) = gossip {
+        server.add_service(background_service("gossip", g));
+    }
     tracing::info!(%listen, "kvmesh-proxy listening");
     server.run_forever()
 }

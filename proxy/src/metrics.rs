@@ -5,6 +5,8 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
+use kvmesh_filters::residency::ResidencyIndex;
+
 use crate::fleet::Fleet;
 
 /// Every metric the proxy exports.
@@ -38,6 +40,16 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Requests refused by admission control, by reason.
     pub admission_rejections: IntCounterVec,
+    /// Requests forwarded to a peer proxy, by peer and reason.
+    pub forwards: IntCounterVec,
+    /// Live gossip peers.
+    pub gossip_peers: IntGauge,
+    /// Gossip bytes, by direction (`in`, `out`).
+    pub gossip_bytes: IntCounterVec,
+    /// Residency index entries by source.
+    pub residency_entries: IntGaugeVec,
+    /// Digests the index holds per engine.
+    pub engine_residency: IntGaugeVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -133,6 +145,37 @@ impl Metrics {
             ),
             &["reason"],
         )?;
+        let forwards = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_forwards_total",
+                "Requests forwarded to a peer proxy, by peer and reason",
+            ),
+            &["peer", "reason"],
+        )?;
+        let gossip_peers = IntGauge::new("kvmesh_gossip_peers", "Live gossip peers")?;
+        let gossip_bytes = IntCounterVec::new(
+            Opts::new("kvmesh_gossip_bytes_total", "Gossip bytes by direction"),
+            &["direction"],
+        )?;
+        let residency_entries = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_residency_entries",
+                "Residency index entries (digest, node) by source",
+            ),
+            &["source"],
+        )?;
+        let engine_residency = IntGaugeVec::new(
+            Opts::new(
+                "kvmesh_engine_residency_digests",
+                "Digests the residency index holds per engine",
+            ),
+            &["engine"],
+        )?;
+        registry.register(Box::new(forwards.clone()))?;
+        registry.register(Box::new(gossip_peers.clone()))?;
+        registry.register(Box::new(gossip_bytes.clone()))?;
+        registry.register(Box::new(residency_entries.clone()))?;
+        registry.register(Box::new(engine_residency.clone()))?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(latency.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
@@ -163,12 +206,31 @@ impl Metrics {
             engine_healthy,
             retries,
             admission_rejections,
+            forwards,
+            gossip_peers,
+            gossip_bytes,
+            residency_entries,
+            engine_residency,
         })
     }
 
     /// The Prometheus text exposition, with gauges refreshed from live state.
-    pub fn render(&self, fleet: &Fleet, index_len: usize) -> Vec<u8> {
-        for e in fleet.engines() {
+    pub fn render(&self, fleet: &Fleet, index: &ResidencyIndex) -> Vec<u8> {
+        // Peers come and go: start from empty label sets.
+        self.engine_inflight.reset();
+        self.engine_pending_prefill.reset();
+        self.engine_healthy.reset();
+        self.engine_residency.reset();
+        for (source, n) in index.count_by_source() {
+            self.residency_entries
+                .with_label_values(&[source.label()])
+                .set(n as i64);
+        }
+        let index_len = index.len();
+        for e in fleet.engines().iter() {
+            self.engine_residency
+                .with_label_values(&[&e.name])
+                .set(index.node_usage(e.id).0 as i64);
             self.engine_inflight
                 .with_label_values(&[&e.name])
                 .set(e.inflight() as i64);

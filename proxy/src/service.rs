@@ -2,8 +2,10 @@
 //!
 //! 1. `request_filter`: local endpoints; admission; read and bound the body; parse it; hash the
 //!    canonical prompt into the digest chain.
-//! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load),
-//!    then take the next untried engine: the first call, and again after each failover.
+//! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load;
+//!    in sidecar mode, keep the local engine unless a peer saves enough), then take the next
+//!    untried engine: the first call, and again after each failover. A peer's engine is reached
+//!    through the peer proxy, with `x-kvmesh-hop: 1` so that it serves the request locally.
 //! 3. `upstream_request_filter` / `request_body_filter`: send the original body bytes.
 //! 4. `upstream_response_filter` / `response_body_filter`: stream the response through as it
 //!    comes, note the first byte, read `usage` on the way.
@@ -30,7 +32,7 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
-use crate::config::ProxyConfig;
+use crate::config::{HopTrust, Mode, ProxyConfig};
 use crate::fleet::{Dispatch, Fleet, NoRoute};
 use crate::metrics::Metrics;
 
@@ -41,6 +43,8 @@ const REPLAY_TAIL: usize = 64 * 1024;
 const MAX_USAGE_BODY: usize = 4 << 20;
 /// Longest SSE line kept while looking for `usage`.
 const MAX_SSE_LINE: usize = 1 << 20;
+/// A request forwarded by a peer proxy carries this header and is served locally.
+pub const HOP_HEADER: &str = "x-kvmesh-hop";
 
 /// The gateway: shared, immutable-after-start state of the proxy.
 pub struct Gateway {
@@ -75,6 +79,10 @@ pub struct Ctx {
     decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
     attempts: u32,
     dispatch: Option<Dispatch>,
+    /// Forwarded by a peer: only local engines may serve it.
+    local_only: bool,
+    /// Why the first choice is a peer (sidecar mode), for the forward metrics.
+    forward_reason: &'static str,
     predicted_overlap: usize,
     prediction_settled: bool,
     response_started: bool,
@@ -96,6 +104,8 @@ impl Ctx {
             decision: None,
             attempts: 0,
             dispatch: None,
+            local_only: false,
+            forward_reason: "rank",
             predicted_overlap: 0,
             prediction_settled: false,
             response_started: false,
@@ -310,7 +320,7 @@ impl Gateway {
             (true, "/metrics") => (
                 200,
                 "text/plain; version=0.0.4",
-                Bytes::from(self.metrics.render(&self.fleet, self.index.len())),
+                Bytes::from(self.metrics.render(&self.fleet, &self.index)),
             ),
             (true, "/v1/models") => {
                 let mut ids: Vec<String> = Vec::new();
@@ -366,37 +376,100 @@ impl Gateway {
         let Some(plan) = ctx.plan.as_ref() else {
             return Err(ApiError::new(ErrorKind::Internal, "no request plan"));
         };
-        let mut cands = self.fleet.candidates(&plan.model).map_err(|e| match e {
-            NoRoute::UnknownModel => ApiError::new(
-                ErrorKind::ModelNotFound,
-                format!(
-                    "the model `{}` does not exist or is not served by any engine",
-                    plan.model
-                ),
-            )
-            .with_param("model"),
-            NoRoute::NoneHealthy => ApiError::new(
-                ErrorKind::NoEngine,
-                format!("no healthy engine serves `{}`", plan.model),
-            ),
-        })?;
+        let mut cands =
+            self.fleet
+                .candidates(&plan.model, ctx.local_only)
+                .map_err(|e| match e {
+                    NoRoute::UnknownModel => ApiError::new(
+                        ErrorKind::ModelNotFound,
+                        format!(
+                            "the model `{}` does not exist or is not served by any engine",
+                            plan.model
+                        ),
+                    )
+                    .with_param("model"),
+                    NoRoute::NoneHealthy => ApiError::new(
+                        ErrorKind::NoEngine,
+                        format!("no healthy engine serves `{}`", plan.model),
+                    ),
+                })?;
         for (node, blocks) in self.index.overlap(&plan.chain, Instant::now()) {
             if let Some(c) = cands.iter_mut().find(|c| c.node == node) {
                 c.overlap_blocks = blocks;
             }
         }
-        let decision = self.router.rank(
+        let mut decision = self.router.rank(
             &cands,
             plan.total_bytes,
             plan.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
+        if self.cfg.mode == Mode::Sidecar && !ctx.local_only {
+            ctx.forward_reason = self.prefer_local(&cands, &mut decision, plan.total_bytes);
+        }
         self.metrics
             .decisions
             .with_label_values(&[self.router.policy().label(), decision.reason.label()])
             .inc();
         ctx.decision = Some((cands, decision));
         Ok(())
+    }
+
+    /// Sidecar rule: serve on the local engine unless the best peer saves at least
+    /// `sidecar.forward_min_saving` of the `prefix` cost against it (other policies: the rank
+    /// decides). Reorders `decision` so the local engine comes first when it keeps the request;
+    /// returns why a peer comes first otherwise.
+    fn prefer_local(
+        &self,
+        cands: &[kvmesh_filters::route::Candidate],
+        decision: &mut Decision,
+        total_bytes: usize,
+    ) -> &'static str {
+        let is_local = |i: usize| {
+            self.fleet
+                .get(cands[i].node)
+                .is_some_and(|e| e.peer.is_none())
+        };
+        let Some(&first) = decision.order.first() else {
+            return "rank";
+        };
+        if is_local(first) {
+            return "local";
+        }
+        let Some(pos) = decision.order.iter().position(|&i| is_local(i)) else {
+            return "local_down";
+        };
+        if self.router.policy() != kvmesh_filters::route::Policy::Prefix {
+            return "rank";
+        }
+        let p = self.router.params();
+        let local_cost =
+            kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], total_bytes, p);
+        let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], total_bytes, p);
+        if local_cost.saturating_sub(peer_cost) >= self.cfg.sidecar.forward_min_saving {
+            return "prefix_saving";
+        }
+        decision.order[..=pos].rotate_right(1);
+        "local"
+    }
+
+    /// Whether a request carrying the hop header comes from a trusted peer.
+    fn hop_trusted(&self, session: &Session) -> bool {
+        let Some(ip) = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map(|a| a.ip())
+        else {
+            return false;
+        };
+        hop_allowed(ip, self.cfg.sidecar.accept_hop_from, || {
+            self.fleet
+                .engines()
+                .iter()
+                .filter(|e| e.peer.is_some())
+                .map(|e| e.addr.ip())
+                .collect()
+        })
     }
 
     /// The response is complete: confirm or refute the residency prediction from `usage`.
@@ -471,6 +544,20 @@ impl ProxyHttp for Gateway {
             );
             return respond_error(session, ctx, e).await;
         }
+        if session.req_header().headers.contains_key(HOP_HEADER) {
+            if !self.hop_trusted(session) {
+                self.metrics
+                    .admission_rejections
+                    .with_label_values(&["untrusted_hop"])
+                    .inc();
+                let e = ApiError::new(
+                    ErrorKind::Forbidden,
+                    format!("the {HOP_HEADER} header is accepted only from peer proxies"),
+                );
+                return respond_error(session, ctx, e).await;
+            }
+            ctx.local_only = true;
+        }
         if self.fleet.total_inflight() >= self.cfg.max_inflight {
             self.metrics
                 .admission_rejections
@@ -521,7 +608,7 @@ impl ProxyHttp for Gateway {
             ));
         };
         let cand = cands[ci];
-        let Some(engine) = self.fleet.get(cand.node).cloned() else {
+        let Some(engine) = self.fleet.get(cand.node) else {
             return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
         };
         // Move the chosen engine to position `tried`, keeping the skipped ones for a failover.
@@ -530,6 +617,17 @@ impl ProxyHttp for Gateway {
         }
         ctx.attempts += 1;
         ctx.body_sent = false;
+        if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
+            let reason = if ctx.attempts > 1 {
+                "failover"
+            } else {
+                ctx.forward_reason
+            };
+            self.metrics
+                .forwards
+                .with_label_values(&[&peer.node_id, reason])
+                .inc();
+        }
         ctx.predicted_overlap = cand.overlap_blocks;
         ctx.prediction_settled = engine.pending_prefill() == 0;
         let (chain, total) = ctx
@@ -562,6 +660,12 @@ impl ProxyHttp for Gateway {
         req.remove_header(&header::TRANSFER_ENCODING);
         let len = ctx.body.as_ref().map_or(0, |b| b.len());
         req.insert_header(header::CONTENT_LENGTH, len.to_string())?;
+        // One hop at most: the peer serves it locally. A client's own hop header (trusted, or
+        // the request was refused) never travels further.
+        req.remove_header(HOP_HEADER);
+        if ctx.dispatch.as_ref().is_some_and(|d| d.engine().via_peer()) {
+            req.insert_header(HOP_HEADER, "1")?;
+        }
         if let Some(plan) = ctx.plan.as_ref() {
             let n = self.cfg.routing.forward_digests.min(plan.chain.len());
             if n > 0 {
@@ -611,7 +715,11 @@ impl ProxyHttp for Gateway {
             }
         }
         if let Some(d) = ctx.dispatch.as_ref() {
-            resp.insert_header("x-kvmesh-engine", d.engine().name.as_str())?;
+            match d.engine().peer.as_ref().filter(|p| p.via_peer) {
+                // The peer proxy named its engine already; say which peer served it.
+                Some(p) => resp.insert_header("x-kvmesh-peer", p.node_id.as_str())?,
+                None => resp.insert_header("x-kvmesh-engine", d.engine().name.as_str())?,
+            }
         }
         Ok(())
     }
@@ -661,7 +769,7 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         if let Some(d) = ctx.dispatch.take() {
             tracing::warn!(engine = %d.engine().name, error = %e, "cannot connect to engine");
-            d.engine().mark_down();
+            self.fleet.mark_down(d.engine());
         }
         if self.can_retry(ctx) {
             self.metrics.retries.with_label_values(&["connect"]).inc();
@@ -761,9 +869,39 @@ impl ProxyHttp for Gateway {
     }
 }
 
+/// Whether a request with the hop header from `ip` is trusted under `trust`; `members` lists
+/// the IPs of live peers (computed only when needed).
+fn hop_allowed(
+    ip: std::net::IpAddr,
+    trust: HopTrust,
+    members: impl FnOnce() -> Vec<std::net::IpAddr>,
+) -> bool {
+    ip.is_loopback() || (trust == HopTrust::Members && members().contains(&ip))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::JsonEnd;
+    use super::{hop_allowed, HopTrust, JsonEnd};
+
+    #[test]
+    fn hop_header_trust() {
+        let peer: std::net::IpAddr = "10.0.0.7".parse().unwrap();
+        let stranger: std::net::IpAddr = "10.0.0.9".parse().unwrap();
+        let members = || vec![peer];
+        assert!(hop_allowed(
+            "127.0.0.1".parse().unwrap(),
+            HopTrust::Loopback,
+            members
+        ));
+        assert!(hop_allowed(
+            "::1".parse().unwrap(),
+            HopTrust::Loopback,
+            members
+        ));
+        assert!(!hop_allowed(peer, HopTrust::Loopback, members));
+        assert!(hop_allowed(peer, HopTrust::Members, members));
+        assert!(!hop_allowed(stranger, HopTrust::Members, members));
+    }
 
     #[test]
     fn json_end_tracks_nesting_and_strings() {

@@ -1,0 +1,247 @@
+//! Gossip glue: publishes this proxy's node record and its engine's residency, applies peers'
+//! to the fleet and the residency index, and tracks the local engine's `kv_epoch`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use http_body_util::BodyExt;
+use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
+use kvmesh_cluster::{Cluster, Membership, NodeRecord, ResidencySync};
+use kvmesh_filters::residency::{NodeId, ResidencyIndex};
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+
+use crate::config::{parse_engine_url, Mode, ProxyConfig};
+use crate::fleet::{self, Engine, Fleet, PeerEngine};
+use crate::metrics::Metrics;
+
+/// The background service that runs the gossip.
+pub struct ClusterService {
+    /// Configuration in force.
+    pub cfg: ProxyConfig,
+    /// The engines (peers' are added and removed here).
+    pub fleet: Arc<Fleet>,
+    /// The residency index (peers' residency enters it).
+    pub index: Arc<ResidencyIndex>,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Adds peers' engines to the fleet: through their proxy in sidecar mode, directly otherwise.
+struct FleetMembership<'a> {
+    fleet: &'a Fleet,
+    via_peer: bool,
+}
+
+impl Membership for FleetMembership<'_> {
+    fn upsert(&self, r: &NodeRecord) -> Option<NodeId> {
+        let url = if self.via_peer {
+            &r.proxy_url
+        } else {
+            &r.engine_url
+        };
+        let addr = match parse_engine_url(url) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(peer = %r.node_id, error = %e, "peer published an unusable URL");
+                return None;
+            }
+        };
+        Some(self.fleet.upsert_peer(&PeerEngine {
+            node_id: r.node_id.clone(),
+            addr,
+            url: url.clone(),
+            via_peer: self.via_peer,
+            models: r.models.clone(),
+            ready: r.ready,
+            inflight: r.inflight,
+            pending_prefill_bytes: r.pending_prefill_bytes,
+        }))
+    }
+
+    fn remove(&self, node_id: &str, _node: NodeId) {
+        self.fleet.remove_peer(node_id);
+    }
+}
+
+/// The local engine's cache generation, as this proxy knows it.
+struct LocalEpoch {
+    /// From the engine's `/server_info` (`kv_epoch`), when it reports one.
+    reported: Option<u64>,
+    /// Otherwise a value this proxy draws anew whenever the engine comes back from down.
+    derived: u64,
+    was_healthy: bool,
+}
+
+impl LocalEpoch {
+    fn current(&self) -> u64 {
+        self.reported.unwrap_or(self.derived)
+    }
+}
+
+/// `GET {url}/server_info` -> `kv_epoch`, if the engine reports one.
+async fn fetch_epoch(client: &fleet::ProbeClient, url: &str, timeout: Duration) -> Option<u64> {
+    let uri = format!("{}/server_info", url.trim_end_matches('/'))
+        .parse()
+        .ok()?;
+    let resp = tokio::time::timeout(timeout, client.get(uri))
+        .await
+        .ok()?
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let body = tokio::time::timeout(timeout, resp.into_body().collect())
+        .await
+        .ok()?
+        .ok()?
+        .to_bytes();
+    serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()?
+        .get("kv_epoch")?
+        .as_u64()
+}
+
+impl ClusterService {
+    fn local_engine(&self) -> Option<Arc<Engine>> {
+        (self.cfg.mode == Mode::Sidecar)
+            .then(|| {
+                self.fleet
+                    .engines()
+                    .iter()
+                    .find(|e| e.peer.is_none())
+                    .cloned()
+            })
+            .flatten()
+    }
+
+    /// Notices a restarted local engine (new `kv_epoch`, or back from down when it reports
+    /// none) and drops what the index says it held.
+    async fn track_epoch(
+        &self,
+        engine: &Engine,
+        epoch: &mut LocalEpoch,
+        client: &fleet::ProbeClient,
+    ) {
+        let healthy = engine.healthy();
+        let timeout = Duration::from_millis(self.cfg.health.timeout_ms);
+        let reported = if healthy {
+            fetch_epoch(client, &engine.url, timeout).await
+        } else {
+            None
+        };
+        let changed = match (epoch.reported, reported) {
+            (Some(old), Some(new)) => old != new,
+            (None, Some(_)) => false,
+            // No report: a down -> up transition may have been a restart.
+            (_, None) => healthy && !epoch.was_healthy && epoch.reported.is_none(),
+        };
+        if changed {
+            if reported.is_none() {
+                epoch.derived = fastrand::u64(1..);
+            }
+            tracing::info!(engine = %engine.name, "engine restarted (new kv_epoch): dropping its residency");
+            self.index.drop_node(engine.id);
+        }
+        if reported.is_some() {
+            epoch.reported = reported;
+        }
+        epoch.was_healthy = healthy;
+    }
+
+    fn record(&self, engine: Option<&Engine>, epoch: u64) -> NodeRecord {
+        let mut r = NodeRecord {
+            node_id: self.cfg.node_id(),
+            proxy_url: self.cfg.proxy_url(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            role: "gateway".into(),
+            ..Default::default()
+        };
+        if let Some(e) = engine {
+            r.engine_url = e.url.clone();
+            r.models = e.models().map(|m| m.to_vec()).unwrap_or_default();
+            r.role = "both".into();
+            r.inflight = e.own_inflight();
+            r.pending_prefill_bytes = e.own_pending_prefill();
+            r.kv_epoch = epoch;
+            r.ready = e.healthy();
+        }
+        r
+    }
+}
+
+#[async_trait]
+impl BackgroundService for ClusterService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let joined = match self.cfg.cluster_config() {
+            Ok(c) => Cluster::join(c).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        let cluster = match joined {
+            Ok(c) => c,
+            Err(e) => {
+                // Sidecar mode without gossip would silently be a lone proxy: stop instead.
+                tracing::error!(error = %e, "cannot join the cluster; exiting");
+                std::process::exit(2);
+            }
+        };
+        tracing::info!(node = %cluster.node_id(), "joined the cluster");
+        let client = fleet::probe_client();
+        let interval = Duration::from_millis(self.cfg.cluster.gossip_interval_ms);
+        let epoch_every = Duration::from_millis(self.cfg.health.interval_ms);
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut sync = ResidencySync::new();
+        let mut epoch = LocalEpoch {
+            reported: None,
+            derived: fastrand::u64(1..),
+            was_healthy: false,
+        };
+        let mut last_epoch_check: Option<Instant> = None;
+        let (mut sent, mut received) = (0u64, 0u64);
+        let membership = FleetMembership {
+            fleet: &self.fleet,
+            via_peer: self.cfg.mode == Mode::Sidecar,
+        };
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => break,
+            }
+            let local = self.local_engine();
+            if let Some(e) = local.as_deref() {
+                if last_epoch_check.is_none_or(|t| t.elapsed() >= epoch_every) {
+                    self.track_epoch(e, &mut epoch, &client).await;
+                    last_epoch_check = Some(Instant::now());
+                }
+            }
+            let shorts = local
+                .as_ref()
+                .map(|e| self.index.node_keys(e.id, SHARDS * MAX_PER_SHARD))
+                .unwrap_or_default();
+            cluster
+                .publish(&self.record(local.as_deref(), epoch.current()), &shorts)
+                .await;
+            let report = sync.sync(&cluster, &self.index, &membership).await;
+            self.metrics
+                .gossip_peers
+                .set(cluster.live_peers().await as i64);
+            let stats = cluster.stats();
+            let (s, r) = (stats.bytes_sent(), stats.bytes_received());
+            self.metrics
+                .gossip_bytes
+                .with_label_values(&["out"])
+                .inc_by(s - sent);
+            self.metrics
+                .gossip_bytes
+                .with_label_values(&["in"])
+                .inc_by(r - received);
+            (sent, received) = (s, r);
+            if report.added + report.removed > 0 {
+                tracing::debug!(?report, "gossip sync");
+            }
+        }
+        cluster.shutdown().await;
+    }
+}

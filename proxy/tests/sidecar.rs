@@ -1,0 +1,300 @@
+//! Sidecar mode end to end: three real `kvmesh-proxy` sidecars gossiping over UDP on loopback,
+//! each beside its own `kvmesh-sim-engine`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const CHAT: &str = "/v1/chat/completions";
+
+fn udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Node {
+    name: String,
+    proxy: Proxy,
+    gossip: u16,
+    seed: u16,
+}
+
+fn sidecar(name: &str, engine: SocketAddr, gossip: u16, seed: u16) -> Node {
+    let port = free_port();
+    let toml = format!(
+        r#"listen = "127.0.0.1:{port}"
+mode = "sidecar"
+threads = 2
+log = "warn"
+[health]
+interval_ms = 200
+[cluster]
+enabled = true
+cluster_id = "test"
+node_id = "{name}"
+gossip_listen = "127.0.0.1:{gossip}"
+seeds = ["127.0.0.1:{seed}"]
+gossip_interval_ms = 100
+[sidecar]
+peer_down_secs = 2
+[[engines]]
+name = "engine-{name}"
+url = "http://{engine}"
+"#
+    );
+    Node {
+        name: name.into(),
+        proxy: Proxy::start_with(&toml, port, true),
+        gossip,
+        seed,
+    }
+}
+
+impl Node {
+    fn restart(&mut self, engine: SocketAddr) {
+        let _ = self.proxy.child.kill();
+        let _ = self.proxy.child.wait();
+        let n = sidecar(&self.name, engine, self.gossip, self.seed);
+        // Keep the same listen port? Peers learn the new URL by gossip either way.
+        *self = n;
+    }
+
+    fn residency_of(&self, peer: &str) -> f64 {
+        self.proxy.metric(&format!(
+            "kvmesh_engine_residency_digests{{engine=\"{peer}\"}}"
+        ))
+    }
+}
+
+fn wait_for(what: &str, secs: u64, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn sim_requests(sim: SocketAddr) -> f64 {
+    let body = String::from_utf8(get(sim, "/metrics").unwrap().body).unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("kvmesh_sim_requests_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Three sidecars a, b, c on sims; a seeds the cluster. Waits until everyone sees two peers.
+fn cluster(sim_args: &[&[&str]; 3]) -> (Vec<Sim>, Vec<Node>) {
+    let names = ["a", "b", "c"];
+    let sims: Vec<Sim> = names
+        .iter()
+        .zip(sim_args)
+        .map(|(n, args)| Sim::start(&format!("engine-{n}"), args))
+        .collect();
+    let seed = udp_port();
+    let nodes: Vec<Node> = names
+        .iter()
+        .zip(&sims)
+        .enumerate()
+        .map(|(i, (n, s))| {
+            let gossip = if i == 0 { seed } else { udp_port() };
+            sidecar(n, s.addr, gossip, seed)
+        })
+        .collect();
+    wait_for("every sidecar sees 2 peers", 20, || {
+        nodes
+            .iter()
+            .all(|n| n.proxy.metric("kvmesh_gossip_peers") == 2.0)
+    });
+    (sims, nodes)
+}
+
+#[test]
+fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() {
+    let (sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]]);
+    let (a, b, c) = (&nodes[0], &nodes[1], &nodes[2]);
+    let prefix = text(1, 8000);
+
+    // c serves a long prompt on its own engine (nothing is resident anywhere yet).
+    let r = post(
+        c.proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q1"), ""),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    assert_eq!(r.header("x-kvmesh-peer"), None);
+
+    // Its residency reaches a and b by gossip.
+    wait_for("a and b learn c's residency", 20, || {
+        a.residency_of("c") > 0.0 && b.residency_of("c") > 0.0
+    });
+
+    // The same prefix sent to a is served by c's engine, once, through c's proxy.
+    let before: Vec<f64> = sims.iter().map(|s| sim_requests(s.addr)).collect();
+    let r = post(
+        a.proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q2"), ""),
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-kvmesh-peer"), Some("c"));
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached > 1000,
+        "c's engine should have had the prefix cached: {cached}"
+    );
+    let after: Vec<f64> = sims.iter().map(|s| sim_requests(s.addr)).collect();
+    assert_eq!(
+        (
+            after[0] - before[0],
+            after[1] - before[1],
+            after[2] - before[2]
+        ),
+        (0.0, 0.0, 1.0),
+        "exactly one engine request, on c"
+    );
+    assert_eq!(
+        a.proxy
+            .metric("kvmesh_forwards_total{peer=\"c\",reason=\"prefix_saving\"}"),
+        1.0
+    );
+
+    // Streaming through the hop: events arrive, usage included, from c's engine.
+    let r = post(
+        b.proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q3"), r#","stream":true"#),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvmesh-peer"), Some("c"));
+    let body = String::from_utf8(r.body).unwrap();
+    assert!(
+        body.contains("data: ") && body.trim_end().ends_with("data: [DONE]"),
+        "{body}"
+    );
+
+    // A request carrying the hop header is served where it lands, never forwarded.
+    let r = request(
+        a.proxy.addr,
+        "POST",
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q4"), ""),
+        Framing::Length,
+        &[("x-kvmesh-hop", "1")],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-a"));
+    assert_eq!(r.header("x-kvmesh-peer"), None);
+
+    // A short unrelated prompt stays local (no peer saves enough).
+    let r = post(b.proxy.addr, CHAT, &chat_body("sim-model", "hello", ""));
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-b"));
+
+    // Bad input through a sidecar gets the gateway's errors.
+    let r = post(a.proxy.addr, CHAT, b"{not json");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "invalid_request");
+}
+
+#[test]
+fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
+    let (mut sims, mut nodes) = cluster(&[
+        &["--instant"],
+        &["--instant"],
+        &["--instant", "--kv-epoch", "1"],
+    ]);
+    let prefix = text(2, 8000);
+    let body = |q: usize| chat_body("sim-model", &format!("{prefix} q{q}"), "");
+    assert_eq!(post(nodes[2].proxy.addr, CHAT, &body(0)).status, 200);
+    wait_for("a learns c's residency", 20, || {
+        nodes[0].residency_of("c") > 0.0
+    });
+
+    // c's proxy dies. Requests for c's prefix keep succeeding through a (failover before the
+    // first byte, then c is skipped), and c's entries disappear within a bounded time.
+    let _ = nodes[2].proxy.child.kill();
+    let _ = nodes[2].proxy.child.wait();
+    let started = Instant::now();
+    for q in 1..=12 {
+        let r = post(nodes[0].proxy.addr, CHAT, &body(q));
+        assert_eq!(
+            r.status,
+            200,
+            "request {q}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_ne!(r.header("x-kvmesh-peer"), Some("c"));
+    }
+    wait_for("a forgets c", 20, || {
+        nodes[0].proxy.metric("kvmesh_gossip_peers") == 1.0 && nodes[0].residency_of("c") == 0.0
+    });
+    eprintln!("dead peer dropped after {:?}", started.elapsed());
+
+    // c comes back and serves a new prefix (a holds the old one now); a learns it.
+    let c_engine = sims[2].addr;
+    nodes[2].restart(c_engine);
+    wait_for("c rejoins", 20, || {
+        nodes[0].proxy.metric("kvmesh_gossip_peers") == 2.0
+    });
+    let fresh = chat_body("sim-model", &text(3, 8000), "");
+    let r = post(nodes[2].proxy.addr, CHAT, &fresh);
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    wait_for("a re-learns c's residency", 20, || {
+        nodes[0].residency_of("c") > 0.0
+    });
+
+    // c's engine restarts with a new kv_epoch (its cache is empty): c's proxy notices, and a
+    // drops everything it learnt about c, while c stays a live peer.
+    sims[2].kill();
+    let mut restarted = Command::new(bin("kvmesh-sim-engine"))
+        .args([
+            "--listen",
+            &c_engine.to_string(),
+            "--name",
+            "engine-c",
+            "--instant",
+            "--kv-epoch",
+            "2",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    wait_for("a drops c's stale entries", 20, || {
+        nodes[0].residency_of("c") == 0.0
+    });
+    assert_eq!(nodes[0].proxy.metric("kvmesh_gossip_peers"), 2.0);
+    let _ = restarted.kill();
+    let _ = restarted.wait();
+}
+
+#[test]
+fn sidecar_mode_without_gossip_is_refused() {
+    // Sidecar mode without gossip is refused at start with a message naming the key.
+    let dir = std::env::temp_dir().join(format!("kvmesh-sidecar-{}.toml", std::process::id()));
+    std::fs::write(
+        &dir,
+        "mode = \"sidecar\"\n[[engines]]\nname = \"e\"\nurl = \"http://127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let out = Command::new(bin("kvmesh-proxy"))
+        .arg("check-config")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&dir);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[cluster]"));
+}
