@@ -4,8 +4,10 @@
 //!   and a documented latency model, so routers can be compared on equal, repeatable engines.
 //! - [`load`]: workload generators and an OpenAI streaming client that measures TTFT and reads
 //!   `usage`, used by `kvmesh-bench`.
+//! - [`gossip`]: residency convergence and gossip bandwidth of N in-process gossip nodes.
 //! - [`kvagent`]: kvagent's data path against plain copy and sequential-file baselines.
 
+pub mod gossip;
 pub mod http;
 pub mod kvagent;
 pub mod load;

@@ -248,12 +248,13 @@ impl SharedPrefix {
     }
 }
 
-/// Sends `n` requests to `url` with `concurrency` workers (closed loop: each sends its next
-/// request when the last one ends); request `i`'s body is `body(i)`, rendered when sent.
-/// Samples come back in request order.
+/// Sends `n` requests with `concurrency` workers (closed loop: each sends its next request when
+/// the last one ends); request `i` goes to `urls[i % urls.len()]` (several entry points, e.g.
+/// one sidecar per client) with body `body(i)`, rendered when sent. Samples come back in request
+/// order; no URL, no requests.
 pub async fn closed_loop<F>(
     client: &HttpClient,
-    url: &str,
+    urls: &[String],
     n: usize,
     concurrency: usize,
     body: F,
@@ -261,12 +262,15 @@ pub async fn closed_loop<F>(
 where
     F: Fn(usize) -> Bytes + Send + Sync + 'static,
 {
+    if urls.is_empty() {
+        return Vec::new();
+    }
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let body = Arc::new(body);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency.max(1) {
-        let (next, body, client, url) =
-            (next.clone(), body.clone(), client.clone(), url.to_string());
+        let (next, body, client, urls) =
+            (next.clone(), body.clone(), client.clone(), urls.to_vec());
         workers.spawn(async move {
             let mut out = Vec::new();
             loop {
@@ -274,7 +278,7 @@ where
                 if i >= n {
                     break;
                 }
-                out.push((i, send(&client, &url, body(i)).await));
+                out.push((i, send(&client, &urls[i % urls.len()], body(i)).await));
             }
             out
         });
@@ -294,15 +298,19 @@ fn in_request_order(mut tagged: Vec<(usize, Sample)>) -> Vec<Sample> {
 
 /// Sends `plan` open loop: each request at its planned offset from now, whatever is still in
 /// flight (at most `max_inflight` at once; later ones wait for a slot and their lateness counts
-/// in their latency). Prints progress to stderr every 5 s when `progress`.
+/// in their latency). Request `i` goes to `urls[i % urls.len()]`. Prints progress to stderr
+/// every 5 s when `progress`.
 pub async fn open_loop(
     client: &HttpClient,
-    url: &str,
+    urls: &[String],
     model: &str,
     plan: &[crate::workload::Planned],
     max_inflight: usize,
     progress: bool,
 ) -> Vec<Sample> {
+    if urls.is_empty() {
+        return Vec::new();
+    }
     let start = tokio::time::Instant::now();
     let slots = Arc::new(tokio::sync::Semaphore::new(max_inflight.max(1)));
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -331,7 +339,7 @@ pub async fn open_loop(
         let Ok(permit) = slots.clone().acquire_owned().await else {
             break;
         };
-        let (client, url, body) = (client.clone(), url.to_string(), p.body(model));
+        let (client, url, body) = (client.clone(), urls[i % urls.len()].clone(), p.body(model));
         let (done, failed) = (done.clone(), failed.clone());
         tasks.spawn(async move {
             let s = send(&client, &url, body).await;

@@ -154,6 +154,81 @@ pub async fn kvagent(dir: &std::path::Path, extra: &str) -> anyhow::Result<Proc>
     Ok(p)
 }
 
+/// Starts one `kvmesh-proxy` sidecar per engine (`mode = "sidecar"`, prefix policy, one worker
+/// thread each, `sidecar.cold_placement` as given), gossiping on loopback with the first as seed, and waits until each is ready
+/// and sees every other as a live peer.
+pub async fn kvmesh_sidecars(
+    engines: &[SocketAddr],
+    cold_placement: &str,
+) -> anyhow::Result<Vec<Proc>> {
+    let seed = std::net::UdpSocket::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut procs = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        let port = free_port()?;
+        let gossip = if i == 0 {
+            seed
+        } else {
+            std::net::UdpSocket::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port()
+        };
+        let toml = format!(
+            "listen = \"127.0.0.1:{port}\"\nmode = \"sidecar\"\nlog = \"warn\"\nthreads = 1\n\
+             [health]\ninterval_ms = 1000\n\
+             [cluster]\nenabled = true\ncluster_id = \"bench\"\nnode_id = \"sidecar-{i}\"\n\
+             gossip_listen = \"127.0.0.1:{gossip}\"\nseeds = [\"127.0.0.1:{seed}\"]\n\
+             [sidecar]\ncold_placement = \"{cold_placement}\"\n\
+             [[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
+        );
+        let path = std::env::temp_dir().join(format!(
+            "kvmesh-bench-sidecar-{}-{port}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&path, toml)?;
+        let child = Command::new(sibling("kvmesh-proxy")?)
+            .arg("--config")
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a kvmesh-proxy sidecar")?;
+        procs.push((
+            Proc {
+                child,
+                addr: format!("127.0.0.1:{port}").parse()?,
+            },
+            path,
+        ));
+    }
+    let client = crate::load::client(1);
+    let peers = engines.len().saturating_sub(1);
+    for (p, path) in &procs {
+        let uri: http::Uri = format!("http://{}/metrics", p.addr).parse()?;
+        let what = format!("sidecar {} did not see {peers} peers", p.addr);
+        wait_until(
+            &what,
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            async || {
+                let Ok(resp) = client.get(uri.clone()).await else {
+                    return false;
+                };
+                let Ok(body) = http_body_util::BodyExt::collect(resp.into_body()).await else {
+                    return false;
+                };
+                String::from_utf8_lossy(&body.to_bytes())
+                    .lines()
+                    .any(|l| l == format!("kvmesh_gossip_peers {peers}"))
+            },
+        )
+        .await?;
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(procs.into_iter().map(|(p, _)| p).collect())
+}
+
 /// Waits until something accepts TCP connections on `addr`.
 async fn wait_listening(addr: SocketAddr) -> anyhow::Result<()> {
     let what = format!("nothing listens on {addr}");

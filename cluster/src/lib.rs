@@ -135,10 +135,24 @@ impl Cluster {
         &self.self_id.node_id
     }
 
-    /// Publishes this node's record and residency (shorts, most important first). Only values
-    /// that changed since the last call are set, so an unchanged shard costs no gossip.
-    pub async fn publish(&self, record: &NodeRecord, shorts: &[u64]) {
+    /// Publishes this node's record; a no-op when it did not change.
+    pub async fn publish_record(&self, record: &NodeRecord) {
         let record_json = serde_json::to_string(record).unwrap_or_default();
+        let mut published = self.published.lock().await;
+        if published.record != record_json {
+            let chitchat = self.handle.chitchat();
+            chitchat
+                .lock()
+                .await
+                .self_node_state()
+                .set(RECORD_KEY, &record_json);
+            published.record = record_json;
+        }
+    }
+
+    /// Publishes this node's residency (shorts, most important first). Only shards that changed
+    /// since the last call are set, so an unchanged shard costs no gossip.
+    pub async fn publish_residency(&self, shorts: &[u64]) {
         let encoded: Vec<String> = shards::split(shorts)
             .iter()
             .map(|s| shards::encode(s))
@@ -147,10 +161,6 @@ impl Cluster {
         let chitchat = self.handle.chitchat();
         let mut chitchat = chitchat.lock().await;
         let state = chitchat.self_node_state();
-        if published.record != record_json {
-            state.set(RECORD_KEY, &record_json);
-            published.record = record_json;
-        }
         for (i, value) in encoded.into_iter().enumerate() {
             if published.shards[i] != value {
                 state.set(shards::key(i), &value);

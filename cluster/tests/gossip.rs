@@ -83,7 +83,8 @@ async fn node(name: &str, port: u16, seed: u16) -> Node {
 impl Node {
     async fn tick(&mut self) {
         let own = self.index.node_keys(NodeId(0), 1_000_000);
-        self.cluster.publish(&self.record, &own).await;
+        self.cluster.publish_record(&self.record).await;
+        self.cluster.publish_residency(&own).await;
         self.sync
             .sync(&self.cluster, &self.index, &self.members)
             .await;

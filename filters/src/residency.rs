@@ -108,6 +108,8 @@ type Key = u64;
 struct NodeLru {
     lru: LruCache<Key, ()>,
     capacity: usize,
+    /// Changes whenever a key joins or leaves this node's set (see [`ResidencyIndex::node_version`]).
+    version: u64,
 }
 
 /// What an engine's `cached_tokens` said about a prediction, see [`ResidencyIndex::confirm`].
@@ -138,6 +140,8 @@ pub struct ResidencyIndex {
     cfg: ResidencyConfig,
     map: DashMap<Key, Vec<Holder>>,
     nodes: DashMap<NodeId, Arc<Mutex<NodeLru>>>,
+    /// Source of node set versions: unique across nodes and node lifetimes.
+    versions: std::sync::atomic::AtomicU64,
 }
 
 impl ResidencyIndex {
@@ -147,6 +151,7 @@ impl ResidencyIndex {
             cfg,
             map: DashMap::new(),
             nodes: DashMap::new(),
+            versions: std::sync::atomic::AtomicU64::new(1),
         }
     }
 
@@ -162,9 +167,15 @@ impl ResidencyIndex {
                 Arc::new(Mutex::new(NodeLru {
                     lru: LruCache::unbounded(),
                     capacity: self.cfg.capacity_per_node.max(1),
+                    version: self.next_version(),
                 }))
             })
             .clone()
+    }
+
+    fn next_version(&self) -> u64 {
+        self.versions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     fn remove_holder(&self, key: &Key, node: NodeId) {
@@ -194,8 +205,9 @@ impl ResidencyIndex {
         let expires = now + self.cfg.ttl(source);
         let lru = self.node_lru(node);
         let mut lru = lru.lock();
+        let mut changed = false;
         for k in keys {
-            lru.lru.put(k, ());
+            changed |= lru.lru.put(k, ()).is_none();
             let mut holders = self.map.entry(k).or_default();
             match holders.iter_mut().find(|h| h.node == node) {
                 Some(h) => {
@@ -211,7 +223,10 @@ impl ResidencyIndex {
                 }),
             }
         }
-        Self::trim(&mut lru, |d| self.remove_holder(&d, node));
+        changed |= Self::trim(&mut lru, |d| self.remove_holder(&d, node));
+        if changed {
+            lru.version = self.next_version();
+        }
     }
 
     /// Forgets that `node` holds these digests (short form): a peer withdrew them.
@@ -220,11 +235,22 @@ impl ResidencyIndex {
             return;
         };
         let mut lru = lru.lock();
+        let mut changed = false;
         for k in keys {
             if lru.lru.pop(&k).is_some() {
                 self.remove_holder(&k, node);
+                changed = true;
             }
         }
+        if changed {
+            lru.version = self.next_version();
+        }
+    }
+
+    /// A number that changes whenever `node`'s set of digests changes (not on mere use), so a
+    /// publisher can skip unchanged sets; `None` when the node has no entries.
+    pub fn node_version(&self, node: NodeId) -> Option<u64> {
+        self.nodes.get(&node).map(|l| l.lock().version)
     }
 
     /// The digests (short form) the index holds for `node`, most recently used first, at most
@@ -236,13 +262,19 @@ impl ResidencyIndex {
             .unwrap_or_default()
     }
 
-    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Key)) {
+    /// Evicts down to the bound; true when anything was evicted.
+    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Key)) -> bool {
+        let mut evicted = false;
         while lru.lru.len() > lru.capacity {
             match lru.lru.pop_lru() {
-                Some((d, ())) => evict(d),
+                Some((d, ())) => {
+                    evict(d);
+                    evicted = true;
+                }
                 None => break,
             }
         }
+        evicted
     }
 
     /// For each node, how many leading digests of `chain` it holds (unexpired). Nodes holding
@@ -297,7 +329,9 @@ impl ResidencyIndex {
                 Verdict::Refuted => {
                     let shrunk = lru.lru.len().min(lru.capacity) * 9 / 10;
                     lru.capacity = shrunk.max(self.cfg.min_capacity_per_node);
-                    Self::trim(&mut lru, |d| self.remove_holder(&d, node));
+                    if Self::trim(&mut lru, |d| self.remove_holder(&d, node)) {
+                        lru.version = self.next_version();
+                    }
                 }
                 Verdict::Confirmed if lru.lru.len() >= lru.capacity => {
                     lru.capacity =
@@ -347,6 +381,7 @@ impl ResidencyIndex {
                 lru.lru.pop_lru();
                 self.remove_holder(&d, node);
                 removed += 1;
+                lru.version = self.next_version();
             }
         }
         removed
@@ -486,6 +521,13 @@ mod tests {
         other.remove_keys(NodeId(7), [c[1].short()]);
         assert_eq!(other.overlap(&c, now), vec![(NodeId(7), 1)]);
         assert_eq!(idx.node_keys(NodeId(1), 2).len(), 2, "limit applies");
+        // The set's version moves on adds and removals, not on re-recording the same chain.
+        let v = idx.node_version(NodeId(1));
+        idx.record(NodeId(1), &c, Source::Reported, now);
+        assert_eq!(idx.node_version(NodeId(1)), v);
+        idx.remove_keys(NodeId(1), [c[2].short()]);
+        assert_ne!(idx.node_version(NodeId(1)), v);
+        assert_eq!(idx.node_version(NodeId(9)), None);
     }
 
     #[test]

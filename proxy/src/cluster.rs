@@ -200,6 +200,7 @@ impl BackgroundService for ClusterService {
         };
         let mut last_epoch_check: Option<Instant> = None;
         let (mut sent, mut received) = (0u64, 0u64);
+        let mut published_version: Option<u64> = Some(0);
         let membership = FleetMembership {
             fleet: &self.fleet,
             via_peer: self.cfg.mode == Mode::Sidecar,
@@ -216,13 +217,19 @@ impl BackgroundService for ClusterService {
                     last_epoch_check = Some(Instant::now());
                 }
             }
-            let shorts = local
-                .as_ref()
-                .map(|e| self.index.node_keys(e.id, SHARDS * MAX_PER_SHARD))
-                .unwrap_or_default();
             cluster
-                .publish(&self.record(local.as_deref(), epoch.current()), &shorts)
+                .publish_record(&self.record(local.as_deref(), epoch.current()))
                 .await;
+            // Re-encode the residency only when the engine's set changed.
+            let version = local.as_ref().and_then(|e| self.index.node_version(e.id));
+            if version != published_version {
+                let shorts = local
+                    .as_ref()
+                    .map(|e| self.index.node_keys(e.id, SHARDS * MAX_PER_SHARD))
+                    .unwrap_or_default();
+                cluster.publish_residency(&shorts).await;
+                published_version = version;
+            }
             let report = sync.sync(&cluster, &self.index, &membership).await;
             self.metrics
                 .gossip_peers

@@ -146,6 +146,22 @@ pub struct SidecarConfig {
     pub accept_hop_from: HopTrust,
     /// Seconds a peer that refused a connection is skipped, whatever gossip says.
     pub peer_down_secs: u64,
+    /// Where a request goes when no node holds any of its prefix: `local` (this engine) or
+    /// `home` (the node chosen by rendezvous hashing of the prompt's first block digest, which
+    /// every sidecar computes alike, so a new prefix's followers meet on one engine before
+    /// gossip has spread it).
+    pub cold_placement: ColdPlacement,
+}
+
+/// Placement of requests whose prefix no node holds (`sidecar.cold_placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ColdPlacement {
+    /// Serve on the local engine.
+    #[default]
+    Local,
+    /// Send to the prefix's rendezvous-hash home node.
+    Home,
 }
 
 impl Default for SidecarConfig {
@@ -154,6 +170,7 @@ impl Default for SidecarConfig {
             forward_min_saving: 4096,
             accept_hop_from: HopTrust::Loopback,
             peer_down_secs: 5,
+            cold_placement: ColdPlacement::Local,
         }
     }
 }

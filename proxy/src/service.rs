@@ -32,7 +32,7 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
-use crate::config::{HopTrust, Mode, ProxyConfig};
+use crate::config::{ColdPlacement, HopTrust, Mode, ProxyConfig};
 use crate::fleet::{Dispatch, Fleet, NoRoute};
 use crate::metrics::Metrics;
 
@@ -405,7 +405,7 @@ impl Gateway {
             &mut fastrand::Rng::new(),
         );
         if self.cfg.mode == Mode::Sidecar && !ctx.local_only {
-            ctx.forward_reason = self.prefer_local(&cands, &mut decision, plan.total_bytes);
+            ctx.forward_reason = self.prefer_local(&cands, &mut decision, plan);
         }
         self.metrics
             .decisions
@@ -423,13 +423,25 @@ impl Gateway {
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         decision: &mut Decision,
-        total_bytes: usize,
+        plan: &Plan,
     ) -> &'static str {
+        let total_bytes = plan.total_bytes;
         let is_local = |i: usize| {
             self.fleet
                 .get(cands[i].node)
                 .is_some_and(|e| e.peer.is_none())
         };
+        let cold = cands.iter().all(|c| c.overlap_blocks == 0);
+        if let (true, ColdPlacement::Home, Some(first)) =
+            (cold, self.cfg.sidecar.cold_placement, plan.chain.first())
+        {
+            if let Some(home) = self.cold_home(cands, first) {
+                if let Some(pos) = decision.order.iter().position(|&i| i == home) {
+                    decision.order[..=pos].rotate_right(1);
+                }
+                return if is_local(home) { "local" } else { "home" };
+            }
+        }
         let Some(&first) = decision.order.first() else {
             return "rank";
         };
@@ -451,6 +463,35 @@ impl Gateway {
         }
         decision.order[..=pos].rotate_right(1);
         "local"
+    }
+
+    /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising
+    /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees.
+    fn cold_home(
+        &self,
+        cands: &[kvmesh_filters::route::Candidate],
+        first: &Digest,
+    ) -> Option<usize> {
+        let own = self.cfg.node_id();
+        let weight = |c: &kvmesh_filters::route::Candidate| {
+            let engine = self.fleet.get(c.node)?;
+            let id = engine
+                .peer
+                .as_ref()
+                .map_or(own.as_str(), |p| p.node_id.as_str());
+            let mut h = blake3::Hasher::new();
+            h.update(&first.0);
+            h.update(id.as_bytes());
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h.finalize().as_bytes()[..8]);
+            Some(u64::from_le_bytes(b))
+        };
+        cands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, weight(c)?)))
+            .max_by_key(|(_, w)| *w)
+            .map(|(i, _)| i)
     }
 
     /// Whether a request carrying the hop header comes from a trusted peer.

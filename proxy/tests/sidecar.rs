@@ -25,9 +25,10 @@ struct Node {
     proxy: Proxy,
     gossip: u16,
     seed: u16,
+    cold: String,
 }
 
-fn sidecar(name: &str, engine: SocketAddr, gossip: u16, seed: u16) -> Node {
+fn sidecar(name: &str, engine: SocketAddr, gossip: u16, seed: u16, cold: &str) -> Node {
     let port = free_port();
     let toml = format!(
         r#"listen = "127.0.0.1:{port}"
@@ -45,6 +46,7 @@ seeds = ["127.0.0.1:{seed}"]
 gossip_interval_ms = 100
 [sidecar]
 peer_down_secs = 2
+cold_placement = "{cold}"
 [[engines]]
 name = "engine-{name}"
 url = "http://{engine}"
@@ -55,6 +57,7 @@ url = "http://{engine}"
         proxy: Proxy::start_with(&toml, port, true),
         gossip,
         seed,
+        cold: cold.into(),
     }
 }
 
@@ -62,7 +65,7 @@ impl Node {
     fn restart(&mut self, engine: SocketAddr) {
         let _ = self.proxy.child.kill();
         let _ = self.proxy.child.wait();
-        let n = sidecar(&self.name, engine, self.gossip, self.seed);
+        let n = sidecar(&self.name, engine, self.gossip, self.seed, &self.cold);
         // Keep the same listen port? Peers learn the new URL by gossip either way.
         *self = n;
     }
@@ -91,7 +94,7 @@ fn sim_requests(sim: SocketAddr) -> f64 {
 }
 
 /// Three sidecars a, b, c on sims; a seeds the cluster. Waits until everyone sees two peers.
-fn cluster(sim_args: &[&[&str]; 3]) -> (Vec<Sim>, Vec<Node>) {
+fn cluster(sim_args: &[&[&str]; 3], cold: &str) -> (Vec<Sim>, Vec<Node>) {
     let names = ["a", "b", "c"];
     let sims: Vec<Sim> = names
         .iter()
@@ -105,7 +108,7 @@ fn cluster(sim_args: &[&[&str]; 3]) -> (Vec<Sim>, Vec<Node>) {
         .enumerate()
         .map(|(i, (n, s))| {
             let gossip = if i == 0 { seed } else { udp_port() };
-            sidecar(n, s.addr, gossip, seed)
+            sidecar(n, s.addr, gossip, seed, cold)
         })
         .collect();
     wait_for("every sidecar sees 2 peers", 20, || {
@@ -118,7 +121,7 @@ fn cluster(sim_args: &[&[&str]; 3]) -> (Vec<Sim>, Vec<Node>) {
 
 #[test]
 fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() {
-    let (sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]]);
+    let (sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]], "local");
     let (a, b, c) = (&nodes[0], &nodes[1], &nodes[2]);
     let prefix = text(1, 8000);
 
@@ -210,11 +213,14 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
 
 #[test]
 fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
-    let (mut sims, mut nodes) = cluster(&[
-        &["--instant"],
-        &["--instant"],
-        &["--instant", "--kv-epoch", "1"],
-    ]);
+    let (mut sims, mut nodes) = cluster(
+        &[
+            &["--instant"],
+            &["--instant"],
+            &["--instant", "--kv-epoch", "1"],
+        ],
+        "local",
+    );
     let prefix = text(2, 8000);
     let body = |q: usize| chat_body("sim-model", &format!("{prefix} q{q}"), "");
     assert_eq!(post(nodes[2].proxy.addr, CHAT, &body(0)).status, 200);
@@ -278,6 +284,34 @@ fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
     assert_eq!(nodes[0].proxy.metric("kvmesh_gossip_peers"), 2.0);
     let _ = restarted.kill();
     let _ = restarted.wait();
+}
+
+#[test]
+fn with_home_placement_a_new_prefix_meets_on_one_engine_before_gossip() {
+    let (_sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]], "home");
+    // Several new prefixes, each sent at once to all three sidecars: no gossip can have spread
+    // it, yet all three copies must land on the same engine (the prefix's home).
+    let mut homes = std::collections::HashSet::new();
+    for p in 0..6 {
+        let prefix = text(100 + p, 4000);
+        let engines: Vec<String> = nodes
+            .iter()
+            .map(|n| {
+                let r = post(n.proxy.addr, CHAT, &chat_body("sim-model", &prefix, ""));
+                assert_eq!(r.status, 200);
+                r.header("x-kvmesh-engine").unwrap().to_string()
+            })
+            .collect();
+        assert!(
+            engines.iter().all(|e| *e == engines[0]),
+            "prefix {p}: {engines:?}"
+        );
+        homes.insert(engines[0].clone());
+    }
+    assert!(
+        homes.len() > 1,
+        "homes should spread over engines: {homes:?}"
+    );
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //!   or closed loop.
 //! - `compare`: the same workload through kvmesh's policies and peer routers, each in front of
 //!   fresh simulated engines, side by side, with the oracle.
+//! - `gossip`: residency convergence and gossip bandwidth for 4/8/16 proxies.
 //! - `kvagent`: kvagent's GetBlocks, Lookup, spill and promote against plain baselines.
 
 use std::time::Instant;
@@ -44,6 +45,24 @@ enum Cmd {
     },
     /// Side by side: kvmesh policies and peer routers on the same workload and fresh engines.
     Compare(CompareArgs),
+    /// Gossip: residency convergence time and bytes/s per node for N proxies' gossip loops.
+    Gossip {
+        /// Cluster sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4,8,16")]
+        nodes: Vec<usize>,
+        /// Resident digests per node.
+        #[arg(long, default_value_t = 100_000)]
+        blocks: usize,
+        /// Gossip interval in milliseconds (the proxy's default).
+        #[arg(long, default_value_t = 200)]
+        interval_ms: u64,
+        /// Seconds of steady state measured.
+        #[arg(long, default_value_t = 10)]
+        steady_secs: u64,
+        /// Single-change convergence trials.
+        #[arg(long, default_value_t = 10)]
+        changes: usize,
+    },
     /// kvagent's data path (GetBlocks, Lookup, spill, promote) against plain baselines.
     Kvagent {
         /// Directory for block files and the baseline file: put it on the disk to measure.
@@ -151,14 +170,14 @@ impl Spec {
     async fn send(
         &self,
         client: &load::HttpClient,
-        url: &str,
+        urls: &[String],
         plan: &[workload::Planned],
     ) -> Vec<load::Sample> {
         if self.concurrency == 0 {
-            return load::open_loop(client, url, &self.model, plan, self.max_inflight, true).await;
+            return load::open_loop(client, urls, &self.model, plan, self.max_inflight, true).await;
         }
         let (plan, model) = (std::sync::Arc::new(plan.to_vec()), self.model.clone());
-        load::closed_loop(client, url, plan.len(), self.concurrency, move |i| {
+        load::closed_loop(client, urls, plan.len(), self.concurrency, move |i| {
             plan[i].body(&model)
         })
         .await
@@ -267,7 +286,9 @@ struct CompareArgs {
     #[command(flatten)]
     engines: EngineArgs,
     /// Targets, in order: kvmesh-<policy> (prefix, round_robin, least_inflight, power_of_two,
-    /// session), sglang, vllm, nginx.
+    /// session: one gateway), kvmesh-sidecar and kvmesh-sidecar-home (one sidecar per engine,
+    /// gossiping, cold_placement local or home; requests spread over the sidecars), sglang,
+    /// vllm, nginx.
     #[arg(
         long,
         value_delimiter = ',',
@@ -354,7 +375,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         let shared = std::sync::Arc::new(bodies.clone());
         let samples = load::closed_loop(
             &client,
-            &url,
+            std::slice::from_ref(&url),
             bodies.len(),
             a.workload.concurrency,
             move |i| shared[i].clone(),
@@ -431,11 +452,12 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
                 let client = load::client(c);
                 let url = format!("http://{addr}/v1/chat/completions");
                 let b = body.clone();
-                load::closed_loop(&client, &url, 200, c, move |_| b.clone()).await;
+                let urls = std::slice::from_ref(&url);
+                load::closed_loop(&client, urls, 200, c, move |_| b.clone()).await;
                 let start = Instant::now();
                 let b = body.clone();
                 let samples =
-                    load::closed_loop(&client, &url, a.requests, c, move |_| b.clone()).await;
+                    load::closed_loop(&client, urls, a.requests, c, move |_| b.clone()).await;
                 runs[i].push(load::summarize(&samples, start.elapsed()));
             }
         }
@@ -504,21 +526,30 @@ struct TargetResult {
     ttft_ms: Vec<f64>,
 }
 
+/// Starts a target in front of `sims`; returns its entry points (one for a router, one per
+/// engine for `kvmesh-sidecar`, where clients spread over the sidecars as in a mesh).
 async fn start_target(
     target: &str,
     sims: &[procs::Proc],
     a: &CompareArgs,
-) -> anyhow::Result<procs::Proc> {
+) -> anyhow::Result<Vec<procs::Proc>> {
     let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    if let Some(policy) = target.strip_prefix("kvmesh-") {
-        return procs::kvmesh(policy, &addrs, 0, 1000).await;
+    if target == "kvmesh-sidecar" {
+        return procs::kvmesh_sidecars(&addrs, "local").await;
     }
-    match target {
+    if target == "kvmesh-sidecar-home" {
+        return procs::kvmesh_sidecars(&addrs, "home").await;
+    }
+    if let Some(policy) = target.strip_prefix("kvmesh-") {
+        return Ok(vec![procs::kvmesh(policy, &addrs, 0, 1000).await?]);
+    }
+    let one = match target {
         "sglang" => procs::peer(procs::Peer::Sglang, &a.peers_venv, &addrs).await,
         "vllm" => procs::peer(procs::Peer::Vllm, &a.peers_venv, &addrs).await,
         "nginx" => procs::nginx(&addrs).await,
         other => anyhow::bail!("unknown target {other:?}"),
-    }
+    };
+    Ok(vec![one?])
 }
 
 async fn compare(a: CompareArgs) -> anyhow::Result<()> {
@@ -541,7 +572,7 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             let sims = (0..e.replicas)
                 .map(|i| procs::sim(&format!("engine-{i}"), &e.sim_args(cap)))
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let router = match start_target(target, &sims, &a).await {
+            let routers = match start_target(target, &sims, &a).await {
                 Ok(r) => r,
                 Err(err) => {
                     println!("| {target} | skipped: {err:#} |");
@@ -550,9 +581,12 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             };
             eprintln!("{target}, cache {cap}: replaying {} requests", plan.len());
             let client = load::client(256);
-            let url = format!("http://{}/v1/chat/completions", router.addr);
+            let urls: Vec<String> = routers
+                .iter()
+                .map(|r| format!("http://{}/v1/chat/completions", r.addr))
+                .collect();
             let start = Instant::now();
-            let samples = a.spec.send(&client, &url, &plan).await;
+            let samples = a.spec.send(&client, &urls, &plan).await;
             let summary = load::summarize(&samples, start.elapsed());
             let row = full_row(target, &summary);
             println!("{row}");
@@ -570,7 +604,7 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
                 summary,
                 ttft_ms: ttft,
             });
-            drop(router);
+            drop(routers);
             drop(sims);
         }
         println!();
@@ -601,7 +635,7 @@ async fn replay(url: &str, spec: &Spec, out: Option<&std::path::Path>) -> anyhow
     let client = load::client(256);
     let url = format!("{}/v1/chat/completions", url.trim_end_matches('/'));
     let start = Instant::now();
-    let samples = spec.send(&client, &url, &plan).await;
+    let samples = spec.send(&client, std::slice::from_ref(&url), &plan).await;
     let summary = load::summarize(&samples, start.elapsed());
     full_header();
     println!("{}", full_row(&url, &summary));
@@ -629,6 +663,23 @@ async fn main() -> anyhow::Result<()> {
                 rounds: rounds.max(1),
             };
             println!("{}", kvmesh_bench::kvagent::run(&b).await?);
+            Ok(())
+        }
+        Cmd::Gossip {
+            nodes,
+            blocks,
+            interval_ms,
+            steady_secs,
+            changes,
+        } => {
+            let b = kvmesh_bench::gossip::GossipBench {
+                nodes,
+                blocks,
+                interval_ms,
+                steady_secs,
+                changes,
+            };
+            println!("{}", kvmesh_bench::gossip::run(&b).await?);
             Ok(())
         }
         Cmd::Replay { url, spec, out } => replay(&url, &spec, out.as_deref()).await,

@@ -1,0 +1,254 @@
+//! `kvmesh-bench gossip`: residency convergence time and gossip bandwidth for N proxies.
+//!
+//! Runs N real gossip nodes (`kvmesh-cluster` on chitchat, real UDP sockets on loopback) in this
+//! process, each with its own residency index holding `blocks` digests for its own engine, and
+//! each running the proxy's loop: publish the record, re-encode residency only when the set
+//! changed, apply peers' state. Measures:
+//! - time until every node has every other node's full residency (initial sync);
+//! - steady-state gossip bytes per node per second (no changes), over `steady` seconds;
+//! - convergence of one change: node 0 adds a 16-block chain; the time until every other node's
+//!   index shows all 16 blocks for node 0 (median and max of `changes` trials).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
+use kvmesh_cluster::{Cluster, ClusterConfig, Membership, NodeRecord, ResidencySync};
+use kvmesh_filters::chain::{text_chain, Namespace};
+use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
+use parking_lot::Mutex;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct GossipBench {
+    /// Cluster sizes.
+    pub nodes: Vec<usize>,
+    /// Resident digests per node.
+    pub blocks: usize,
+    /// Gossip interval, milliseconds (the proxy's default is 200).
+    pub interval_ms: u64,
+    /// Seconds of steady state measured.
+    pub steady_secs: u64,
+    /// Single-change trials.
+    pub changes: usize,
+}
+
+/// The node's own engine in its index.
+const OWN: NodeId = NodeId(0);
+
+/// Peers get node ids from 1 up, in order of first sight.
+#[derive(Default)]
+struct Ids(Mutex<Vec<String>>);
+
+impl Membership for Ids {
+    fn upsert(&self, r: &NodeRecord) -> Option<NodeId> {
+        let mut ids = self.0.lock();
+        let i = ids.iter().position(|n| *n == r.node_id).unwrap_or_else(|| {
+            ids.push(r.node_id.clone());
+            ids.len() - 1
+        });
+        Some(NodeId(1 + i as u32))
+    }
+    fn remove(&self, _: &str, _: NodeId) {}
+}
+
+struct Node {
+    cluster: Cluster,
+    index: ResidencyIndex,
+    ids: Ids,
+    sync: tokio::sync::Mutex<ResidencySync>,
+    record: NodeRecord,
+}
+
+impl Node {
+    /// One round of the proxy's gossip loop.
+    async fn tick(&self, published: &mut Option<u64>) {
+        self.cluster.publish_record(&self.record).await;
+        let v = self.index.node_version(OWN);
+        if v != *published {
+            let shorts = self.index.node_keys(OWN, SHARDS * MAX_PER_SHARD);
+            self.cluster.publish_residency(&shorts).await;
+            *published = v;
+        }
+        let mut sync = self.sync.lock().await;
+        sync.sync(&self.cluster, &self.index, &self.ids).await;
+    }
+
+    /// Digests this node holds for peers.
+    fn peer_entries(&self) -> usize {
+        self.index
+            .nodes()
+            .into_iter()
+            .filter(|n| *n != OWN)
+            .map(|n| self.index.node_usage(n).0)
+            .sum()
+    }
+}
+
+fn udp_port() -> anyhow::Result<u16> {
+    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Runs every cluster size; returns the Markdown table.
+pub async fn run(b: &GossipBench) -> anyhow::Result<String> {
+    let mut out = String::from(
+        "| nodes | blocks/node | initial sync s | change p50 s | change max s | steady bytes/s/node (out+in) | steady out bytes/s/node |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for &n in &b.nodes {
+        let row = one(b, n).await?;
+        eprintln!("{row}");
+        out += &row;
+        out += "\n";
+    }
+    out += &format!(
+        "\ngossip interval {} ms; shards of {SHARDS}, 8-byte digests, base64; nodes in one process, real UDP on loopback.\n",
+        b.interval_ms
+    );
+    Ok(out)
+}
+
+async fn one(b: &GossipBench, n: usize) -> anyhow::Result<String> {
+    let interval = Duration::from_millis(b.interval_ms);
+    let seed = udp_port()?;
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let port = if i == 0 { seed } else { udp_port()? };
+        let addr = format!("127.0.0.1:{port}").parse()?;
+        let cluster = Cluster::join(ClusterConfig {
+            cluster_id: format!("bench-{n}"),
+            node_id: format!("node-{i}"),
+            listen: addr,
+            advertise: addr,
+            seeds: vec![format!("127.0.0.1:{seed}")],
+            gossip_interval: interval,
+            phi_threshold: 8.0,
+            dead_node_grace: Duration::from_secs(60),
+        })
+        .await?;
+        let index = ResidencyIndex::new(ResidencyConfig {
+            capacity_per_node: b.blocks * 2,
+            ..Default::default()
+        });
+        let mut rng = fastrand::Rng::with_seed(i as u64 + 1);
+        let keys: Vec<u64> = (0..b.blocks).map(|_| rng.u64(..)).collect();
+        index.record_keys(OWN, keys, Source::Reported, Instant::now());
+        nodes.push(Arc::new(Node {
+            cluster,
+            index,
+            ids: Ids::default(),
+            sync: tokio::sync::Mutex::new(ResidencySync::new()),
+            record: NodeRecord {
+                node_id: format!("node-{i}"),
+                proxy_url: format!("http://127.0.0.1:{}", 10_000 + i),
+                engine_url: format!("http://127.0.0.1:{}", 20_000 + i),
+                models: vec!["m".into()],
+                role: "both".into(),
+                kv_epoch: 1,
+                ready: true,
+                ..Default::default()
+            },
+        }));
+    }
+    // Each node runs the proxy's loop on its own task.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut loops = tokio::task::JoinSet::new();
+    for node in &nodes {
+        let (node, stop) = (node.clone(), stop.clone());
+        loops.spawn(async move {
+            let mut published = Some(0);
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                tick.tick().await;
+                node.tick(&mut published).await;
+            }
+        });
+    }
+    let start = Instant::now();
+    let want = (n - 1) * b.blocks;
+    let deadline = start + Duration::from_secs(600);
+    while nodes.iter().any(|x| x.peer_entries() < want) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{n} nodes did not converge in 600 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let initial = start.elapsed();
+
+    // Steady state: nothing changes; count bytes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before: Vec<(u64, u64)> = nodes
+        .iter()
+        .map(|x| {
+            (
+                x.cluster.stats().bytes_sent(),
+                x.cluster.stats().bytes_received(),
+            )
+        })
+        .collect();
+    let t = Instant::now();
+    tokio::time::sleep(Duration::from_secs(b.steady_secs)).await;
+    let secs = t.elapsed().as_secs_f64();
+    let (mut out_sum, mut both_sum) = (0u64, 0u64);
+    for (x, (s0, r0)) in nodes.iter().zip(before) {
+        let s = x.cluster.stats().bytes_sent() - s0;
+        let r = x.cluster.stats().bytes_received() - r0;
+        out_sum += s;
+        both_sum += s + r;
+    }
+    let steady_both = both_sum as f64 / n as f64 / secs;
+    let steady_out = out_sum as f64 / n as f64 / secs;
+
+    // One change at a time on node 0: a new 16-block chain.
+    let mut times = Vec::new();
+    for trial in 0..b.changes {
+        let chain = text_chain(
+            &Namespace::new("m", format!("trial {trial}").as_bytes()),
+            &[b'z'; 256 * 16],
+            256,
+        );
+        let t = Instant::now();
+        nodes[0]
+            .index
+            .record(OWN, &chain, Source::Reported, Instant::now());
+        let deadline = t + Duration::from_secs(60);
+        loop {
+            let seen = nodes[1..].iter().all(|x| {
+                x.index
+                    .overlap(&chain, Instant::now())
+                    .iter()
+                    .any(|(_, blocks)| *blocks == 16)
+            });
+            if seen {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "a change did not converge in 60 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        times.push(t.elapsed().as_secs_f64());
+        tokio::time::sleep(interval * 2).await;
+    }
+    times.sort_by(f64::total_cmp);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    while loops.join_next().await.is_some() {}
+    for node in nodes {
+        if let Ok(node) = Arc::try_unwrap(node) {
+            node.cluster.shutdown().await;
+        }
+    }
+    Ok(format!(
+        "| {n} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} |",
+        b.blocks,
+        initial.as_secs_f64(),
+        times.get(times.len() / 2).copied().unwrap_or(0.0),
+        times.last().copied().unwrap_or(0.0),
+        steady_both,
+        steady_out
+    ))
+}
