@@ -332,3 +332,68 @@ fn sidecar_mode_without_gossip_is_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("[cluster]"));
 }
+
+#[test]
+fn a_gateway_joining_the_cluster_learns_engines_and_routes_to_them_directly() {
+    let (sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]], "local");
+    // A gateway with no engines of its own: not ready until gossip brings some.
+    let port = free_port();
+    let gossip = udp_port();
+    let toml = format!(
+        r#"listen = "127.0.0.1:{port}"
+threads = 2
+log = "warn"
+[cluster]
+enabled = true
+cluster_id = "test"
+node_id = "gw"
+gossip_listen = "127.0.0.1:{gossip}"
+seeds = ["127.0.0.1:{}"]
+gossip_interval_ms = 100
+"#,
+        nodes[0].gossip
+    );
+    let gw = Proxy::start_with(&toml, port, false);
+    wait_for("the gateway learns 3 engines", 20, || {
+        gw.metric("kvmesh_engine_healthy") == 3.0
+    });
+    assert_eq!(get(gw.addr, "/ready").unwrap().status, 200);
+    let models = get(gw.addr, "/v1/models").unwrap().json();
+    assert_eq!(models["data"][0]["id"], "sim-model");
+
+    // A prefix served through sidecar b becomes known to the gateway, which then sends the same
+    // prefix straight to b's engine (no proxy hop: b's sidecar sees nothing).
+    let prefix = text(7, 8000);
+    let r = post(
+        nodes[1].proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} x"), ""),
+    );
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-b"));
+    wait_for("the gateway learns b's residency", 20, || {
+        gw.metric("kvmesh_engine_residency_digests{engine=\"b\"}") > 0.0
+    });
+    let b_proxied_before = nodes[1]
+        .proxy
+        .metric("kvmesh_requests_total{route=\"chat\"");
+    let before = sim_requests(sims[1].addr);
+    let r = post(
+        gw.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} y"), ""),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvmesh-engine"), Some("b"));
+    assert_eq!(sim_requests(sims[1].addr) - before, 1.0);
+    assert_eq!(
+        nodes[1]
+            .proxy
+            .metric("kvmesh_requests_total{route=\"chat\""),
+        b_proxied_before,
+        "the gateway went to b's engine directly"
+    );
+    // The gateway is not a routing target for the sidecars (it fronts no engine).
+    for n in &nodes {
+        assert_eq!(n.proxy.metric("kvmesh_engine_healthy{engine=\"gw\"}"), 0.0);
+    }
+}
