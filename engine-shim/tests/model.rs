@@ -1,0 +1,214 @@
+//! The model against an independent reference, and the tokenizer against the GGUF vocabulary.
+//! Needs `scripts/setup.sh` (model in models/, reference venv in .venv-ref).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use engine_shim::gguf::Gguf;
+use engine_shim::model::{KvCache, Llama};
+use engine_shim::tokenizer::ModelTokenizer;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn model_path() -> PathBuf {
+    let p = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/setup.sh",
+        p.display()
+    );
+    p
+}
+
+fn gguf() -> &'static Gguf {
+    static G: OnceLock<Gguf> = OnceLock::new();
+    G.get_or_init(|| Gguf::open(&model_path()).unwrap())
+}
+
+fn tok() -> &'static ModelTokenizer {
+    static T: OnceLock<ModelTokenizer> = OnceLock::new();
+    T.get_or_init(|| ModelTokenizer::from_gguf(gguf()).unwrap())
+}
+
+fn vocab_id(token: &str) -> u32 {
+    gguf()
+        .get_strings("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .position(|t| *t == token)
+        .unwrap_or_else(|| panic!("{token:?} not in the vocabulary")) as u32
+}
+
+fn france() -> Vec<u32> {
+    let t = tok();
+    let prompt = t
+        .render_chat(&[("user".into(), "What is the capital of France?".into())])
+        .unwrap();
+    t.encode(&prompt).unwrap()
+}
+
+#[test]
+fn dequantised_values_match_the_gguf_package() {
+    // Values the `gguf` Python package gives for these tensors (../shared/SETUP.md).
+    let (q, shape) = gguf().dequantize("blk.0.attn_q.weight").unwrap();
+    assert_eq!(shape, vec![576, 576]);
+    for (got, want) in q.iter().zip([-0.096313f32, 0.157349, -0.096313, -0.730469]) {
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    let (e, shape) = gguf().dequantize("token_embd.weight").unwrap();
+    assert_eq!(shape, vec![49152, 576]);
+    for (got, want) in e.iter().zip([-0.106544f32, 0.032978, 0.048199]) {
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+    }
+}
+
+#[test]
+fn tokenizer_ids_follow_the_vocabulary() {
+    let t = tok();
+    // ChatML: control tokens are single ids; the default system prompt comes from the template.
+    let ids = france();
+    assert_eq!(ids.len(), 37);
+    assert_eq!(ids[0], vocab_id("<|im_start|>"));
+    assert_eq!(
+        ids.iter().filter(|&&i| i == vocab_id("<|im_end|>")).count(),
+        2
+    );
+    assert_eq!(t.eos, vocab_id("<|im_end|>"));
+    // Whole words are their vocabulary entries; a leading space is byte-level "Ġ".
+    assert_eq!(t.encode("Hello").unwrap(), vec![vocab_id("Hello")]);
+    assert_eq!(
+        t.encode("Hello world").unwrap(),
+        vec![vocab_id("Hello"), vocab_id("Ġworld")]
+    );
+    // Digits are split one by one.
+    let digits: Vec<u32> = "2026".chars().map(|c| vocab_id(&c.to_string())).collect();
+    assert_eq!(t.encode("2026").unwrap(), digits);
+    // Accents, CJK and emoji survive a round trip (byte-level BPE).
+    for s in [
+        "café naïve",
+        "你好，世界",
+        "🙂👍 ok",
+        "<|im_start|>user\nx<|im_end|>",
+    ] {
+        let ids = t.encode(s).unwrap();
+        assert!(!ids.is_empty());
+        let back = t.decode(&ids).unwrap();
+        let want = s.replace("<|im_start|>", "").replace("<|im_end|>", "");
+        assert_eq!(back, want, "{s:?} -> {ids:?}");
+    }
+}
+
+fn greedy(model: &Llama, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
+    let _guard = tch::no_grad_guard();
+    let mut cache = KvCache::new(&model.cfg, prompt.len() + n + 1);
+    let mut logits = None;
+    for c in prompt.chunks(chunk) {
+        logits = Some(model.forward(c, &mut cache, true));
+    }
+    let mut out = Vec::new();
+    let mut next = logits.unwrap().argmax(-1, false).int64_value(&[0]) as u32;
+    for _ in 0..n {
+        out.push(next);
+        if next == tok().eos {
+            break;
+        }
+        next = model
+            .forward(&[next], &mut cache, true)
+            .argmax(-1, false)
+            .int64_value(&[0]) as u32;
+    }
+    out
+}
+
+#[test]
+fn logits_match_an_independent_f32_reference_and_the_answer_is_paris() {
+    tch::set_num_threads(2);
+    let model = Llama::load(gguf()).unwrap();
+    let ids = france();
+    // Reference: the gguf package's dequantisation and a numpy forward pass.
+    let out = std::env::temp_dir().join(format!("engine-shim-ref-{}.bin", std::process::id()));
+    let status = std::process::Command::new(root().join(".venv-ref/bin/python"))
+        .arg(root().join("engine-shim/reference/llama_ref.py"))
+        .arg(model_path())
+        .arg(&out)
+        .args(ids.iter().map(|i| i.to_string()))
+        .status()
+        .expect("run the reference (scripts/setup.sh creates .venv-ref)");
+    assert!(status.success());
+    let bytes = std::fs::read(&out).unwrap();
+    let _ = std::fs::remove_file(&out);
+    let reference: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let vocab = model.cfg.vocab;
+    assert_eq!(reference.len(), ids.len() * vocab);
+
+    let ours = {
+        let _guard = tch::no_grad_guard();
+        let mut cache = KvCache::new(&model.cfg, ids.len());
+        let l = model.forward(&ids, &mut cache, false);
+        Vec::<f32>::try_from(l.flatten(0, -1)).unwrap()
+    };
+    for pos in [0, ids.len() / 2, ids.len() - 1] {
+        let a = &ours[pos * vocab..(pos + 1) * vocab];
+        let b = &reference[pos * vocab..(pos + 1) * vocab];
+        let r = correlation(a, b);
+        assert!(r >= 0.999, "position {pos}: correlation {r}");
+        assert_eq!(argmax(a), argmax(b), "position {pos}: different top token");
+    }
+    let answer = greedy(&model, &ids, 12, 256);
+    let text = tok().decode(&answer).unwrap();
+    assert!(
+        text.starts_with("The capital of France is Paris"),
+        "{text:?}"
+    );
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_logits() {
+    let model = Llama::load(gguf()).unwrap();
+    let ids = france();
+    let _guard = tch::no_grad_guard();
+    let whole = {
+        let mut c = KvCache::new(&model.cfg, ids.len());
+        model.forward(&ids, &mut c, true)
+    };
+    let chunked = {
+        let mut c = KvCache::new(&model.cfg, ids.len());
+        let mut last = None;
+        for ch in ids.chunks(5) {
+            last = Some(model.forward(ch, &mut c, true));
+        }
+        last.unwrap()
+    };
+    let diff = (whole - chunked).abs().max().double_value(&[]);
+    assert!(diff < 1e-3, "max logit difference {diff}");
+}
+
+fn correlation(a: &[f32], b: &[f32]) -> f64 {
+    let n = a.len() as f64;
+    let (ma, mb) = (
+        a.iter().map(|&x| x as f64).sum::<f64>() / n,
+        b.iter().map(|&x| x as f64).sum::<f64>() / n,
+    );
+    let (mut sab, mut saa, mut sbb) = (0.0, 0.0, 0.0);
+    for (&x, &y) in a.iter().zip(b) {
+        let (x, y) = (x as f64 - ma, y as f64 - mb);
+        sab += x * y;
+        saa += x * x;
+        sbb += y * y;
+    }
+    sab / (saa * sbb).sqrt()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i)
+        .unwrap()
+}
