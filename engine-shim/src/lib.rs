@@ -4,9 +4,16 @@
 //! - [`model`]: the Llama forward pass on libtorch, with a per-sequence KV cache;
 //! - [`tokenizer`]: the model's tokenizer and chat template, built from GGUF metadata.
 //!
-//! Status (docs/engine-shim.md): the model loader, tokenizer and chat template are built; the
-//! forward pass, serving, paged prefix cache and kvagent spilling are not built yet.
+//! - [`cache`]: the paged prefix cache (16-token blocks named by the token digest chain);
+//! - [`engine`]: the worker: FIFO queue, prefix reuse, chunked prefill, sampling;
+//! - [`server`]: the OpenAI HTTP surface.
+//!
+//! Not built yet (docs/engine-shim.md): continuous batching of decode steps (requests are served
+//! one at a time, first come first served).
 
+pub mod cache;
+pub mod engine;
 pub mod gguf;
 pub mod model;
+pub mod server;
 pub mod tokenizer;

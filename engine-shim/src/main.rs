@@ -1,44 +1,300 @@
-//! `engine-shim`: kvmesh's native engine. Not built yet beyond the model loader: see
-//! docs/engine-shim.md. `engine-shim inspect MODEL.gguf` prints what the loader reads.
+//! `engine-shim`: kvmesh's native engine on libtorch, serving a GGUF model over the OpenAI HTTP
+//! API with chunked prefill and a paged prefix cache (docs/engine-shim.md).
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use engine_shim::engine::{BlockStore, Stats, Worker};
+use engine_shim::gguf::Gguf;
+use engine_shim::model::Llama;
+use engine_shim::server::{self, App};
+use engine_shim::tokenizer::ModelTokenizer;
+use hyper_util::rt::TokioIo;
+use kvmesh_filters::chain::Digest;
+use serde::Deserialize;
 
 #[derive(Parser)]
 #[command(
     name = "engine-shim",
     version,
-    about = "kvmesh's native libtorch engine (in progress)"
+    about = "kvmesh's native libtorch engine (OpenAI API)"
 )]
 struct Cli {
+    /// TOML configuration file (docs/engine-shim.md lists every key).
+    #[arg(long, short = 'c', env = "ENGINE_SHIM_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `model`.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Overrides `listen`.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Overrides `cache_blocks`.
+    #[arg(long)]
+    cache_blocks: Option<usize>,
+    /// Overrides `prefill_chunk`.
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Overrides `kvagent_url`.
+    #[arg(long)]
+    kvagent: Option<String>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Subcommand)]
 enum Command {
-    /// Reads a GGUF model and prints its architecture, tensors and a tokenized chat prompt.
+    /// Reads a GGUF model and prints its architecture and a tokenized chat prompt.
     Inspect {
         /// The GGUF file.
         model: PathBuf,
     },
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
-        Command::Inspect { model } => {
-            let g = engine_shim::gguf::Gguf::open(&model)?;
-            let arch = g.get_str("general.architecture")?;
-            println!("architecture {arch}, {} tensors", g.tensors.len());
-            let t = engine_shim::tokenizer::ModelTokenizer::from_gguf(&g)
-                .context("building the tokenizer")?;
-            let prompt =
-                t.render_chat(&[("user".into(), "What is the capital of France?".into())])?;
-            let ids = t.encode(&prompt)?;
-            println!("chat prompt ({} tokens): {prompt:?}", ids.len());
-            Ok(())
+/// The engine's configuration; every key has a default.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct EngineConfig {
+    /// HTTP listen address.
+    listen: SocketAddr,
+    /// The GGUF file.
+    model: PathBuf,
+    /// Model name in the API (`model` field, `/v1/models`).
+    served_model_name: String,
+    /// Longest prompt + completion, tokens (0: the model's context length).
+    max_model_len: usize,
+    /// `max_tokens` when a request gives none.
+    default_max_tokens: usize,
+    /// Tokens per prefill step (chunked prefill).
+    prefill_chunk: usize,
+    /// Prefix cache capacity in 16-token blocks (each ~737 KB for SmolLM2-135M).
+    cache_blocks: usize,
+    /// Most requests waiting; more get 429.
+    max_queue: usize,
+    /// Largest request body, bytes.
+    max_body_bytes: usize,
+    /// libtorch intra-op threads (0: one per CPU).
+    threads: usize,
+    /// kvagent gRPC URL for spilling and paging in blocks; empty: none.
+    kvagent_url: String,
+    /// Log filter.
+    log: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            model: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            served_model_name: "SmolLM2-135M-Instruct".into(),
+            max_model_len: 0,
+            default_max_tokens: 256,
+            prefill_chunk: 256,
+            cache_blocks: 512,
+            max_queue: 64,
+            max_body_bytes: 4 << 20,
+            threads: 0,
+            kvagent_url: String::new(),
+            log: "info".into(),
+        }
+    }
+}
+
+/// Blocks written through to kvagent, and paged back in from it.
+struct KvagentStore {
+    rt: tokio::runtime::Handle,
+    client: kvagent::KvAgentClient<tonic::transport::Channel>,
+    model: String,
+}
+
+impl BlockStore for KvagentStore {
+    fn put(&mut self, blocks: Vec<(Digest, Vec<u8>)>) {
+        let mut client = self.client.clone();
+        let model = self.model.clone();
+        self.rt.spawn(async move {
+            // Batches well under kvagent's 64 MiB message bound.
+            for chunk in blocks.chunks(16) {
+                let req = kvagent::pb::PutBlocksRequest {
+                    blocks: chunk
+                        .iter()
+                        .map(|(d, p)| kvagent::pb::Block {
+                            digest: bytes::Bytes::copy_from_slice(&d.0),
+                            model: model.clone(),
+                            token_count: engine_shim::cache::BLOCK_TOKENS as u32,
+                            payload: bytes::Bytes::copy_from_slice(p),
+                        })
+                        .collect(),
+                };
+                if let Err(e) = client.put_blocks(req).await {
+                    tracing::warn!(error = %e, "kvagent PutBlocks failed");
+                    return;
+                }
+            }
+        });
+    }
+
+    fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
+        let mut client = self.client.clone();
+        let req = kvagent::pb::GetBlocksRequest {
+            digests: digests
+                .iter()
+                .map(|d| bytes::Bytes::copy_from_slice(&d.0))
+                .collect(),
+        };
+        self.rt.block_on(async move {
+            let mut out = Vec::new();
+            let Ok(resp) = client.get_blocks(req).await else {
+                return out;
+            };
+            let mut stream = resp.into_inner();
+            while let Ok(Some(m)) = stream.message().await {
+                match m.block {
+                    Some(b) => out.push(b.payload.to_vec()),
+                    None => break,
+                }
+            }
+            out
+        })
+    }
+}
+
+fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
+    let mut cfg = match &cli.config {
+        Some(p) => {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            toml::from_str(&text)
+                .with_context(|| format!("{} is not a valid configuration", p.display()))?
+        }
+        None => EngineConfig::default(),
+    };
+    if let Some(m) = &cli.model {
+        cfg.model = m.clone();
+    }
+    if let Some(l) = cli.listen {
+        cfg.listen = l;
+    }
+    if let Some(n) = cli.cache_blocks {
+        cfg.cache_blocks = n;
+    }
+    if let Some(n) = cli.prefill_chunk {
+        cfg.prefill_chunk = n;
+    }
+    if let Some(k) = &cli.kvagent {
+        cfg.kvagent_url = k.clone();
+    }
+    anyhow::ensure!(cfg.prefill_chunk > 0, "prefill_chunk must be > 0");
+    anyhow::ensure!(cfg.cache_blocks > 0, "cache_blocks must be > 0");
+    anyhow::ensure!(cfg.max_queue > 0, "max_queue must be > 0");
+    anyhow::ensure!(cfg.default_max_tokens > 0, "default_max_tokens must be > 0");
+    Ok(cfg)
+}
+
+fn inspect(model: &Path) -> anyhow::Result<()> {
+    let g = Gguf::open(model)?;
+    println!(
+        "architecture {}, {} tensors",
+        g.get_str("general.architecture")?,
+        g.tensors.len()
+    );
+    let t = ModelTokenizer::from_gguf(&g).context("building the tokenizer")?;
+    let prompt = t.render_chat(&[("user".into(), "What is the capital of France?".into())])?;
+    println!(
+        "chat prompt ({} tokens): {prompt:?}",
+        t.encode(&prompt)?.len()
+    );
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::Inspect { model }) = &cli.command {
+        return inspect(model);
+    }
+    let cfg = load_config(&cli)?;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if cfg.threads > 0 {
+        tch::set_num_threads(cfg.threads as i32);
+    }
+    let g = Gguf::open(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&g)?);
+    let model = Llama::load(&g)?;
+    drop(g);
+    let max_model_len = if cfg.max_model_len == 0 {
+        model.cfg.context
+    } else {
+        cfg.max_model_len.min(model.cfg.context)
+    };
+    let store: Option<Box<dyn BlockStore>> = if cfg.kvagent_url.is_empty() {
+        None
+    } else {
+        let client = kvagent::connect(cfg.kvagent_url.clone(), 64 << 20)
+            .await
+            .with_context(|| format!("connecting to kvagent at {}", cfg.kvagent_url))?;
+        Some(Box::new(KvagentStore {
+            rt: tokio::runtime::Handle::current(),
+            client,
+            model: cfg.served_model_name.clone(),
+        }))
+    };
+    let stats = Arc::new(Stats::default());
+    let (jobs, queue) = std::sync::mpsc::sync_channel(cfg.max_queue);
+    let worker = Worker::new(
+        model,
+        tokenizer.clone(),
+        &cfg.served_model_name,
+        cfg.cache_blocks,
+        cfg.prefill_chunk,
+        store,
+        stats.clone(),
+    );
+    std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || worker.run(queue))
+        .context("starting the engine thread")?;
+    let app = Arc::new(App {
+        model_name: cfg.served_model_name.clone(),
+        tokenizer,
+        jobs,
+        stats,
+        max_model_len,
+        default_max_tokens: cfg.default_max_tokens,
+        max_body_bytes: cfg.max_body_bytes,
+        max_queue: cfg.max_queue as u64,
+        cache_capacity: cfg.cache_blocks,
+        kv_epoch: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(1),
+    });
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    println!("engine-shim listening on http://{addr}");
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req| server::handle(app.clone(), req));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+            _ = tokio::signal::ctrl_c() => return Ok(()),
         }
     }
 }

@@ -1,0 +1,320 @@
+//! The engine worker: one thread that owns the model and the prefix cache and serves requests
+//! first come, first served (a fair FIFO queue; continuous batching is not built yet).
+//!
+//! Per request: tokenised prompt -> token digest chain -> leading blocks from the prefix cache
+//! (or paged in from kvagent) copied into the sequence's KV -> chunked prefill of the rest ->
+//! new full prompt blocks stored (and written through to kvagent) -> sampled decode, streamed as
+//! [`Event`]s until EOS, a stop string or `max_tokens`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvmesh_filters::chain::{token_chain, Digest, Namespace};
+use tch::{Kind, Tensor};
+use tokio::sync::mpsc;
+
+use crate::cache::{KvBlock, PrefixCache, BLOCK_TOKENS};
+use crate::model::{KvCache, Llama};
+use crate::tokenizer::ModelTokenizer;
+
+/// Sampling and stopping.
+#[derive(Debug, Clone)]
+pub struct SamplingParams {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// 0: greedy.
+    pub temperature: f64,
+    /// Nucleus sampling mass (1: off).
+    pub top_p: f64,
+    /// RNG seed (random when absent).
+    pub seed: Option<u64>,
+    /// Generation stops before any of these strings.
+    pub stop: Vec<String>,
+}
+
+/// What a request gets back, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Prefill is done: prompt tokens and how many came from the cache.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Of those, reused from cached blocks.
+        cached_tokens: usize,
+    },
+    /// New text.
+    Text(String),
+    /// Finished.
+    Done {
+        /// `stop` (EOS or a stop string) or `length`.
+        finish_reason: &'static str,
+        /// Tokens generated.
+        completion_tokens: usize,
+    },
+}
+
+/// A queued request.
+pub struct Job {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling.
+    pub params: SamplingParams,
+    /// Where events go; generation stops when the receiver is dropped.
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+/// Where evicted and new blocks go, and where missing ones come from (kvagent).
+pub trait BlockStore: Send {
+    /// Stores blocks (write-through of every new block).
+    fn put(&mut self, blocks: Vec<(Digest, Vec<u8>)>);
+    /// Fetches blocks in order, stopping at the first missing one.
+    fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>>;
+}
+
+/// Live counters the HTTP side reads for `/metrics`.
+#[derive(Default)]
+pub struct Stats {
+    /// Requests waiting in the queue.
+    pub waiting: AtomicU64,
+    /// Requests running (0 or 1).
+    pub running: AtomicU64,
+    /// Blocks in the prefix cache.
+    pub cache_blocks: AtomicU64,
+    /// Prompt tokens seen.
+    pub prompt_tokens: AtomicU64,
+    /// Of those, reused from the cache (local or paged in).
+    pub cached_tokens: AtomicU64,
+    /// Of those, paged in from kvagent.
+    pub paged_in_tokens: AtomicU64,
+    /// Tokens generated.
+    pub generated_tokens: AtomicU64,
+}
+
+/// The worker's state.
+pub struct Worker {
+    model: Llama,
+    tokenizer: Arc<ModelTokenizer>,
+    cache: PrefixCache,
+    ns: Namespace,
+    prefill_chunk: usize,
+    store: Option<Box<dyn BlockStore>>,
+    stats: Arc<Stats>,
+}
+
+impl Worker {
+    /// A worker over a loaded model.
+    pub fn new(
+        model: Llama,
+        tokenizer: Arc<ModelTokenizer>,
+        model_name: &str,
+        cache_blocks: usize,
+        prefill_chunk: usize,
+        store: Option<Box<dyn BlockStore>>,
+        stats: Arc<Stats>,
+    ) -> Self {
+        Worker {
+            model,
+            tokenizer,
+            cache: PrefixCache::new(cache_blocks),
+            ns: Namespace::new(model_name, b""),
+            prefill_chunk: prefill_chunk.max(1),
+            store,
+            stats,
+        }
+    }
+
+    /// Serves jobs until the queue closes.
+    pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
+        let _no_grad = tch::no_grad_guard();
+        while let Ok(job) = jobs.recv() {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            if job.events.is_closed() {
+                continue;
+            }
+            self.stats.running.store(1, Ordering::Relaxed);
+            self.serve(job);
+            self.stats.running.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
+    /// in chunks; returns the last position's logits and the cached token count.
+    fn prefill(&mut self, prompt: &[u32], kv: &mut KvCache) -> (Tensor, usize) {
+        let chain = token_chain(&self.ns, prompt, BLOCK_TOKENS);
+        // At least one prompt token is always computed: its logits start the answer.
+        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+        let mut local = self.cache.leading(&chain[..usable.min(chain.len())]);
+        if let Some(store) = self.store.as_mut() {
+            let want = &chain[local..usable.min(chain.len())];
+            if !want.is_empty() {
+                let got = store.get_leading(want);
+                let mut paged = 0;
+                for (d, bytes) in want.iter().zip(got) {
+                    match KvBlock::from_bytes(&self.model.cfg, &bytes) {
+                        Some(b) => {
+                            self.cache.insert(*d, b);
+                            paged += 1;
+                        }
+                        None => break,
+                    }
+                }
+                self.stats
+                    .paged_in_tokens
+                    .fetch_add((paged * BLOCK_TOKENS) as u64, Ordering::Relaxed);
+                local = self.cache.leading(&chain[..usable.min(chain.len())]);
+            }
+        }
+        self.cache.load(&chain, local, kv);
+        let cached = local * BLOCK_TOKENS;
+        let mut logits = None;
+        for chunk in prompt[cached..].chunks(self.prefill_chunk) {
+            logits = Some(self.model.forward(chunk, kv, true));
+        }
+        // New full prompt blocks join the pool (and kvagent).
+        let mut fresh = Vec::new();
+        for (i, d) in chain.iter().enumerate().skip(local) {
+            if !self.cache.contains(d) {
+                let block = KvBlock::from_sequence(kv, i);
+                if self.store.is_some() {
+                    fresh.push((*d, block.to_bytes()));
+                }
+                self.cache.insert(*d, block);
+            }
+        }
+        if let (Some(store), false) = (self.store.as_mut(), fresh.is_empty()) {
+            store.put(fresh);
+        }
+        self.stats
+            .cache_blocks
+            .store(self.cache.len() as u64, Ordering::Relaxed);
+        (
+            logits.unwrap_or_else(|| Tensor::zeros([1, 1], (Kind::Float, tch::Device::Cpu))),
+            cached,
+        )
+    }
+
+    fn serve(&mut self, job: Job) {
+        let p = &job.params;
+        let mut kv = KvCache::new(&self.model.cfg, job.prompt.len() + p.max_tokens + 1);
+        let (mut logits, cached) = self.prefill(&job.prompt, &mut kv);
+        self.stats
+            .prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        self.stats
+            .cached_tokens
+            .fetch_add(cached as u64, Ordering::Relaxed);
+        let _ = job.events.send(Event::Started {
+            prompt_tokens: job.prompt.len(),
+            cached_tokens: cached,
+        });
+        let mut rng = fastrand::Rng::with_seed(p.seed.unwrap_or_else(|| fastrand::u64(..)));
+        let mut generated: Vec<u32> = Vec::new();
+        let mut sent = 0usize; // bytes of text already sent
+        let mut finish = "length";
+        while generated.len() < p.max_tokens {
+            let next = sample(&logits, p.temperature, p.top_p, &mut rng);
+            if next == self.tokenizer.eos {
+                finish = "stop";
+                break;
+            }
+            generated.push(next);
+            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            let text = self.tokenizer.decode(&generated).unwrap_or_default();
+            if let Some(cut) = p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                if cut > sent {
+                    let _ = job.events.send(Event::Text(text[sent..cut].to_string()));
+                }
+                finish = "stop";
+                break;
+            }
+            // Hold back an incomplete UTF-8 sequence, and text that may begin a stop string.
+            let hold = p
+                .stop
+                .iter()
+                .map(|s| longest_suffix_prefix(&text, s))
+                .max()
+                .unwrap_or(0);
+            let mut upto = text.len() - hold;
+            while upto > sent && !text.is_char_boundary(upto) {
+                upto -= 1;
+            }
+            if !text[..upto].ends_with('\u{FFFD}') && upto > sent {
+                if job
+                    .events
+                    .send(Event::Text(text[sent..upto].to_string()))
+                    .is_err()
+                {
+                    return; // client gone
+                }
+                sent = upto;
+            }
+            if generated.len() == p.max_tokens {
+                break;
+            }
+            logits = self.model.forward(&[next], &mut kv, true);
+        }
+        let text = self.tokenizer.decode(&generated).unwrap_or_default();
+        if finish == "length" && text.len() > sent {
+            let _ = job.events.send(Event::Text(text[sent..].to_string()));
+        }
+        let _ = job.events.send(Event::Done {
+            finish_reason: finish,
+            completion_tokens: generated.len(),
+        });
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`.
+fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+    (1..stop.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && stop.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
+}
+
+/// Greedy at temperature 0; otherwise temperature-scaled nucleus sampling.
+fn sample(logits: &Tensor, temperature: f64, top_p: f64, rng: &mut fastrand::Rng) -> u32 {
+    let row = logits.flatten(0, -1);
+    if temperature <= 0.0 {
+        return row.argmax(-1, false).int64_value(&[]) as u32;
+    }
+    let probs: Vec<f32> =
+        Vec::try_from((row / temperature).softmax(-1, Kind::Float)).unwrap_or_default();
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let mut mass = 0.0f64;
+    let mut keep = 0;
+    for &i in &order {
+        mass += probs[i] as f64;
+        keep += 1;
+        if mass >= top_p {
+            break;
+        }
+    }
+    let mut r = rng.f64() * mass;
+    for &i in &order[..keep] {
+        r -= probs[i] as f64;
+        if r <= 0.0 {
+            return i as u32;
+        }
+    }
+    order[0] as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::longest_suffix_prefix;
+
+    #[test]
+    fn stop_string_holdback() {
+        assert_eq!(longest_suffix_prefix("Hello Wo", "World"), 2);
+        assert_eq!(longest_suffix_prefix("Hello", "World"), 0);
+        assert_eq!(
+            longest_suffix_prefix("abc", "c"),
+            0,
+            "a full match is found, not held"
+        );
+    }
+}

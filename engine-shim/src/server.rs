@@ -1,0 +1,461 @@
+//! The OpenAI HTTP surface: `/v1/chat/completions` and `/v1/completions` (JSON or SSE),
+//! `/v1/models`, `/health`, `/metrics` (with the vLLM gauge names kvmesh-proxy and kvagent read).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Request, Response};
+use kvmesh_filters::error::{ApiError, ErrorKind};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::engine::{Event, Job, SamplingParams, Stats};
+use crate::tokenizer::ModelTokenizer;
+
+/// Response body type.
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// What every request handler shares.
+pub struct App {
+    /// The served model name.
+    pub model_name: String,
+    /// Tokenizer and chat template.
+    pub tokenizer: Arc<ModelTokenizer>,
+    /// The engine's queue.
+    pub jobs: std::sync::mpsc::SyncSender<Job>,
+    /// Live counters.
+    pub stats: Arc<Stats>,
+    /// Longest prompt plus completion, tokens.
+    pub max_model_len: usize,
+    /// `max_tokens` when the request gives none.
+    pub default_max_tokens: usize,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+    /// Most requests waiting.
+    pub max_queue: u64,
+    /// Prefix cache capacity, blocks (for the KV usage gauge).
+    pub cache_capacity: usize,
+    /// Changes on every start (reported as `kv_epoch`): the cache starts empty.
+    pub kv_epoch: u64,
+}
+
+fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).boxed()
+}
+
+fn json_response(status: u16, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(full(serde_json::to_vec(v).unwrap_or_default()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+fn error_response(e: &ApiError) -> Response<Body> {
+    Response::builder()
+        .status(e.status())
+        .header("content-type", "application/json")
+        .body(full(e.to_json()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorKind::InvalidRequest, msg)
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Handles one HTTP request.
+pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_string();
+    let resp = match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/health") => Response::new(full("ok\n")),
+        (Method::GET, "/v1/models") => json_response(
+            200,
+            &json!({"object": "list", "data": [{"id": app.model_name, "object": "model", "created": 0, "owned_by": "engine-shim", "max_model_len": app.max_model_len}]}),
+        ),
+        (Method::GET, "/server_info") => json_response(
+            200,
+            &json!({"engine": "engine-shim", "served_model_name": app.model_name, "kv_epoch": app.kv_epoch}),
+        ),
+        (Method::GET, "/metrics") => Response::builder()
+            .header("content-type", "text/plain; version=0.0.4")
+            .body(full(metrics(&app)))
+            .unwrap_or_else(|_| Response::new(full(Bytes::new()))),
+        (Method::POST, "/v1/chat/completions") => complete(app, req, true).await,
+        (Method::POST, "/v1/completions") => complete(app, req, false).await,
+        (_, "/v1/chat/completions" | "/v1/completions") => error_response(&ApiError::new(
+            ErrorKind::MethodNotAllowed,
+            format!("{path} accepts POST only"),
+        )),
+        (m, _) => error_response(&ApiError::new(
+            ErrorKind::NotFound,
+            format!("no route for {m} {path}"),
+        )),
+    };
+    Ok(resp)
+}
+
+fn metrics(app: &App) -> String {
+    let s = &app.stats;
+    let m = &app.model_name;
+    let usage = s.cache_blocks.load(Ordering::Relaxed) as f64 / app.cache_capacity.max(1) as f64;
+    format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
+         # TYPE engine_shim_prompt_tokens_total counter\nengine_shim_prompt_tokens_total {}\n\
+         # TYPE engine_shim_cached_tokens_total counter\nengine_shim_cached_tokens_total {}\n\
+         # TYPE engine_shim_paged_in_tokens_total counter\nengine_shim_paged_in_tokens_total {}\n\
+         # TYPE engine_shim_generated_tokens_total counter\nengine_shim_generated_tokens_total {}\n",
+        s.running.load(Ordering::Relaxed),
+        s.waiting.load(Ordering::Relaxed),
+        s.prompt_tokens.load(Ordering::Relaxed),
+        s.cached_tokens.load(Ordering::Relaxed),
+        s.paged_in_tokens.load(Ordering::Relaxed),
+        s.generated_tokens.load(Ordering::Relaxed),
+    )
+}
+
+/// A validated request.
+struct Parsed {
+    prompt: String,
+    stream: bool,
+    include_usage: bool,
+    params: SamplingParams,
+}
+
+fn text_of(content: &Value, i: usize) -> Result<String, ApiError> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => Ok(parts
+            .iter()
+            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("")),
+        Value::Null => Ok(String::new()),
+        _ => Err(bad(format!(
+            "messages[{i}].content must be a string or an array of parts"
+        ))
+        .with_param(format!("messages[{i}].content"))),
+    }
+}
+
+fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("request body is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| bad("request body must be a JSON object"))?;
+    let model = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("`model` (a string) is required").with_param("model"))?;
+    if model != app.model_name {
+        return Err(ApiError::new(
+            ErrorKind::ModelNotFound,
+            format!(
+                "the model `{model}` does not exist; this engine serves `{}`",
+                app.model_name
+            ),
+        )
+        .with_param("model"));
+    }
+    let prompt = if chat {
+        let msgs = obj
+            .get("messages")
+            .and_then(Value::as_array)
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| {
+                bad("`messages` (a non-empty array) is required").with_param("messages")
+            })?;
+        let mut pairs = Vec::with_capacity(msgs.len());
+        for (i, m) in msgs.iter().enumerate() {
+            let role = m
+                .get("role")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
+            pairs.push((
+                role.to_string(),
+                text_of(m.get("content").unwrap_or(&Value::Null), i)?,
+            ));
+        }
+        app.tokenizer
+            .render_chat(&pairs)
+            .map_err(|e| bad(e.to_string()).with_param("messages"))?
+    } else {
+        match obj.get("prompt") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(Value::String(_)) => {
+                return Err(bad("`prompt` must not be empty").with_param("prompt"))
+            }
+            _ => return Err(bad("`prompt` (a string) is required").with_param("prompt")),
+        }
+    };
+    let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    let max_tokens = match num("max_tokens").or(num("max_completion_tokens")) {
+        None => app.default_max_tokens,
+        Some(v) => v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
+            bad("`max_tokens` must be a positive integer").with_param("max_tokens")
+        })? as usize,
+    };
+    let temperature = match num("temperature") {
+        None => 1.0,
+        Some(v) => v
+            .as_f64()
+            .filter(|t| (0.0..=2.0).contains(t))
+            .ok_or_else(|| {
+                bad("`temperature` must be a number in [0, 2]").with_param("temperature")
+            })?,
+    };
+    let top_p = match num("top_p") {
+        None => 1.0,
+        Some(v) => v
+            .as_f64()
+            .filter(|t| *t > 0.0 && *t <= 1.0)
+            .ok_or_else(|| bad("`top_p` must be a number in (0, 1]").with_param("top_p"))?,
+    };
+    let seed = match num("seed") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                .ok_or_else(|| bad("`seed` must be a non-negative integer").with_param("seed"))?,
+        ),
+    };
+    let stop = match num("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 4 => a
+            .iter()
+            .map(|s| s.as_str().map(String::from))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad("`stop` must be a string or up to 4 strings").with_param("stop"))?,
+        Some(_) => return Err(bad("`stop` must be a string or up to 4 strings").with_param("stop")),
+    };
+    let stream = match num("stream") {
+        None => false,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| bad("`stream` must be a boolean").with_param("stream"))?,
+    };
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(Parsed {
+        prompt,
+        stream,
+        include_usage,
+        params: SamplingParams {
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
+        },
+    })
+}
+
+async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), app.max_body_bytes)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => {
+            return error_response(&ApiError::new(
+                ErrorKind::BodyTooLarge,
+                format!("request body exceeds {} bytes", app.max_body_bytes),
+            ))
+        }
+    };
+    let parsed = match parse(&app, &body, chat) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
+    };
+    let ids = match app.tokenizer.encode(&parsed.prompt) {
+        Ok(ids) => ids,
+        Err(e) => return error_response(&bad(e.to_string())),
+    };
+    if ids.is_empty() {
+        return error_response(&bad("the prompt has no tokens").with_param("prompt"));
+    }
+    if ids.len() + parsed.params.max_tokens > app.max_model_len {
+        return error_response(
+            &bad(format!(
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+                app.max_model_len,
+                ids.len() + parsed.params.max_tokens,
+                ids.len(),
+                parsed.params.max_tokens
+            ))
+            .with_param(if chat { "messages" } else { "prompt" }),
+        );
+    }
+    if app.stats.waiting.load(Ordering::Relaxed) >= app.max_queue {
+        return error_response(&ApiError::new(
+            ErrorKind::Overloaded,
+            "the engine's queue is full; retry shortly",
+        ));
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    app.stats.waiting.fetch_add(1, Ordering::Relaxed);
+    let job = Job {
+        prompt: ids,
+        params: parsed.params,
+        events: tx,
+    };
+    if app.jobs.try_send(job).is_err() {
+        app.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        return error_response(&ApiError::new(
+            ErrorKind::Overloaded,
+            "the engine's queue is full; retry shortly",
+        ));
+    }
+    let id = format!("cmpl-{:016x}", fastrand::u64(..));
+    if parsed.stream {
+        stream(app, rx, id, chat, parsed.include_usage)
+    } else {
+        whole(app, rx, id, chat).await
+    }
+}
+
+fn usage(prompt: usize, cached: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}})
+}
+
+async fn whole(
+    app: Arc<App>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    id: String,
+    chat: bool,
+) -> Response<Body> {
+    let (mut text, mut prompt, mut cached) = (String::new(), 0, 0);
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Started {
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                prompt = prompt_tokens;
+                cached = cached_tokens;
+            }
+            Event::Text(t) => text.push_str(&t),
+            Event::Done {
+                finish_reason,
+                completion_tokens,
+            } => {
+                let choice = if chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": finish_reason})
+                };
+                return json_response(
+                    200,
+                    &json!({"id": id, "object": if chat { "chat.completion" } else { "text_completion" },
+                            "created": now_secs(), "model": app.model_name, "choices": [choice],
+                            "usage": usage(prompt, cached, completion_tokens)}),
+                );
+            }
+        }
+    }
+    error_response(&ApiError::new(
+        ErrorKind::Internal,
+        "the engine stopped before answering",
+    ))
+}
+
+fn stream(
+    app: Arc<App>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    id: String,
+    chat: bool,
+    include_usage: bool,
+) -> Response<Body> {
+    let (mut tx, body) = http_body_util::channel::Channel::<Bytes, Infallible>::new(8);
+    tokio::spawn(async move {
+        let created = now_secs();
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let chunk = |choice: Value| {
+            let v = json!({"id": id, "object": object, "created": created, "model": app.model_name, "choices": [choice]});
+            Bytes::from(format!("data: {v}\n\n"))
+        };
+        let (mut prompt, mut cached) = (0, 0);
+        if chat {
+            let first = chunk(
+                json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
+            );
+            if tx.send(Frame::data(first)).await.is_err() {
+                return;
+            }
+        }
+        while let Some(ev) = rx.recv().await {
+            let frame = match ev {
+                Event::Started {
+                    prompt_tokens,
+                    cached_tokens,
+                } => {
+                    prompt = prompt_tokens;
+                    cached = cached_tokens;
+                    continue;
+                }
+                Event::Text(t) => chunk(if chat {
+                    json!({"index": 0, "delta": {"content": t}, "finish_reason": null})
+                } else {
+                    json!({"index": 0, "text": t, "finish_reason": null})
+                }),
+                Event::Done {
+                    finish_reason,
+                    completion_tokens,
+                } => {
+                    let last = chunk(if chat {
+                        json!({"index": 0, "delta": {}, "finish_reason": finish_reason})
+                    } else {
+                        json!({"index": 0, "text": "", "finish_reason": finish_reason})
+                    });
+                    if tx.send(Frame::data(last)).await.is_err() {
+                        return;
+                    }
+                    if include_usage {
+                        let v = json!({"id": id, "object": object, "created": created, "model": app.model_name,
+                                       "choices": [], "usage": usage(prompt, cached, completion_tokens)});
+                        let _ = tx
+                            .send(Frame::data(Bytes::from(format!("data: {v}\n\n"))))
+                            .await;
+                    }
+                    let _ = tx
+                        .send(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))
+                        .await;
+                    return;
+                }
+            };
+            // A closed body means the client left: dropping `rx` stops the generation.
+            if tx.send(Frame::data(frame)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(body.boxed())
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
