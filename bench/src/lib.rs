@@ -4,9 +4,11 @@
 //!   and a documented latency model, so routers can be compared on equal, repeatable engines.
 //! - [`load`]: workload generators and an OpenAI streaming client that measures TTFT and reads
 //!   `usage`, used by `kvmesh-bench`.
+//! - [`engine_shim`]: the native engine's speed, memory and prefix-reuse TTFT.
 //! - [`gossip`]: residency convergence and gossip bandwidth of N in-process gossip nodes.
 //! - [`kvagent`]: kvagent's data path against plain copy and sequential-file baselines.
 
+pub mod engine_shim;
 pub mod gossip;
 pub mod http;
 pub mod kvagent;

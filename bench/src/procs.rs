@@ -38,15 +38,20 @@ impl Drop for Proc {
     }
 }
 
-/// Starts a `kvmesh-sim-engine` on a free loopback port with `args`.
-pub fn sim(name: &str, args: &[String]) -> anyhow::Result<Proc> {
-    let mut child = Command::new(sibling("kvmesh-sim-engine")?)
-        .args(["--listen", "127.0.0.1:0", "--name", name])
-        .args(args)
+impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+/// Starts `cmd`, which prints `... http://ADDR` as its first stdout line once it listens.
+fn spawn_announcing(mut cmd: Command, what: &str) -> anyhow::Result<Proc> {
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
-        .context("starting kvmesh-sim-engine")?;
+        .with_context(|| format!("starting {what}"))?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().context("no stdout")?).read_line(&mut line)?;
     let addr = line
@@ -55,8 +60,26 @@ pub fn sim(name: &str, args: &[String]) -> anyhow::Result<Proc> {
         .next()
         .unwrap_or_default()
         .parse()
-        .context("sim engine address")?;
+        .with_context(|| format!("{what} did not announce its address: {line:?}"))?;
     Ok(Proc { child, addr })
+}
+
+/// Starts a `kvmesh-sim-engine` on a free loopback port with `args`.
+pub fn sim(name: &str, args: &[String]) -> anyhow::Result<Proc> {
+    let mut cmd = Command::new(sibling("kvmesh-sim-engine")?);
+    cmd.args(["--listen", "127.0.0.1:0", "--name", name])
+        .args(args);
+    spawn_announcing(cmd, "kvmesh-sim-engine")
+}
+
+/// Starts an `engine-shim` (the real engine) on a free loopback port with `args`; returns once
+/// the model is loaded and it listens.
+pub fn engine_shim(args: &[String]) -> anyhow::Result<Proc> {
+    let mut cmd = Command::new(sibling("engine-shim")?);
+    cmd.args(["--listen", "127.0.0.1:0"])
+        .args(args)
+        .env("RUST_LOG", "warn");
+    spawn_announcing(cmd, "engine-shim")
 }
 
 /// A free loopback port.

@@ -61,6 +61,9 @@ pub struct Job {
     pub params: SamplingParams,
     /// Where events go; generation stops when the receiver is dropped.
     pub events: mpsc::UnboundedSender<Event>,
+    /// Send text as it is generated (SSE); otherwise once, at the end: every event wakes the
+    /// HTTP side, and on a small machine that wake-up preempts libtorch's threads.
+    pub stream: bool,
 }
 
 /// Where evicted and new blocks go, and where missing ones come from (kvagent).
@@ -195,8 +198,10 @@ impl Worker {
 
     fn serve(&mut self, job: Job) {
         let p = &job.params;
+        let started = std::time::Instant::now();
         let mut kv = KvCache::new(&self.model.cfg, job.prompt.len() + p.max_tokens + 1);
         let (mut logits, cached) = self.prefill(&job.prompt, &mut kv);
+        let prefilled = started.elapsed();
         self.stats
             .prompt_tokens
             .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
@@ -220,10 +225,7 @@ impl Worker {
             generated.push(next);
             self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
             let text = self.tokenizer.decode(&generated).unwrap_or_default();
-            if let Some(cut) = p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                if cut > sent {
-                    let _ = job.events.send(Event::Text(text[sent..cut].to_string()));
-                }
+            if p.stop.iter().any(|s| text.contains(s.as_str())) {
                 finish = "stop";
                 break;
             }
@@ -238,7 +240,7 @@ impl Worker {
             while upto > sent && !text.is_char_boundary(upto) {
                 upto -= 1;
             }
-            if !text[..upto].ends_with('\u{FFFD}') && upto > sent {
+            if job.stream && !text[..upto].ends_with('\u{FFFD}') && upto > sent {
                 if job
                     .events
                     .send(Event::Text(text[sent..upto].to_string()))
@@ -251,12 +253,28 @@ impl Worker {
             if generated.len() == p.max_tokens {
                 break;
             }
+            if job.events.is_closed() {
+                return; // client gone
+            }
             logits = self.model.forward(&[next], &mut kv, true);
         }
         let text = self.tokenizer.decode(&generated).unwrap_or_default();
-        if finish == "length" && text.len() > sent {
+        let text = match p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            Some(cut) => &text[..cut],
+            None => &text[..],
+        };
+        if text.len() > sent {
             let _ = job.events.send(Event::Text(text[sent..].to_string()));
         }
+        let decode = started.elapsed() - prefilled;
+        tracing::debug!(
+            prompt = job.prompt.len(),
+            cached,
+            prefill_ms = prefilled.as_secs_f64() * 1e3,
+            generated = generated.len(),
+            decode_ms_per_token = decode.as_secs_f64() * 1e3 / generated.len().max(1) as f64,
+            "request done"
+        );
         let _ = job.events.send(Event::Done {
             finish_reason: finish,
             completion_tokens: generated.len(),

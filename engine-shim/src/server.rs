@@ -317,6 +317,7 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         prompt: ids,
         params: parsed.params,
         events: tx,
+        stream: parsed.stream,
     };
     if app.jobs.try_send(job).is_err() {
         app.stats.waiting.fetch_sub(1, Ordering::Relaxed);

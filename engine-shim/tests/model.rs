@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use engine_shim::gguf::Gguf;
-use engine_shim::model::{KvCache, Llama};
+use engine_shim::model::{KvCache, Llama, WeightType};
 use engine_shim::tokenizer::ModelTokenizer;
 
 fn root() -> PathBuf {
@@ -125,8 +125,19 @@ fn greedy(model: &Llama, prompt: &[u32], n: usize, chunk: usize) -> Vec<u32> {
 
 #[test]
 fn logits_match_an_independent_f32_reference_and_the_answer_is_paris() {
+    check_against_reference(WeightType::F32);
+}
+
+/// bf16 weights stay correlated with the f32 reference; near-tied tokens may flip (Q4_1 weights
+/// make near ties common), so the greedy answer is checked for f32 only.
+#[test]
+fn bf16_weights_still_match_the_f32_reference() {
+    check_against_reference(WeightType::Bf16);
+}
+
+fn check_against_reference(weights: WeightType) {
     tch::set_num_threads(2);
-    let model = Llama::load(gguf()).unwrap();
+    let model = Llama::load(gguf(), weights).unwrap();
     let ids = france();
     // Reference: the gguf package's dequantisation and a numpy forward pass.
     let out = std::env::temp_dir().join(format!("engine-shim-ref-{}.bin", std::process::id()));
@@ -157,20 +168,25 @@ fn logits_match_an_independent_f32_reference_and_the_answer_is_paris() {
         let a = &ours[pos * vocab..(pos + 1) * vocab];
         let b = &reference[pos * vocab..(pos + 1) * vocab];
         let r = correlation(a, b);
-        assert!(r >= 0.999, "position {pos}: correlation {r}");
-        assert_eq!(argmax(a), argmax(b), "position {pos}: different top token");
+        assert!(r >= 0.999, "{weights:?} position {pos}: correlation {r}");
+        eprintln!("{weights:?} position {pos}: correlation {r:.5}");
+        if weights == WeightType::F32 {
+            assert_eq!(argmax(a), argmax(b), "position {pos}: different top token");
+        }
     }
-    let answer = greedy(&model, &ids, 12, 256);
-    let text = tok().decode(&answer).unwrap();
-    assert!(
-        text.starts_with("The capital of France is Paris"),
-        "{text:?}"
-    );
+    if weights == WeightType::F32 {
+        let answer = greedy(&model, &ids, 12, 256);
+        let text = tok().decode(&answer).unwrap();
+        assert!(
+            text.starts_with("The capital of France is Paris"),
+            "{text:?}"
+        );
+    }
 }
 
 #[test]
 fn chunked_prefill_gives_the_same_logits() {
-    let model = Llama::load(gguf()).unwrap();
+    let model = Llama::load(gguf(), WeightType::F32).unwrap();
     let ids = france();
     let _guard = tch::no_grad_guard();
     let whole = {

@@ -7,6 +7,7 @@
 //!   or closed loop.
 //! - `compare`: the same workload through kvmesh's policies and peer routers, each in front of
 //!   fresh simulated engines, side by side, with the oracle.
+//! - `engine-shim`: the native engine's speed, memory and prefix-reuse TTFT (and llama.cpp's).
 //! - `gossip`: residency convergence and gossip bandwidth for 4/8/16 proxies.
 //! - `kvagent`: kvagent's GetBlocks, Lookup, spill and promote against plain baselines.
 
@@ -62,6 +63,28 @@ enum Cmd {
         /// Single-change convergence trials.
         #[arg(long, default_value_t = 10)]
         changes: usize,
+    },
+    /// engine-shim: prefill/decode tokens/s and peak RSS (chunked prefill on and off), and TTFT
+    /// of a shared prefix cold, resident and paged in from kvagent.
+    EngineShim {
+        /// The GGUF model.
+        #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+        model: std::path::PathBuf,
+        /// Prompt sizes in tokens, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+        prompts: Vec<usize>,
+        /// Tokens generated per request.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: u64,
+        /// Shared prefix size for the TTFT comparison, tokens.
+        #[arg(long, default_value_t = 2048)]
+        shared_prefix: usize,
+        /// Python with llama-cpp-python, for a side-by-side run (skipped when the file is absent).
+        #[arg(long, default_value = ".venv-llama/bin/python")]
+        llama_python: std::path::PathBuf,
+        /// engine-shim's matrix weights: f32 or bf16.
+        #[arg(long, default_value = "f32")]
+        weights: String,
     },
     /// kvagent's data path (GetBlocks, Lookup, spill, promote) against plain baselines.
     Kvagent {
@@ -663,6 +686,25 @@ async fn main() -> anyhow::Result<()> {
                 rounds: rounds.max(1),
             };
             println!("{}", kvmesh_bench::kvagent::run(&b).await?);
+            Ok(())
+        }
+        Cmd::EngineShim {
+            model,
+            prompts,
+            max_tokens,
+            shared_prefix,
+            llama_python,
+            weights,
+        } => {
+            let b = kvmesh_bench::engine_shim::ShimBench {
+                model,
+                prompts,
+                max_tokens,
+                shared_prefix,
+                llama_python: llama_python.exists().then_some(llama_python),
+                weights,
+            };
+            println!("{}", kvmesh_bench::engine_shim::run(&b).await?);
             Ok(())
         }
         Cmd::Gossip {

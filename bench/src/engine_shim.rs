@@ -1,0 +1,236 @@
+//! `kvmesh-bench engine-shim`: the native engine's prefill and decode speed, peak memory with and
+//! without chunked prefill, and time to first token for a shared prefix that is cold, resident,
+//! or paged in from kvagent. Every figure comes from real `engine-shim` (and `kvagent`)
+//! processes over HTTP; optionally llama.cpp (llama-cpp-python) on the same model beside them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use serde_json::json;
+
+use crate::load::{self, HttpClient, Sample};
+use crate::procs::{self, Proc};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ShimBench {
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// Prompt sizes, tokens (approximate; the table reports the exact count).
+    pub prompts: Vec<usize>,
+    /// Tokens generated per request.
+    pub max_tokens: u64,
+    /// Shared prefix size for the TTFT comparison, tokens.
+    pub shared_prefix: usize,
+    /// Python with llama-cpp-python installed, for the side-by-side (skipped when absent).
+    pub llama_python: Option<PathBuf>,
+    /// engine-shim's `weights` (`f32` or `bf16`).
+    pub weights: String,
+}
+
+const WORDS: &[&str] = &[
+    "apple", "river", "stone", "cloud", "garden", "window", "silver", "forest", "engine", "letter",
+    "market", "winter", "bridge", "candle", "harbor", "pencil", "mirror", "planet", "rocket",
+    "signal", "thunder", "valley", "wagon", "yellow", "basket", "castle", "dragon", "feather",
+    "island", "jacket", "kitten", "ladder", "meadow", "needle", "orange", "pepper", "rabbit",
+    "saddle", "tunnel", "violin",
+];
+
+/// About `n` tokens of text (one common word is one token), distinct per `seed`.
+pub fn words(n: usize, seed: u64) -> String {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut s = String::new();
+    for _ in 0..n {
+        s.push(' ');
+        s.push_str(WORDS[rng.usize(..WORDS.len())]);
+    }
+    s
+}
+
+/// A streamed `/v1/completions` body (raw prompt, no chat template: the same text llama.cpp gets).
+fn body(model: &str, prompt: &str, max_tokens: u64) -> Bytes {
+    Bytes::from(
+        serde_json::to_vec(&json!({
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        }))
+        .unwrap_or_default(),
+    )
+}
+
+fn engine(b: &ShimBench, args: &[String]) -> anyhow::Result<Proc> {
+    let mut a = vec![
+        "--model".to_string(),
+        b.model.display().to_string(),
+        "--weights".into(),
+        b.weights.clone(),
+        "--cache-blocks".into(),
+        "1024".into(),
+    ];
+    a.extend_from_slice(args);
+    procs::engine_shim(&a)
+}
+
+/// Peak resident memory of a process, MiB (VmHWM).
+fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map(|kib| kib / 1024.0)
+        .unwrap_or(0.0)
+}
+
+async fn one(client: &HttpClient, url: &str, b: Bytes) -> anyhow::Result<Sample> {
+    let s = load::send(client, url, b).await;
+    anyhow::ensure!(s.status == 200, "engine answered {}", s.status);
+    Ok(s)
+}
+
+/// Runs everything; returns Markdown tables.
+pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
+    let client = load::client(1);
+    let model_name = "SmolLM2-135M-Instruct";
+    let mut out = format!("engine-shim weights: {}\n\n", b.weights);
+    out += &String::from(
+        "| prompt tokens | prefill | prefill tok/s | decode tok/s | peak RSS MiB | RSS over idle MiB |\n|---:|---|---:|---:|---:|---:|\n",
+    );
+    for &n in &b.prompts {
+        for (label, chunk) in [("chunked 256", 256usize), ("one step", 1 << 20)] {
+            let e = engine(b, &["--prefill-chunk".into(), chunk.to_string()])?;
+            let url = format!("http://{}/v1/completions", e.addr);
+            // Warm-up (allocator, libtorch kernels), on a different prompt.
+            one(&client, &url, body(model_name, &words(64, 999), 4)).await?;
+            let idle = peak_rss_mib(e.pid());
+            let s = one(
+                &client,
+                &url,
+                body(model_name, &words(n, n as u64), b.max_tokens),
+            )
+            .await?;
+            let prefill = s.prompt_tokens as f64 / s.ttft.as_secs_f64();
+            let decode_time = (s.latency - s.ttft).as_secs_f64();
+            let decode = s.output_events.saturating_sub(1) as f64 / decode_time.max(1e-9);
+            let peak = peak_rss_mib(e.pid());
+            out += &format!(
+                "| {} | {label} | {prefill:.0} | {decode:.1} | {peak:.0} | {:.0} |\n",
+                s.prompt_tokens,
+                peak - idle
+            );
+            eprintln!("prompt {n} {label}: done");
+        }
+    }
+
+    // TTFT of a shared prefix: cold, resident, paged in from kvagent.
+    let dir = std::env::temp_dir().join(format!("kvmesh-bench-shim-{}", std::process::id()));
+    let agent = procs::kvagent(
+        &dir,
+        "[ram]\ncapacity_bytes = 2147483648\n[limits]\nmax_block_bytes = 1048576\n",
+    )
+    .await?;
+    let kv = vec!["--kvagent".to_string(), format!("http://{}", agent.addr)];
+    let doc = words(b.shared_prefix, 7);
+    let ask = |q: &str| body(model_name, &format!("{doc}\nQuestion: {q}"), 8);
+    let a = engine(b, &kv)?;
+    let url_a = format!("http://{}/v1/completions", a.addr);
+    one(&client, &url_a, body(model_name, &words(64, 999), 4)).await?;
+    let cold = one(&client, &url_a, ask("which word comes first?")).await?;
+    let resident = one(&client, &url_a, ask("which word comes last?")).await?;
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let fresh = engine(b, &kv)?;
+    let url_f = format!("http://{}/v1/completions", fresh.addr);
+    one(&client, &url_f, body(model_name, &words(64, 998), 4)).await?;
+    let paged = one(&client, &url_f, ask("how many words are there?")).await?;
+    drop(fresh);
+    drop(agent);
+    let _ = std::fs::remove_dir_all(&dir);
+    let ms = |s: &Sample| s.ttft.as_secs_f64() * 1e3;
+    out += &format!(
+        "\n| shared prefix ({} prompt tokens) | cached tokens | TTFT ms | vs cold |\n|---|---:|---:|---:|\n| cold (computed) | {} | {:.0} | 1.00 |\n| resident (prefix cache) | {} | {:.0} | {:.3} |\n| paged in from kvagent (fresh engine) | {} | {:.0} | {:.3} |\n",
+        cold.prompt_tokens,
+        cold.cached_tokens,
+        ms(&cold),
+        resident.cached_tokens,
+        ms(&resident),
+        ms(&resident) / ms(&cold),
+        paged.cached_tokens,
+        ms(&paged),
+        ms(&paged) / ms(&cold),
+    );
+
+    if let Some(py) = &b.llama_python {
+        out += &llama_cpp(py, &b.model, &b.prompts, b.max_tokens)?;
+    }
+    Ok(out)
+}
+
+/// llama.cpp through llama-cpp-python on the same GGUF and prompts (an external baseline).
+fn llama_cpp(
+    py: &Path,
+    model: &Path,
+    prompts: &[usize],
+    max_tokens: u64,
+) -> anyhow::Result<String> {
+    let script = r#"
+import sys, time, json
+from llama_cpp import Llama
+model, n_tokens, max_tokens = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+llm = Llama(model_path=model, n_ctx=8192, n_threads=2, verbose=False)
+words = sys.stdin.read().split("\n")
+for n, text in zip(n_tokens, words):
+    toks = llm.tokenize(text.encode(), add_bos=False)
+    llm.reset()
+    t = time.perf_counter(); llm.eval(toks); pre = time.perf_counter() - t
+    out = 0; t = time.perf_counter()
+    for tok in llm.generate([], temp=0, reset=False):
+        out += 1
+        if out >= max_tokens: break
+    dec = time.perf_counter() - t
+    print(json.dumps({"n": len(toks), "prefill": len(toks) / pre, "decode": out / dec}))
+"#;
+    let mut child = Command::new(py)
+        .args(["-c", script, &model.display().to_string()])
+        .arg(
+            prompts
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        )
+        .arg(max_tokens.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting llama-cpp-python")?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use std::io::Write;
+        let texts: Vec<String> = prompts.iter().map(|&n| words(n, n as u64)).collect();
+        stdin.write_all(texts.join("\n").as_bytes())?;
+    }
+    let output = child.wait_with_output()?;
+    let mut out = String::from(
+        "\n| llama.cpp (llama-cpp-python, 2 threads) prompt tokens | prefill tok/s | decode tok/s |\n|---:|---:|---:|\n",
+    );
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        out += &format!(
+            "| {} | {:.0} | {:.1} |\n",
+            v["n"],
+            v["prefill"].as_f64().unwrap_or(0.0),
+            v["decode"].as_f64().unwrap_or(0.0)
+        );
+    }
+    Ok(out)
+}
