@@ -44,6 +44,9 @@ struct Cli {
     /// Overrides `weights` (`bf16` or `f32`).
     #[arg(long)]
     weights: Option<String>,
+    /// Overrides `threads`.
+    #[arg(long)]
+    threads: Option<usize>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -58,7 +61,7 @@ enum Command {
 }
 
 /// The engine's configuration; every key has a default.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct EngineConfig {
     /// HTTP listen address.
@@ -193,6 +196,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
     if let Some(k) = &cli.kvagent {
         cfg.kvagent_url = k.clone();
     }
+    if let Some(n) = cli.threads {
+        cfg.threads = n;
+    }
     if let Some(w) = &cli.weights {
         cfg.weights = match w.as_str() {
             "bf16" => WeightType::Bf16,
@@ -322,5 +328,19 @@ async fn serve(listener: tokio::net::TcpListener, app: Arc<App>) {
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shipped_example_spells_out_the_defaults() {
+        let text = include_str!("../../examples/engine-shim.toml");
+        let cfg: EngineConfig = toml::from_str(text).expect("parses");
+        assert_eq!(cfg, EngineConfig::default());
+        let bad = toml::from_str::<EngineConfig>("prefill_chunks = 3").unwrap_err();
+        assert!(bad.to_string().contains("prefill_chunks"));
     }
 }

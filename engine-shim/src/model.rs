@@ -261,16 +261,18 @@ impl Llama {
             cache.v[li]
                 .narrow(1, start as i64, t)
                 .copy_(&v.transpose(0, 1));
-            let keys = cache.k[li].narrow(1, 0, total).unsqueeze(1); // [kvh, 1, total, hd]
-            let vals = cache.v[li].narrow(1, 0, total).unsqueeze(1);
-            // Query head j*group+g reads kv head j: [kvh, group, T, hd].
-            let qg = q.transpose(0, 1).view([kvh, group, t, hd]);
-            let scores = qg.matmul(&keys.transpose(-2, -1)) * scale;
+            // Batched over kv heads, with each kv head's `group` query heads stacked as rows:
+            // no broadcast, so the cached keys and values are read in place, never copied.
+            let keys = cache.k[li].narrow(1, 0, total); // [kvh, total, hd]
+            let vals = cache.v[li].narrow(1, 0, total);
+            let qg = q.transpose(0, 1).contiguous().view([kvh, group * t, hd]);
+            let scores = (qg.bmm(&keys.transpose(1, 2)) * scale).view([kvh, group, t, total]);
             let probs = scores
                 .masked_fill(&mask, f64::NEG_INFINITY)
-                .softmax(-1, Kind::Float);
+                .softmax(-1, Kind::Float)
+                .view([kvh, group * t, total]);
             let out = probs
-                .matmul(&vals)
+                .bmm(&vals)
                 .view([h, t, hd])
                 .transpose(0, 1)
                 .reshape([t, h * hd]);

@@ -1,6 +1,7 @@
 //! `kvmesh-bench`: load generation and benchmark runs for kvmesh (an instrument, not the product).
 //!
-//! - `demo`: 3 fresh sim engines + kvmesh-proxy, a shared-prefix workload once per policy.
+//! - `demo`: fresh engines (real engine-shim by default, or sims) + kvmesh-proxy, a shared-prefix
+//!   workload once per policy.
 //! - `overhead`: requests/s and added latency of kvmesh-proxy, a bare Pingora proxy, nginx and
 //!   the peer routers against direct, on a zero-latency engine.
 //! - `replay`: a workload (the Mooncake trace or a synthetic one) against any OpenAI URL, open
@@ -328,7 +329,11 @@ struct CompareArgs {
 
 #[derive(Args)]
 struct DemoArgs {
-    /// Number of engines.
+    /// `shim`: real engine-shim engines (SmolLM2-135M on CPU) with a small preset workload;
+    /// `sim`: kvmesh-sim-engine instruments with the workload below.
+    #[arg(long, default_value = "shim")]
+    engine: String,
+    /// Number of engines (sim).
     #[arg(long, default_value_t = 3)]
     engines: usize,
     /// Policies to compare, in order.
@@ -373,26 +378,70 @@ fn row(name: &str, s: &Summary) {
 }
 
 async fn demo(a: DemoArgs) -> anyhow::Result<()> {
-    let w = a.workload.workload();
+    let shim = match a.engine.as_str() {
+        "shim" => true,
+        "sim" => false,
+        other => anyhow::bail!("--engine {other:?}: use shim or sim"),
+    };
+    // Real engines prefill ~500 tokens/s on 2 cores: a small workload, 2 engines whose caches
+    // cannot each hold every system prompt, so where a request lands decides what is recomputed.
+    let (w, engines, cache_blocks, concurrency) = if shim {
+        let w = SharedPrefix {
+            prefixes: 4,
+            users: 3,
+            turns: 2,
+            prefix_bytes: 1000,
+            suffix_bytes: 100,
+            max_tokens: 8,
+            model: "SmolLM2-135M-Instruct".into(),
+            seed: a.workload.seed,
+        };
+        // ~25 blocks per system prompt (plus question blocks): a 56-block cache holds two of
+        // the four, not all four. One request at a time: engine-shim serves FIFO
+        // without batching, so concurrent requests would measure its queue, not the routing.
+        (w, 2, 56, 1)
+    } else {
+        (
+            a.workload.workload(),
+            a.engines,
+            a.cache_blocks,
+            a.workload.concurrency,
+        )
+    };
     let bodies = w.bodies();
-    let sim_args: Vec<String> = vec!["--cache-blocks".into(), a.cache_blocks.to_string()];
+    let mut engine_args: Vec<String> = vec!["--cache-blocks".into(), cache_blocks.to_string()];
+    if shim {
+        // One libtorch thread per engine: the two engines share the machine's cores.
+        engine_args.extend(["--threads".to_string(), "1".to_string()]);
+    }
     println!(
         "workload: {} requests = {} system prompts x {} users x {} turns; prompt ~{} B; max_tokens {}; concurrency {}",
-        bodies.len(), w.prefixes, w.users, w.turns, w.prefix_bytes + w.suffix_bytes, w.max_tokens, a.workload.concurrency
+        bodies.len(), w.prefixes, w.users, w.turns, w.prefix_bytes + w.suffix_bytes, w.max_tokens, concurrency
     );
-    println!(
-        "engines: {} x kvmesh-sim-engine, cache {} blocks of 16 tokens each, default latency model (50 us/prompt token, 8 ms/decode step), fresh per policy\n",
-        a.engines, a.cache_blocks
-    );
+    if shim {
+        println!(
+            "engines: {engines} x engine-shim (SmolLM2-135M-Instruct, libtorch on CPU), prefix cache {cache_blocks} blocks of 16 tokens each, fresh per policy\n"
+        );
+    } else {
+        println!(
+            "engines: {engines} x kvmesh-sim-engine, cache {cache_blocks} blocks of 16 tokens each, default latency model (50 us/prompt token, 8 ms/decode step), fresh per policy\n"
+        );
+    }
     header();
     let mut results = Vec::new();
     for policy in &a.policies {
-        let sims = (0..a.engines)
-            .map(|i| procs::sim(&format!("engine-{i}"), &sim_args))
+        let sims = (0..engines)
+            .map(|i| {
+                if shim {
+                    procs::engine_shim(&engine_args)
+                } else {
+                    procs::sim(&format!("engine-{i}"), &engine_args)
+                }
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
         let proxy = procs::kvmesh(policy, &addrs, 0, 500).await?;
-        let client = load::client(a.workload.concurrency);
+        let client = load::client(concurrency);
         let url = format!("http://{}/v1/chat/completions", proxy.addr);
         let start = Instant::now();
         let shared = std::sync::Arc::new(bodies.clone());
@@ -400,7 +449,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
             &client,
             std::slice::from_ref(&url),
             bodies.len(),
-            a.workload.concurrency,
+            concurrency,
             move |i| shared[i].clone(),
         )
         .await;
