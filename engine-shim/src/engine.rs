@@ -299,7 +299,10 @@ fn sample(logits: &Tensor, temperature: f64, top_p: f64, rng: &mut fastrand::Rng
         return row.argmax(-1, false).int64_value(&[]) as u32;
     }
     let probs: Vec<f32> =
-        Vec::try_from((row / temperature).softmax(-1, Kind::Float)).unwrap_or_default();
+        Vec::try_from((&row / temperature).softmax(-1, Kind::Float)).unwrap_or_default();
+    if probs.is_empty() {
+        return row.argmax(-1, false).int64_value(&[]) as u32;
+    }
     let mut order: Vec<usize> = (0..probs.len()).collect();
     order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]));
     let mut mass = 0.0f64;

@@ -222,6 +222,16 @@ fn serves_json_and_sse_with_usage() {
     assert!(metric("engine_shim_generated_tokens_total") >= 10.0);
     assert!(get(e.addr, "/v1/models").contains(MODEL));
 
+    // Sampling with a seed is reproducible.
+    let sampled = |seed: u64| {
+        answer(&chat(
+            e.addr,
+            "Tell me a story.",
+            json!({"temperature": 0.9, "top_p": 0.95, "seed": seed, "max_tokens": 16}),
+        ))
+    };
+    assert_eq!(sampled(42), sampled(42));
+
     // Several clients at once: all served (first come, first served).
     let handles: Vec<_> = (0..3)
         .map(|i| {
