@@ -104,6 +104,30 @@ async fn wait_until(
     Ok(())
 }
 
+/// Writes `toml` to `config` and starts the sibling binary `bin` with `--config config` and
+/// `env`; it is to listen on 127.0.0.1:`port` (not waited for here).
+fn spawn_configured(
+    bin: &str,
+    config: &std::path::Path,
+    toml: &str,
+    port: u16,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> anyhow::Result<Proc> {
+    std::fs::write(config, toml)?;
+    let child = Command::new(sibling(bin)?)
+        .arg("--config")
+        .arg(config)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {bin}"))?;
+    Ok(Proc {
+        child,
+        addr: format!("127.0.0.1:{port}").parse()?,
+    })
+}
+
 /// Starts `kvmesh-proxy` on a free port in front of `engines` (named `engine-0`, `engine-1`, ...)
 /// with `policy`, `threads` workers (0: one per CPU) and health probes every `health_ms`, and
 /// waits for `/ready`.
@@ -124,16 +148,8 @@ pub async fn kvmesh(
     }
     let path =
         std::env::temp_dir().join(format!("kvmesh-bench-{}-{port}.toml", std::process::id()));
-    std::fs::write(&path, toml)?;
-    let child = Command::new(sibling("kvmesh-proxy")?)
-        .arg("--config")
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting kvmesh-proxy")?;
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-    let p = Proc { child, addr };
+    let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
+    let addr = p.addr;
     let client = crate::load::client(1);
     let ready_uri: http::Uri = format!("http://{addr}/ready").parse()?;
     let what = format!("kvmesh-proxy did not become ready on {addr}");
@@ -158,22 +174,17 @@ pub async fn kvmesh(
 pub async fn kvagent(dir: &std::path::Path, extra: &str) -> anyhow::Result<Proc> {
     std::fs::create_dir_all(dir)?;
     let port = free_port()?;
-    let config = dir.join("kvagent.toml");
-    std::fs::write(
-        &config,
-        format!("listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"\"\nlog = \"warn\"\n{extra}"),
+    let toml =
+        format!("listen = \"127.0.0.1:{port}\"\nmetrics_listen = \"\"\nlog = \"warn\"\n{extra}");
+    let ssd = dir.join("ssd");
+    let p = spawn_configured(
+        "kvagent",
+        &dir.join("kvagent.toml"),
+        &toml,
+        port,
+        &[("KVAGENT_SSD_DIR", ssd.as_os_str())],
     )?;
-    let child = Command::new(sibling("kvagent")?)
-        .arg("--config")
-        .arg(&config)
-        .env("KVAGENT_SSD_DIR", dir.join("ssd"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting kvagent")?;
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
-    let p = Proc { child, addr };
-    wait_listening(addr).await?;
+    wait_listening(p.addr).await?;
     Ok(p)
 }
 
@@ -209,19 +220,8 @@ pub async fn kvmesh_sidecars(
             "kvmesh-bench-sidecar-{}-{port}.toml",
             std::process::id()
         ));
-        std::fs::write(&path, toml)?;
-        let child = Command::new(sibling("kvmesh-proxy")?)
-            .arg("--config")
-            .arg(&path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("starting a kvmesh-proxy sidecar")?;
         procs.push((
-            Proc {
-                child,
-                addr: format!("127.0.0.1:{port}").parse()?,
-            },
+            spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?,
             path,
         ));
     }
