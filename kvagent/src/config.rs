@@ -70,7 +70,9 @@ impl Default for AgentConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RamConfig {
-    /// Payload bytes the RAM tier may hold. A put that would pass it waits for a spill.
+    /// Bytes the RAM tier may hold, each block charged its payload, its model name and a fixed
+    /// per-block overhead (`store::RAM_BLOCK_OVERHEAD_BYTES`). A put that would pass it waits
+    /// for a spill.
     pub capacity_bytes: u64,
     /// Fraction of `capacity_bytes` above which the coldest blocks spill to SSD.
     pub high_watermark: f64,
@@ -94,7 +96,8 @@ impl Default for RamConfig {
 pub struct SsdConfig {
     /// Directory of block files (created if missing). Env: `KVAGENT_SSD_DIR`.
     pub dir: PathBuf,
-    /// Payload bytes the SSD tier may hold; 0 disables the tier (RAM overflow is then dropped).
+    /// Bytes the SSD tier may hold, each block charged its file's length rounded up to 4 KiB
+    /// (`store::SSD_ALLOCATION_UNIT_BYTES`); 0 disables the tier (RAM overflow is then dropped).
     pub capacity_bytes: u64,
     /// Seconds a block may sit on SSD without being read or written before it is deleted.
     pub ttl_secs: u64,
@@ -138,6 +141,8 @@ pub struct Limits {
     pub max_model_bytes: usize,
     /// Most concurrent `WatchResidency` subscribers.
     pub max_watchers: usize,
+    /// Most concurrent gRPC calls (HTTP/2 streams) on one client connection.
+    pub max_concurrent_streams: u32,
 }
 
 impl Default for Limits {
@@ -148,6 +153,7 @@ impl Default for Limits {
             max_batch: 4096,
             max_model_bytes: 256,
             max_watchers: 64,
+            max_concurrent_streams: 256,
         }
     }
 }
@@ -232,20 +238,34 @@ impl AgentConfig {
             ));
         }
         let l = &self.limits;
-        if l.max_block_bytes == 0 || l.max_block_bytes > r.capacity_bytes {
+        if l.max_model_bytes == 0 || l.max_model_bytes > usize::from(u16::MAX) {
             return bad(format!(
-                "limits.max_block_bytes ({}) must be in 1..=ram.capacity_bytes ({})",
-                l.max_block_bytes, r.capacity_bytes
+                "limits.max_model_bytes ({}) must be in 1..=65535 (the block file format)",
+                l.max_model_bytes
             ));
         }
-        if (l.max_message_bytes as u64) < l.max_block_bytes + 4096 {
+        // The largest block, with the longest model name and the per-block overhead, must fit.
+        let largest = crate::store::ram_charge(l.max_model_bytes, l.max_block_bytes);
+        if l.max_block_bytes == 0 || largest > r.capacity_bytes {
+            return bad(format!(
+                "limits.max_block_bytes ({}) must be in 1..=ram.capacity_bytes ({}) - \
+                 limits.max_model_bytes ({}) - {} (the per-block overhead)",
+                l.max_block_bytes,
+                r.capacity_bytes,
+                l.max_model_bytes,
+                crate::store::RAM_BLOCK_OVERHEAD_BYTES
+            ));
+        }
+        if (l.max_message_bytes as u64) < l.max_block_bytes.saturating_add(4096) {
             return bad(format!(
                 "limits.max_message_bytes ({}) must exceed limits.max_block_bytes ({}) by at least 4096",
                 l.max_message_bytes, l.max_block_bytes
             ));
         }
-        if l.max_batch == 0 || l.max_model_bytes == 0 || l.max_watchers == 0 {
-            return bad("limits.max_batch, max_model_bytes and max_watchers must be > 0".into());
+        if l.max_batch == 0 || l.max_watchers == 0 || l.max_concurrent_streams == 0 {
+            return bad(
+                "limits.max_batch, max_watchers and max_concurrent_streams must be > 0".into(),
+            );
         }
         if self.ssd.capacity_bytes > 0 {
             if self.ssd.dir.as_os_str().is_empty() {
@@ -299,6 +319,19 @@ mod tests {
             .expect("parses");
         let e = cfg.validate().unwrap_err().to_string();
         assert!(e.contains("low_watermark"), "{e}");
+        // The largest block must fit with its model name and the per-block overhead.
+        let cfg = AgentConfig::from_toml(
+            "[ram]\ncapacity_bytes = 65536\n[limits]\nmax_block_bytes = 65536\n",
+        )
+        .expect("parses");
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("max_block_bytes") && e.contains("overhead"),
+            "{e}"
+        );
+        let cfg = AgentConfig::from_toml("[limits]\nmax_model_bytes = 70000\n").expect("parses");
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("max_model_bytes"), "{e}");
         let cfg = AgentConfig::from_toml("[telemetry]\nengine_metrics_url = \"ftp://x\"\n")
             .expect("parses");
         let e = cfg.validate().unwrap_err().to_string();

@@ -56,6 +56,12 @@ impl DiskError {
     }
 }
 
+/// Bytes the block file of a block with a `model_len`-byte model name and a `payload_len`-byte
+/// payload occupies: header, model, payload and checksum (before file-system rounding).
+pub fn file_len(model_len: usize, payload_len: u64) -> u64 {
+    ((HEADER + TRAILER + model_len) as u64).saturating_add(payload_len)
+}
+
 /// A block as stored.
 #[derive(Debug, Clone)]
 pub struct DiskBlock {

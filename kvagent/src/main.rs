@@ -51,7 +51,26 @@ const MAX_FRAME: u32 = 1 << 20;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line naming what failed and why, e.g. `kvagent: cannot listen on
+            // 127.0.0.1:50151 (listen): Address already in use (os error 98)`.
+            eprintln!("kvagent: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Binds `addr` for the config key `key`, or says which address could not be bound.
+async fn bind(addr: SocketAddr, key: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr} ({key})"))
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(Command::CheckConfig { file }) = cli.command {
         AgentConfig::load(Some(&file))?;
@@ -64,6 +83,14 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
         )
         .init();
+
+    // Both ports first: a second agent started by mistake on a busy port must exit before it
+    // touches the SSD directory (whose temp files belong to the running one) or logs anything.
+    let listener = bind(cfg.listen, "listen").await?;
+    let metrics_listener = match cfg.metrics_listen.as_str() {
+        "" => None,
+        a => Some(bind(a.parse().context("metrics_listen")?, "metrics_listen").await?),
+    };
 
     let metrics = Arc::new(Metrics::new());
     let ssd = (cfg.ssd.capacity_bytes > 0).then_some((cfg.ssd.dir.as_path(), cfg.ssd.fsync));
@@ -87,17 +114,10 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
 
-    if !cfg.metrics_listen.is_empty() {
-        let addr: SocketAddr = cfg.metrics_listen.parse().context("metrics_listen")?;
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding metrics_listen {addr}"))?;
-        tokio::spawn(serve_metrics(listener, metrics.clone()));
+    if let Some(l) = metrics_listener {
+        tokio::spawn(serve_metrics(l, metrics.clone()));
     }
 
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .with_context(|| format!("binding listen {}", cfg.listen))?;
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<KvAgentServer<KvAgentService>>().await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -116,6 +136,7 @@ async fn main() -> anyhow::Result<()> {
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONNECTION_WINDOW)
             .max_frame_size(MAX_FRAME)
+            .max_concurrent_streams(cfg.limits.max_concurrent_streams)
             .add_service(health_service)
             .add_service(service)
             .serve_with_incoming_shutdown(
@@ -160,8 +181,14 @@ async fn shutdown_signal() {
 /// `/metrics` (Prometheus text) and `/health` over plain HTTP/1.1.
 async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, typically: back off instead of spinning.
+                tracing::warn!(error = %e, "accepting a /metrics connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {

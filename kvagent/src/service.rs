@@ -81,32 +81,41 @@ fn tier(t: Tier) -> pb::Tier {
 /// Most digests in one `WatchResidency` message (32 bytes each plus framing: ~2.3 MB).
 const DIGESTS_PER_UPDATE: usize = 65_536;
 
-fn updates(change: &ResidencyChange) -> Vec<pb::ResidencyUpdate> {
-    let to_bytes = |ds: &[Digest]| -> Vec<bytes::Bytes> {
-        ds.iter()
+/// How many messages `change` is sent as (at least one).
+fn update_count(change: &ResidencyChange) -> usize {
+    change
+        .added
+        .len()
+        .max(change.removed.len())
+        .div_ceil(DIGESTS_PER_UPDATE)
+        .max(1)
+}
+
+/// Message `i` of `change`, built only when it is sent: a watcher holds one message at a time,
+/// never a whole snapshot's worth of protobuf.
+fn update(change: &ResidencyChange, i: usize) -> pb::ResidencyUpdate {
+    let part = |ds: &[Digest]| -> Vec<bytes::Bytes> {
+        ds.chunks(DIGESTS_PER_UPDATE)
+            .nth(i)
+            .unwrap_or_default()
+            .iter()
             .map(|d| bytes::Bytes::copy_from_slice(&d.0))
             .collect()
     };
-    let mut out = Vec::new();
-    let mut added = change.added.chunks(DIGESTS_PER_UPDATE);
-    let mut removed = change.removed.chunks(DIGESTS_PER_UPDATE);
-    let mut first = true;
-    loop {
-        let a = added.next();
-        let r = removed.next();
-        if a.is_none() && r.is_none() && !first {
-            break;
-        }
-        out.push(pb::ResidencyUpdate {
-            kv_epoch: change.epoch,
-            // Only the first message of a snapshot resets; the rest extend it.
-            reset: change.reset && first,
-            added: to_bytes(a.unwrap_or_default()),
-            removed: to_bytes(r.unwrap_or_default()),
-        });
-        first = false;
+    pb::ResidencyUpdate {
+        kv_epoch: change.epoch,
+        // Only the first message of a snapshot resets; the rest extend it.
+        reset: change.reset && i == 0,
+        added: part(&change.added),
+        removed: part(&change.removed),
     }
-    out
+}
+
+#[cfg(test)]
+fn updates(change: &ResidencyChange) -> Vec<pb::ResidencyUpdate> {
+    (0..update_count(change))
+        .map(|i| update(change, i))
+        .collect()
 }
 
 /// Counts a `WatchResidency` stream while it lives.
@@ -151,7 +160,11 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
                 digest: d,
                 model: b.model.into(),
                 token_count: b.token_count,
-                payload: b.payload,
+                // Copied into an allocation of its own: the decoded payload is a slice of the
+                // whole request buffer, which it would otherwise keep alive (a 1-byte block sent
+                // with megabytes of unknown or repeated fields would pin all of them while being
+                // charged for 1 byte).
+                payload: bytes::Bytes::copy_from_slice(&b.payload),
             });
         }
         let (stored, kv_epoch) = self
@@ -290,10 +303,11 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
         let mut stopping = self.stopping.clone();
         tokio::spawn(async move {
             let _slot = slot;
-            let (mut events, mut change) = store.subscribe();
+            let (mut events, snapshot) = store.subscribe();
+            let mut change = Arc::new(snapshot);
             loop {
-                for u in updates(&change) {
-                    if tx.send(Ok(u)).await.is_err() {
+                for i in 0..update_count(&change) {
+                    if tx.send(Ok(update(&change, i))).await.is_err() {
                         return;
                     }
                 }
@@ -301,12 +315,12 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
                     _ = tx.closed() => return,
                     _ = stopping.wait_for(|s| *s) => return,
                     ev = events.recv() => match ev {
-                        Ok(c) => (*c).clone(),
+                        Ok(c) => c,
                         // Fell behind: start over from a fresh snapshot rather than guess.
                         Err(broadcast::error::RecvError::Lagged(_)) => {
                             let (e, snapshot) = store.subscribe();
                             events = e;
-                            snapshot
+                            Arc::new(snapshot)
                         }
                         Err(broadcast::error::RecvError::Closed) => return,
                     },

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use tokio::sync::{broadcast, Notify};
 
 use crate::config::AgentConfig;
-use crate::disk::{BlockDir, DiskError};
+use crate::disk::{self, BlockDir, DiskError};
 use crate::metrics::Metrics;
 
 /// Which tier holds a block.
@@ -41,6 +41,42 @@ pub struct Block {
     pub token_count: u32,
     /// Opaque payload.
     pub payload: Bytes,
+}
+
+impl Block {
+    /// What this block counts against the RAM tier's capacity: see [`ram_charge`].
+    pub fn ram_charge(&self) -> u64 {
+        ram_charge(self.model.len(), self.payload.len() as u64)
+    }
+}
+
+/// Bytes every block in RAM is charged on top of its payload and model name: its LRU node
+/// (digest, links and the block record, about 120 bytes), its hash-table slot (17 bytes, up to
+/// twice that just after the table grows), and the allocation headers of the model name and the
+/// payload (the allocator's own rounding included). A unit test holds it above the sizes of those
+/// structures. It is what keeps a flood of empty blocks bounded: `ram.capacity_bytes / 256`
+/// blocks at most.
+pub const RAM_BLOCK_OVERHEAD_BYTES: u64 = 256;
+
+/// The SSD tier charges each block its file's length rounded up to this many bytes (a file-system
+/// block: a file of 1 byte still occupies 4 KiB on ext4 or xfs), so it holds at most
+/// `ssd.capacity_bytes / 4096` blocks.
+pub const SSD_ALLOCATION_UNIT_BYTES: u64 = 4096;
+
+/// What a block with a `model_len`-byte model name and a `payload_len`-byte payload counts against
+/// the RAM tier's capacity: payload + model name + [`RAM_BLOCK_OVERHEAD_BYTES`].
+pub fn ram_charge(model_len: usize, payload_len: u64) -> u64 {
+    payload_len
+        .saturating_add(model_len as u64)
+        .saturating_add(RAM_BLOCK_OVERHEAD_BYTES)
+}
+
+/// What such a block counts against the SSD tier's capacity: its file's length (header, model
+/// name, payload, checksum) rounded up to [`SSD_ALLOCATION_UNIT_BYTES`].
+pub fn ssd_charge(model_len: usize, payload_len: u64) -> u64 {
+    disk::file_len(model_len, payload_len)
+        .div_ceil(SSD_ALLOCATION_UNIT_BYTES)
+        .saturating_mul(SSD_ALLOCATION_UNIT_BYTES)
 }
 
 /// What [`BlockStore::lookup`] reports for a stored digest.
@@ -77,7 +113,7 @@ pub enum StoreError {
     Invalid(String),
 }
 
-/// Sizes the store works with, in payload bytes.
+/// Sizes the store works with, in charged bytes ([`ram_charge`], [`ssd_charge`]).
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// RAM tier capacity.
@@ -119,9 +155,18 @@ struct RamBlock {
     generation: u64,
 }
 
+impl RamBlock {
+    fn charge(&self) -> u64 {
+        ram_charge(self.model.len(), self.payload.len() as u64)
+    }
+}
+
 struct SsdBlock {
     token_count: u32,
+    /// Payload bytes.
     size: u64,
+    /// What the block counts against the SSD capacity ([`ssd_charge`]).
+    charge: u64,
     last_access_ms: u64,
 }
 
@@ -132,8 +177,10 @@ type DigestMap<V> = LruCache<Digest, V, foldhash::fast::RandomState>;
 struct State {
     epoch: u64,
     ram: DigestMap<RamBlock>,
+    /// Sum of the RAM blocks' [`ram_charge`].
     ram_bytes: u64,
     ssd: DigestMap<SsdBlock>,
+    /// Sum of the SSD blocks' [`ssd_charge`].
     ssd_bytes: u64,
     /// Block files to delete in the next maintenance pass.
     unlink: Vec<Digest>,
@@ -197,12 +244,14 @@ impl BlockStore {
                         .duration_since(UNIX_EPOCH)
                         .map(|d| d.as_millis() as u64)
                         .unwrap_or(0);
-                    state.ssd_bytes += b.size;
+                    let charge = ssd_charge(b.model.len(), b.size);
+                    state.ssd_bytes = state.ssd_bytes.saturating_add(charge);
                     state.ssd.put(
                         b.digest,
                         SsdBlock {
                             token_count: b.token_count,
                             size: b.size,
+                            charge,
                             last_access_ms: last,
                         },
                     );
@@ -284,9 +333,9 @@ impl BlockStore {
     }
 
     /// Stores blocks in RAM, waiting for a spill first when they would not fit under the RAM
-    /// capacity. Returns the number stored and the epoch.
+    /// capacity (blocks are charged [`ram_charge`]). A digest given twice is stored once, with
+    /// its last copy. Returns the number of blocks given and the epoch.
     pub async fn put(&self, blocks: Vec<Block>) -> Result<(u32, u64), StoreError> {
-        let need: u64 = blocks.iter().map(|b| b.payload.len() as u64).sum();
         if let Some(b) = blocks
             .iter()
             .find(|b| b.payload.len() as u64 > self.cfg.max_block_bytes)
@@ -298,24 +347,34 @@ impl BlockStore {
                 self.cfg.max_block_bytes
             )));
         }
+        let count = u32::try_from(blocks.len()).unwrap_or(u32::MAX);
+        // Each digest once: a repeated digest would otherwise have its old copy counted as freed
+        // once per repetition, and the batch would be admitted past the capacity.
+        let blocks = last_of_each(blocks);
+        let need = blocks
+            .iter()
+            .map(Block::ram_charge)
+            .fold(0u64, u64::saturating_add);
         if need > self.cfg.ram_capacity {
             return Err(StoreError::Invalid(format!(
-                "batch of {need} payload bytes exceeds the RAM tier's capacity ({})",
+                "batch of {} blocks is charged {need} bytes (payloads + model names + \
+                 {RAM_BLOCK_OVERHEAD_BYTES} per block), more than the RAM tier's capacity ({})",
+                blocks.len(),
                 self.cfg.ram_capacity
             )));
         }
-        let count = blocks.len() as u32;
         let mut blocks = Some(blocks);
         loop {
             {
                 let mut st = self.state.lock();
-                // Replaced blocks free their bytes, so count only what is new.
-                let freed: u64 = blocks
+                // Replaced blocks free their charge, so count only what is new.
+                let freed = blocks
                     .iter()
                     .flatten()
-                    .filter_map(|b| st.ram.peek(&b.digest).map(|r| r.payload.len() as u64))
-                    .sum();
-                if st.ram_bytes.saturating_sub(freed) + need <= self.cfg.ram_capacity {
+                    .filter_map(|b| st.ram.peek(&b.digest).map(RamBlock::charge))
+                    .fold(0u64, u64::saturating_add);
+                if st.ram_bytes.saturating_sub(freed).saturating_add(need) <= self.cfg.ram_capacity
+                {
                     let epoch = st.epoch;
                     self.insert_locked(&mut st, blocks.take().into_iter().flatten());
                     if st.ram_bytes > self.cfg.ram_high {
@@ -337,6 +396,7 @@ impl BlockStore {
         let mut added = Vec::new();
         for b in blocks {
             let size = b.payload.len() as u64;
+            let charge = b.ram_charge();
             self.metrics.put_blocks.inc();
             self.metrics.put_bytes.inc_by(size);
             st.next_generation += 1;
@@ -350,15 +410,15 @@ impl BlockStore {
             };
             let mut was_resident = false;
             if let Some(old) = st.ram.put(b.digest, fresh) {
-                st.ram_bytes -= old.payload.len() as u64;
+                st.ram_bytes = st.ram_bytes.saturating_sub(old.charge());
                 was_resident = true;
             }
             if let Some(old) = st.ssd.pop(&b.digest) {
-                st.ssd_bytes -= old.size;
+                st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
                 st.unlink.push(b.digest);
                 was_resident = true;
             }
-            st.ram_bytes += size;
+            st.ram_bytes = st.ram_bytes.saturating_add(charge);
             if !was_resident {
                 added.push(b.digest);
             }
@@ -401,8 +461,8 @@ impl BlockStore {
         let read = tokio::task::spawn_blocking(move || dir.read(&digest)).await;
         if let Ok(Ok(Some(disk))) = &read {
             // Make room so the read can promote (a put would wait the same way).
-            let need = disk.payload.len() as u64;
-            let full = self.state.lock().ram_bytes + need > self.cfg.ram_capacity;
+            let need = ram_charge(disk.model.len(), disk.payload.len() as u64);
+            let full = self.state.lock().ram_bytes.saturating_add(need) > self.cfg.ram_capacity;
             if full {
                 let target = self
                     .cfg
@@ -415,6 +475,7 @@ impl BlockStore {
         match read {
             Ok(Ok(Some(disk))) => {
                 let size = disk.payload.len() as u64;
+                let charge = ram_charge(disk.model.len(), size);
                 let model: Arc<str> = disk.model.into();
                 let block = Block {
                     digest,
@@ -424,10 +485,10 @@ impl BlockStore {
                 };
                 self.metrics.hits.with_label_values(&["ssd"]).inc();
                 let in_ssd = st.ssd.peek(&digest).is_some();
-                let fits = st.ram_bytes + size <= self.cfg.ram_capacity;
+                let fits = st.ram_bytes.saturating_add(charge) <= self.cfg.ram_capacity;
                 if in_ssd && fits && !st.ram.contains(&digest) {
                     if let Some(old) = st.ssd.pop(&digest) {
-                        st.ssd_bytes -= old.size;
+                        st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
                     }
                     st.unlink.push(digest);
                     st.next_generation += 1;
@@ -442,7 +503,7 @@ impl BlockStore {
                             generation,
                         },
                     );
-                    st.ram_bytes += size;
+                    st.ram_bytes = st.ram_bytes.saturating_add(charge);
                     self.metrics.promoted_blocks.inc();
                     self.metrics.promoted_bytes.inc_by(size);
                     self.sync_gauges(&st);
@@ -483,7 +544,7 @@ impl BlockStore {
 
     fn drop_ssd_locked(&self, st: &mut State, digest: &Digest) {
         if let Some(old) = st.ssd.pop(digest) {
-            st.ssd_bytes -= old.size;
+            st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
             st.unlink.push(*digest);
             self.publish(st, Vec::new(), vec![*digest]);
             self.wake.notify_one();
@@ -538,22 +599,22 @@ impl BlockStore {
                     reset: true,
                     ..Default::default()
                 }));
-                (n as u32, st.epoch)
+                (u32::try_from(n).unwrap_or(u32::MAX), st.epoch)
             } else {
                 let mut removed = Vec::new();
                 for d in digests {
                     if let Some(old) = st.ram.pop(d) {
-                        st.ram_bytes -= old.payload.len() as u64;
+                        st.ram_bytes = st.ram_bytes.saturating_sub(old.charge());
                         removed.push(*d);
                     }
                     if let Some(old) = st.ssd.pop(d) {
-                        st.ssd_bytes -= old.size;
+                        st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
                         st.unlink.push(*d);
                         removed.push(*d);
                     }
                 }
                 removed.dedup();
-                let n = removed.len() as u32;
+                let n = u32::try_from(removed.len()).unwrap_or(u32::MAX);
                 self.publish(&st, Vec::new(), removed);
                 (n, st.epoch)
             }
@@ -617,7 +678,7 @@ impl BlockStore {
                     {
                         break;
                     }
-                    bytes += b.payload.len() as u64;
+                    bytes = bytes.saturating_add(b.charge());
                     picked.push((*d, b.clone()));
                 }
                 picked
@@ -660,14 +721,16 @@ impl BlockStore {
                 }
                 st.ram.pop(&d);
                 let size = b.payload.len() as u64;
-                st.ram_bytes -= size;
+                st.ram_bytes = st.ram_bytes.saturating_sub(b.charge());
                 if ok {
-                    st.ssd_bytes += size;
+                    let charge = ssd_charge(b.model.len(), size);
+                    st.ssd_bytes = st.ssd_bytes.saturating_add(charge);
                     st.ssd.put(
                         d,
                         SsdBlock {
                             token_count: b.token_count,
                             size,
+                            charge,
                             last_access_ms: now_ms(),
                         },
                     );
@@ -682,7 +745,7 @@ impl BlockStore {
                 let Some((d, old)) = st.ssd.pop_lru() else {
                     break;
                 };
-                st.ssd_bytes -= old.size;
+                st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
                 st.unlink.push(d);
                 self.metrics.evicted.with_label_values(&["ssd"]).inc();
                 removed.push(d);
@@ -702,7 +765,7 @@ impl BlockStore {
                     break;
                 }
                 if let Some((d, old)) = st.ssd.pop_lru() {
-                    st.ssd_bytes -= old.size;
+                    st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
                     st.unlink.push(d);
                     removed.push(d);
                 }
@@ -764,6 +827,23 @@ impl BlockStore {
     pub async fn flush(&self) {
         self.maintain(0).await;
     }
+}
+
+/// The last copy of each digest, in the order of those last copies (so LRU order is what storing
+/// the blocks one by one would give).
+fn last_of_each(blocks: Vec<Block>) -> Vec<Block> {
+    if blocks.len() < 2 {
+        return blocks;
+    }
+    let mut seen: std::collections::HashSet<Digest, foldhash::fast::RandomState> =
+        std::collections::HashSet::with_capacity_and_hasher(blocks.len(), Default::default());
+    let mut out: Vec<Block> = blocks
+        .into_iter()
+        .rev()
+        .filter(|b| seen.insert(b.digest))
+        .collect();
+    out.reverse();
+    out
 }
 
 fn write_batch(dir: &BlockDir, batch: &[(Digest, Arc<str>, u32, Bytes)], m: &Metrics) -> Vec<bool> {
@@ -851,6 +931,95 @@ mod tests {
         assert_eq!(added, 8);
         assert_eq!(removed as u64, 8 - ram_blocks);
         assert!(removed > 0);
+    }
+
+    fn empty(i: u32) -> Block {
+        block(i, 0)
+    }
+
+    #[test]
+    fn the_per_block_overhead_covers_the_structures_a_block_costs() {
+        // LRU node (key, value, two links), hash slot (key pointer, node pointer, control byte,
+        // twice that just after growth), the model name's Arc header, and one allocator header
+        // (16 bytes on glibc) for the node, the model name and the payload each.
+        let node = std::mem::size_of::<(Digest, RamBlock)>() + 2 * std::mem::size_of::<usize>();
+        let slot = 2 * (2 * std::mem::size_of::<usize>() + 1);
+        let arc_header = 2 * std::mem::size_of::<usize>();
+        let measured = node + slot + arc_header + 3 * 16;
+        assert!(
+            measured as u64 <= RAM_BLOCK_OVERHEAD_BYTES,
+            "{measured} bytes per block > RAM_BLOCK_OVERHEAD_BYTES"
+        );
+        assert_eq!(ram_charge(7, 0), 263);
+        assert_eq!(ssd_charge(7, 0), 4096);
+        assert_eq!(ssd_charge(7, 4096), 8192);
+    }
+
+    #[tokio::test]
+    async fn empty_blocks_are_charged_so_their_number_is_bounded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = BlockStore::open(
+            cfg(64 << 10, 64 << 10),
+            Some((dir.path(), false)),
+            Arc::new(Metrics::new()),
+        )
+        .expect("open");
+        for batch in 0..40u32 {
+            s.put((0..50).map(|i| empty(batch * 50 + i)).collect())
+                .await
+                .expect("put");
+        }
+        s.maintain(s.cfg.ram_low).await;
+        let (ram_blocks, ram_bytes, ssd_blocks, ssd_bytes) = s.occupancy();
+        assert!(ram_bytes <= 64 << 10 && ssd_bytes <= 64 << 10);
+        assert!(
+            ram_bytes >= ram_blocks * RAM_BLOCK_OVERHEAD_BYTES,
+            "{ram_bytes}"
+        );
+        assert!(
+            ssd_bytes >= ssd_blocks * SSD_ALLOCATION_UNIT_BYTES,
+            "{ssd_bytes}"
+        );
+        assert!(
+            ram_blocks <= (64 << 10) / RAM_BLOCK_OVERHEAD_BYTES
+                && ssd_blocks <= (64 << 10) / SSD_ALLOCATION_UNIT_BYTES,
+            "{ram_blocks} + {ssd_blocks} of 2000 empty blocks kept"
+        );
+        // A batch whose overhead alone passes the capacity is refused whole.
+        let e = s
+            .put((0..300).map(|i| empty(10_000 + i)).collect())
+            .await
+            .expect_err("refused");
+        assert!(e.to_string().contains("capacity"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_digest_repeated_in_a_batch_is_not_counted_as_freed_twice() {
+        // No maintenance task runs: what `put` admits is what stays.
+        let s = BlockStore::open(cfg(65_536, 0), None, Arc::new(Metrics::new())).expect("open");
+        s.put(vec![block(1, 30_000), block(2, 30_000)])
+            .await
+            .expect("put");
+        // Block 1 three times (empty) plus two new 20,000-byte blocks: counting block 1's
+        // 30,000 bytes as freed three times would admit 70,000+ bytes into 65,536.
+        let batch = vec![
+            empty(1),
+            empty(1),
+            empty(1),
+            block(3, 20_000),
+            block(4, 20_000),
+        ];
+        let (stored, _) = s.put(batch).await.expect("put");
+        assert_eq!(stored, 5);
+        let (ram_blocks, ram_bytes, _, _) = s.occupancy();
+        assert!(ram_bytes <= 65_536, "RAM over capacity: {ram_bytes}");
+        assert!(ram_blocks <= 4, "{ram_blocks}");
+        // The last copy of a repeated digest wins.
+        let mut last = block(9, 10);
+        last.payload = Bytes::from_static(b"last");
+        s.put(vec![block(9, 10), last]).await.expect("put");
+        let (b, _) = s.get(block(9, 0).digest).await.expect("stored");
+        assert_eq!(&b.payload[..], b"last");
     }
 
     #[tokio::test]

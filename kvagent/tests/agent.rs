@@ -201,9 +201,11 @@ async fn put_get_round_trip_lookup_and_bad_requests() {
     assert!(l[0].last_access_unix_ms > 0);
     assert_eq!((l[1].tier(), l[1].size), (Tier::None, 0));
     let s = stats(&mut c).await;
+    // Capacity accounting: payload + model name + the per-block overhead, per block.
+    let charged = 301_000 + 2 * ("smollm2".len() as u64 + kvagent::store::RAM_BLOCK_OVERHEAD_BYTES);
     assert_eq!(
         (s.ram_blocks, s.ram_bytes, s.hits_ram, s.misses),
-        (2, 301_000, 2, 1)
+        (2, charged, 2, 1)
     );
 
     // Oversize block, bad digest, empty model, nothing to delete: InvalidArgument, clear message,
@@ -611,6 +613,182 @@ async fn node_load_reads_the_engine_metrics() {
             "a dead engine still reads as available"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_flood_of_empty_blocks_is_charged_and_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 KiB of RAM and 64 KiB of SSD: at most 256 + 16 blocks, however small.
+    let agent = Agent::start(
+        dir.path(),
+        "[ram]\ncapacity_bytes = 65536\n[ssd]\ncapacity_bytes = 65536\nfsync = false\n\
+         [limits]\nmax_block_bytes = 32768\n",
+    )
+    .await;
+    let mut c = agent.client().await;
+    for batch in 0..20 {
+        put(
+            &mut c,
+            (0..100).map(|i| block(batch * 100 + i, 0)).collect(),
+        )
+        .await;
+    }
+    let s = stats(&mut c).await;
+    let overhead = kvagent::store::RAM_BLOCK_OVERHEAD_BYTES;
+    assert!(
+        s.ram_blocks + s.ssd_blocks <= 65536 / overhead + 65536 / 4096,
+        "{} + {} of 2000 empty blocks kept",
+        s.ram_blocks,
+        s.ssd_blocks
+    );
+    assert!(s.ram_bytes <= 65536 && s.ssd_bytes <= 65536, "{s:?}");
+    assert!(
+        s.ram_bytes >= s.ram_blocks * (overhead + 7),
+        "overhead not charged: {s:?}"
+    );
+    assert!(
+        s.ssd_bytes >= s.ssd_blocks * 4096,
+        "SSD files not charged: {s:?}"
+    );
+    assert!(s.evicted > 0, "{s:?}");
+    // A batch whose per-block overhead alone passes the RAM capacity is refused whole.
+    let e = c
+        .put_blocks(pb::PutBlocksRequest {
+            blocks: (0..300).map(|i| block(50_000 + i, 0)).collect(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("capacity"), "{}", e.message());
+    let m = agent.metrics();
+    assert!(
+        m.contains(&format!(
+            "kvagent_bytes{{tier=\"ram\"}} {}",
+            stats(&mut c).await.ram_bytes
+        )),
+        "{m}"
+    );
+}
+
+/// `PutBlocksRequest` with a field kvagent does not know: decoded, skipped, and (before the fix)
+/// kept alive by the stored payload, which was a slice of the request buffer.
+#[derive(Clone, PartialEq, prost::Message)]
+struct PaddedPut {
+    #[prost(message, repeated, tag = "1")]
+    blocks: Vec<pb::Block>,
+    #[prost(bytes = "bytes", tag = "99")]
+    padding: Bytes,
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+#[tokio::test]
+async fn a_small_block_in_a_big_request_does_not_pin_the_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), "[ssd]\ncapacity_bytes = 0\n").await;
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", agent.port))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let before = rss_bytes(agent.child.id());
+    let requests = 12u32;
+    for i in 0..requests {
+        grpc.ready().await.unwrap();
+        let msg = PaddedPut {
+            blocks: vec![block(i, 1)],
+            padding: Bytes::from(vec![7u8; 32 << 20]),
+        };
+        let r: tonic::Response<pb::PutBlocksResponse> = grpc
+            .unary(
+                tonic::Request::new(msg),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/kvmesh.kvagent.v1.KvAgent/PutBlocks",
+                ),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .expect("put");
+        assert_eq!(r.into_inner().stored, 1);
+    }
+    let mut c = agent.client().await;
+    assert_eq!(stats(&mut c).await.ram_blocks, u64::from(requests));
+    let grown = rss_bytes(agent.child.id()).saturating_sub(before);
+    // Pinned, the 12 request buffers would hold 384 MiB; a few in flight are normal.
+    assert!(
+        grown < 160 << 20,
+        "12 one-byte blocks grew the agent by {} MiB",
+        grown >> 20
+    );
+}
+
+/// Starts kvagent with `config` and waits (bounded) for it to exit; returns (success, stderr).
+fn run_to_exit(config: &Path, ssd: &Path) -> (bool, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvagent"))
+        .arg("--config")
+        .arg(config)
+        .env("KVAGENT_SSD_DIR", ssd)
+        .env("KVAGENT_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kvagent kept running on a busy port");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let mut text = String::from_utf8_lossy(&out.stderr).into_owned();
+    text += &String::from_utf8_lossy(&out.stdout);
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_busy_port_makes_kvagent_exit_naming_the_address_before_touching_the_ssd_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    for key in ["listen", "metrics_listen"] {
+        let busy = TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy_addr = busy.local_addr().unwrap();
+        let other = format!("127.0.0.1:{}", free_port());
+        let (listen, metrics) = if key == "listen" {
+            (busy_addr.to_string(), other)
+        } else {
+            (other, busy_addr.to_string())
+        };
+        let config = dir.path().join(format!("{key}.toml"));
+        std::fs::write(
+            &config,
+            format!("listen = \"{listen}\"\nmetrics_listen = \"{metrics}\"\n"),
+        )
+        .unwrap();
+        let ssd = dir.path().join(format!("ssd-{key}"));
+        let (ok, err) = run_to_exit(&config, &ssd);
+        assert!(!ok, "{key}: exited 0 on a busy port: {err}");
+        assert!(
+            err.contains(&busy_addr.to_string()) && err.contains(&format!("({key})")),
+            "{key}: the message does not name {busy_addr}: {err}"
+        );
+        assert!(!err.contains("serving"), "{key}: logged serving: {err}");
+        assert!(
+            !ssd.exists(),
+            "{key}: the SSD directory was opened before the port was bound"
+        );
+        drop(busy);
     }
 }
 
