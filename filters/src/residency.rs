@@ -8,7 +8,13 @@
 //! Shape (DESIGN section 3): `digest -> [(node, source, expiry)]`, plus one LRU per node that
 //! bounds how many digests a node may hold in the index. Reads ([`ResidencyIndex::overlap`]) touch
 //! only the concurrent map; writes take the node's LRU lock first, then map shards, always in that
-//! order.
+//! order. A write holds a node's lock for at most [`LOCK_CHUNK`] keys and releases it in between,
+//! so a long chain never blocks other writers (or readers of the node's set) for long.
+//!
+//! Dropping a node marks its LRU dropped under the lock before emptying it, and unlists it only
+//! when it is empty. A write that got hold of that LRU before or during the drop sees the mark
+//! and stops: it is ordered before the drop, whose emptying has removed (or will remove) what it
+//! wrote. So no entry outlives its node (a write that started after the drop starts a new set).
 //!
 //! The per-node bound also adapts: when an engine reports fewer cached tokens than the index
 //! predicted (it evicted what the index still lists), that node's bound shrinks by 10%; each
@@ -105,11 +111,17 @@ struct Holder {
 /// The key of a digest in the index.
 type Key = u64;
 
+/// Most keys written, evicted or dropped per hold of a node's lock.
+pub const LOCK_CHUNK: usize = 1024;
+
 struct NodeLru {
     lru: LruCache<Key, ()>,
     capacity: usize,
     /// Changes whenever a key joins or leaves this node's set (see [`ResidencyIndex::node_version`]).
     version: u64,
+    /// Set (under the lock) by [`ResidencyIndex::drop_node`]: this set is being emptied and is no
+    /// longer the node's; writes that hold it stop.
+    dropped: bool,
 }
 
 /// What an engine's `cached_tokens` said about a prediction, see [`ResidencyIndex::confirm`].
@@ -142,7 +154,15 @@ pub struct ResidencyIndex {
     nodes: DashMap<NodeId, Arc<Mutex<NodeLru>>>,
     /// Source of node set versions: unique across nodes and node lifetimes.
     versions: std::sync::atomic::AtomicU64,
+    /// Test hook: called with the chunk number before each lock hold of a write, so a test can
+    /// interleave a `drop_node` deterministically.
+    #[cfg(test)]
+    before_chunk: Mutex<Option<ChunkHook>>,
 }
+
+/// See `ResidencyIndex::before_chunk`.
+#[cfg(test)]
+type ChunkHook = Arc<dyn Fn(usize) + Send + Sync>;
 
 impl ResidencyIndex {
     /// An empty index.
@@ -152,6 +172,8 @@ impl ResidencyIndex {
             map: DashMap::new(),
             nodes: DashMap::new(),
             versions: std::sync::atomic::AtomicU64::new(1),
+            #[cfg(test)]
+            before_chunk: Mutex::new(None),
         }
     }
 
@@ -168,10 +190,28 @@ impl ResidencyIndex {
                     lru: LruCache::unbounded(),
                     capacity: self.cfg.capacity_per_node.max(1),
                     version: self.next_version(),
+                    dropped: false,
                 }))
             })
             .clone()
     }
+
+    /// The node's LRU if it has one, cloned out so the `nodes` shard is not held while the LRU
+    /// is locked.
+    fn existing_lru(&self, node: NodeId) -> Option<Arc<Mutex<NodeLru>>> {
+        self.nodes.get(&node).map(|l| l.clone())
+    }
+
+    #[cfg(test)]
+    fn pause(&self, chunk: usize) {
+        let hook = self.before_chunk.lock().clone();
+        if let Some(h) = hook {
+            h(chunk);
+        }
+    }
+
+    #[cfg(not(test))]
+    fn pause(&self, _chunk: usize) {}
 
     fn next_version(&self) -> u64 {
         self.versions
@@ -204,68 +244,107 @@ impl ResidencyIndex {
     ) {
         let expires = now + self.cfg.ttl(source);
         let lru = self.node_lru(node);
-        let mut lru = lru.lock();
-        let mut changed = false;
-        for k in keys {
-            changed |= lru.lru.put(k, ()).is_none();
-            let mut holders = self.map.entry(k).or_default();
-            match holders.iter_mut().find(|h| h.node == node) {
-                Some(h) => {
-                    if h.expires <= now || source >= h.source {
-                        h.source = source;
-                    }
-                    h.expires = h.expires.max(expires);
-                }
-                None => holders.push(Holder {
-                    node,
-                    source,
-                    expires,
-                }),
+        let mut keys = keys.into_iter();
+        let mut chunk = Vec::with_capacity(LOCK_CHUNK);
+        for n in 0.. {
+            chunk.clear();
+            chunk.extend(keys.by_ref().take(LOCK_CHUNK));
+            if chunk.is_empty() {
+                return;
             }
-        }
-        changed |= Self::trim(&mut lru, |d| self.remove_holder(&d, node));
-        if changed {
-            lru.version = self.next_version();
+            self.pause(n);
+            let mut lru = lru.lock();
+            if lru.dropped {
+                // The node was dropped since this write began: the write is ordered before the
+                // drop, which removes what its earlier chunks wrote.
+                return;
+            }
+            let mut changed = false;
+            for &k in &chunk {
+                changed |= lru.lru.put(k, ()).is_none();
+                let mut holders = self.map.entry(k).or_default();
+                match holders.iter_mut().find(|h| h.node == node) {
+                    Some(h) => {
+                        if h.expires <= now || source >= h.source {
+                            h.source = source;
+                        }
+                        h.expires = h.expires.max(expires);
+                    }
+                    None => holders.push(Holder {
+                        node,
+                        source,
+                        expires,
+                    }),
+                }
+            }
+            // Trimmed per chunk: this chunk's excess, and as much again of any excess left by a
+            // shrinking bound ([`Self::confirm`] trims that in chunks too).
+            changed |=
+                Self::trim_at_most(&mut lru, 2 * LOCK_CHUNK, |d| self.remove_holder(&d, node));
+            if changed {
+                lru.version = self.next_version();
+            }
         }
     }
 
     /// Forgets that `node` holds these digests (short form): a peer withdrew them.
     pub fn remove_keys(&self, node: NodeId, keys: impl IntoIterator<Item = u64>) {
-        let Some(lru) = self.nodes.get(&node).map(|l| l.clone()) else {
+        let Some(lru) = self.existing_lru(node) else {
             return;
         };
-        let mut lru = lru.lock();
-        let mut changed = false;
-        for k in keys {
-            if lru.lru.pop(&k).is_some() {
-                self.remove_holder(&k, node);
-                changed = true;
+        let mut keys = keys.into_iter();
+        let mut chunk = Vec::with_capacity(LOCK_CHUNK);
+        loop {
+            chunk.clear();
+            chunk.extend(keys.by_ref().take(LOCK_CHUNK));
+            if chunk.is_empty() {
+                return;
             }
-        }
-        if changed {
-            lru.version = self.next_version();
+            let mut lru = lru.lock();
+            if lru.dropped {
+                return;
+            }
+            let mut changed = false;
+            for k in &chunk {
+                if lru.lru.pop(k).is_some() {
+                    self.remove_holder(k, node);
+                    changed = true;
+                }
+            }
+            if changed {
+                lru.version = self.next_version();
+            }
         }
     }
 
     /// A number that changes whenever `node`'s set of digests changes (not on mere use), so a
     /// publisher can skip unchanged sets; `None` when the node has no entries.
     pub fn node_version(&self, node: NodeId) -> Option<u64> {
-        self.nodes.get(&node).map(|l| l.lock().version)
+        let lru = self.existing_lru(node)?;
+        let lru = lru.lock();
+        (!lru.dropped).then_some(lru.version)
     }
 
     /// The digests (short form) the index holds for `node`, most recently used first, at most
     /// `limit`: what a sidecar publishes about its own engine.
     pub fn node_keys(&self, node: NodeId, limit: usize) -> Vec<u64> {
-        self.nodes
-            .get(&node)
-            .map(|l| l.lock().lru.iter().take(limit).map(|(k, ())| *k).collect())
-            .unwrap_or_default()
+        let Some(lru) = self.existing_lru(node) else {
+            return Vec::new();
+        };
+        let lru = lru.lock();
+        if lru.dropped {
+            return Vec::new();
+        }
+        lru.lru.iter().take(limit).map(|(k, ())| *k).collect()
     }
 
-    /// Evicts down to the bound; true when anything was evicted.
-    fn trim(lru: &mut NodeLru, mut evict: impl FnMut(Key)) -> bool {
+    /// Evicts down to the bound, at most `budget` keys; true when anything was evicted.
+    fn trim_at_most(lru: &mut NodeLru, budget: usize, mut evict: impl FnMut(Key)) -> bool {
         let mut evicted = false;
-        while lru.lru.len() > lru.capacity {
+        for _ in 0..budget {
+            if lru.lru.len() <= lru.capacity {
+                break;
+            }
             match lru.lru.pop_lru() {
                 Some((d, ())) => {
                     evict(d);
@@ -323,14 +402,28 @@ impl ResidencyIndex {
             (true, false) => Verdict::Inconclusive,
         };
         {
-            let lru = self.node_lru(node);
-            let mut lru = lru.lock();
+            let arc = self.node_lru(node);
+            let mut lru = arc.lock();
             match verdict {
+                _ if lru.dropped => {}
                 Verdict::Refuted => {
                     let shrunk = lru.lru.len().min(lru.capacity) * 9 / 10;
                     lru.capacity = shrunk.max(self.cfg.min_capacity_per_node);
-                    if Self::trim(&mut lru, |d| self.remove_holder(&d, node)) {
-                        lru.version = self.next_version();
+                    // Down to the new bound, a chunk per lock hold.
+                    loop {
+                        if Self::trim_at_most(&mut lru, LOCK_CHUNK, |d| {
+                            self.remove_holder(&d, node)
+                        }) {
+                            lru.version = self.next_version();
+                        }
+                        if lru.lru.len() <= lru.capacity {
+                            break;
+                        }
+                        drop(lru);
+                        lru = arc.lock();
+                        if lru.dropped {
+                            break;
+                        }
                     }
                 }
                 Verdict::Confirmed if lru.lru.len() >= lru.capacity => {
@@ -344,15 +437,30 @@ impl ResidencyIndex {
         verdict
     }
 
-    /// Drops every entry of `node` (it left, or its `kv_epoch` changed).
+    /// Drops every entry of `node` (it left, or its `kv_epoch` changed). A write to `node` that
+    /// runs concurrently is ordered before the drop (none of it survives); one that starts after
+    /// this returns starts a new set.
     pub fn drop_node(&self, node: NodeId) {
-        let Some((_, lru)) = self.nodes.remove(&node) else {
+        let Some(arc) = self.existing_lru(node) else {
             return;
         };
-        let mut lru = lru.lock();
-        while let Some((d, ())) = lru.lru.pop_lru() {
-            self.remove_holder(&d, node);
+        loop {
+            let mut lru = arc.lock();
+            // Marked first, under the lock: a write holding this set stops at its next chunk.
+            lru.dropped = true;
+            for _ in 0..LOCK_CHUNK {
+                let Some((d, ())) = lru.lru.pop_lru() else {
+                    break;
+                };
+                self.remove_holder(&d, node);
+            }
+            if lru.lru.is_empty() {
+                break;
+            }
         }
+        // Unlisted only now that it is empty, and only this set: until here writes to `node`
+        // found it (marked) rather than creating a new set the emptying could have raced with.
+        self.nodes.remove_if(&node, |_, l| Arc::ptr_eq(l, &arc));
     }
 
     /// Removes expired entries, oldest first, at most `budget` per node; returns how many.
@@ -365,6 +473,9 @@ impl ResidencyIndex {
         let mut removed = 0;
         for (node, lru) in nodes {
             let mut lru = lru.lock();
+            if lru.dropped {
+                continue;
+            }
             for _ in 0..budget {
                 let Some((d, ())) = lru.lru.peek_lru() else {
                     break;
@@ -423,8 +534,7 @@ impl ResidencyIndex {
 
     /// Number of digests `node` holds in the index, and its current (adaptive) bound.
     pub fn node_usage(&self, node: NodeId) -> (usize, usize) {
-        self.nodes
-            .get(&node)
+        self.existing_lru(node)
             .map(|l| {
                 let l = l.lock();
                 (l.lru.len(), l.capacity)
@@ -538,6 +648,152 @@ mod tests {
         idx.record(NodeId(2), &chain(b"aaaa"), Source::Optimistic, now);
         idx.drop_node(NodeId(1));
         assert_eq!(idx.overlap(&chain(b"aaaa"), now), vec![(NodeId(2), 1)]);
+    }
+
+    /// Sets the hook run before each lock hold of a write (chunk number as argument).
+    fn on_chunk(
+        idx: &Arc<ResidencyIndex>,
+        f: impl Fn(&ResidencyIndex, usize) + Send + Sync + 'static,
+    ) {
+        let weak = Arc::downgrade(idx);
+        *idx.before_chunk.lock() = Some(Arc::new(move |n| {
+            if let Some(idx) = weak.upgrade() {
+                f(&idx, n);
+            }
+        }));
+    }
+
+    /// Every holder in the map belongs to a listed node and is in that node's LRU, and back.
+    fn assert_consistent(idx: &ResidencyIndex) {
+        let listed: usize = idx.nodes().into_iter().map(|n| idx.node_usage(n).0).sum();
+        let holders: usize = idx.count_by_source().iter().map(|c| c.1).sum();
+        assert_eq!(
+            holders, listed,
+            "map holders vs. LRU entries of listed nodes"
+        );
+        for e in idx.map.iter() {
+            for h in e.value() {
+                let keys = idx.node_keys(h.node, usize::MAX);
+                assert!(
+                    keys.contains(e.key()),
+                    "entry for node {:?} outside its set",
+                    h.node
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_record_racing_drop_node_leaves_nothing_behind() {
+        // The record has found the node's set but not locked it yet when the node is dropped.
+        let idx = Arc::new(index(100));
+        let now = Instant::now();
+        idx.record(NodeId(1), &chain(b"aaaa"), Source::Optimistic, now);
+        on_chunk(&idx, |idx, n| {
+            if n == 0 {
+                idx.drop_node(NodeId(1));
+            }
+        });
+        idx.record(NodeId(1), &chain(b"bbbbcccc"), Source::Optimistic, now);
+        assert!(
+            idx.is_empty(),
+            "{} digests left for a dropped node",
+            idx.len()
+        );
+        assert!(idx.nodes().is_empty());
+        assert_eq!(idx.count_by_source().iter().map(|c| c.1).sum::<usize>(), 0);
+        assert_consistent(&idx);
+        // A record after the drop starts a new set.
+        *idx.before_chunk.lock() = None;
+        idx.record(NodeId(1), &chain(b"bbbb"), Source::Optimistic, now);
+        assert_eq!(idx.overlap(&chain(b"bbbb"), now), vec![(NodeId(1), 1)]);
+        assert_consistent(&idx);
+    }
+
+    #[test]
+    fn a_drop_between_chunks_of_a_long_record_leaves_nothing_behind() {
+        let idx = Arc::new(index(100_000));
+        let now = Instant::now();
+        on_chunk(&idx, |idx, n| {
+            if n == 2 {
+                idx.drop_node(NodeId(3));
+            }
+        });
+        idx.record_keys(NodeId(3), 0..(5 * LOCK_CHUNK as u64), Source::Gossip, now);
+        assert!(
+            idx.is_empty(),
+            "{} digests left for a dropped node",
+            idx.len()
+        );
+        assert_eq!(idx.node_usage(NodeId(3)).0, 0);
+        assert_eq!(idx.node_version(NodeId(3)), None);
+        assert_consistent(&idx);
+    }
+
+    #[test]
+    fn a_long_record_releases_the_lock_between_chunks_and_keeps_lru_semantics() {
+        let idx = Arc::new(index(1500));
+        let now = Instant::now();
+        idx.record_keys(NodeId(1), [u64::MAX], Source::Gossip, now);
+        let holds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = holds.clone();
+        on_chunk(&idx, move |idx, n| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // The lock is free between chunks: other writers and readers of the set get in.
+            let lru = idx.existing_lru(NodeId(1)).expect("node listed");
+            assert!(lru.try_lock().is_some(), "lock held across chunk {n}");
+            assert!(idx.node_keys(NodeId(1), 1).len() == 1);
+        });
+        let n = 131_072u64;
+        idx.record_keys(NodeId(1), 0..n, Source::Gossip, now);
+        assert_eq!(
+            holds.load(std::sync::atomic::Ordering::Relaxed),
+            (n as usize).div_ceil(LOCK_CHUNK)
+        );
+        // The same result as one big hold: the 1500 most recent keys, most recent first.
+        let want: Vec<u64> = (n - 1500..n).rev().collect();
+        assert_eq!(idx.node_keys(NodeId(1), usize::MAX), want);
+        assert_eq!(idx.len(), 1500);
+        assert_consistent(&idx);
+    }
+
+    #[test]
+    fn concurrent_records_and_drops_never_leak_entries() {
+        let idx = Arc::new(index(10_000));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut writers = Vec::new();
+        for t in 0..2u64 {
+            let idx = idx.clone();
+            writers.push(std::thread::spawn(move || {
+                let now = Instant::now();
+                for i in 0..3000u64 {
+                    let node = NodeId((i % 3) as u32);
+                    let base = (t << 40) | (i << 8);
+                    idx.record_keys(node, base..base + 40, Source::Gossip, now);
+                }
+            }));
+        }
+        let dropper = {
+            let (idx, stop) = (idx.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    idx.drop_node(NodeId(i % 3));
+                    i = i.wrapping_add(1);
+                    std::thread::yield_now();
+                }
+            })
+        };
+        for w in writers {
+            w.join().expect("writer");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        dropper.join().expect("dropper");
+        assert_consistent(&idx);
+        for n in 0..3 {
+            idx.drop_node(NodeId(n));
+        }
+        assert!(idx.is_empty(), "{} digests leaked", idx.len());
     }
 
     #[test]
