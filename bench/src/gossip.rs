@@ -8,12 +8,18 @@
 //! - steady-state gossip bytes per node per second (no changes), over `steady` seconds;
 //! - convergence of one change: node 0 adds a 16-block chain; the time until every other node's
 //!   index shows all 16 blocks for node 0 (median and max of `changes` trials).
+//!
+//! Each size runs twice in one invocation: with sealed gossip (the default: ChaCha20-Poly1305
+//! frames through the loopback relays) and with plaintext gossip, the baseline the sealed run
+//! is compared against.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
-use kvmesh_cluster::{Cluster, ClusterConfig, Membership, NodeRecord, ResidencySync};
+use kvmesh_cluster::{
+    Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, ResidencySync,
+};
 use kvmesh_filters::chain::{text_chain, Namespace};
 use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
 use parking_lot::Mutex;
@@ -41,7 +47,7 @@ const OWN: NodeId = NodeId(0);
 struct Ids(Mutex<Vec<String>>);
 
 impl Membership for Ids {
-    fn upsert(&self, r: &NodeRecord) -> Option<NodeId> {
+    fn upsert(&self, r: &NodeRecord, _gossip_addr: std::net::SocketAddr) -> Option<NodeId> {
         let mut ids = self.0.lock();
         let i = ids.iter().position(|n| *n == r.node_id).unwrap_or_else(|| {
             ids.push(r.node_id.clone());
@@ -94,13 +100,15 @@ fn udp_port() -> anyhow::Result<u16> {
 /// Runs every cluster size; returns the Markdown table.
 pub async fn run(b: &GossipBench) -> anyhow::Result<String> {
     let mut out = String::from(
-        "| nodes | blocks/node | initial sync s | change p50 s | change max s | steady bytes/s/node (out+in) | steady out bytes/s/node |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| nodes | gossip | blocks/node | initial sync s | change p50 s | change max s | steady bytes/s/node (out+in) | steady out bytes/s/node |\n|---:|---|---:|---:|---:|---:|---:|---:|\n",
     );
     for &n in &b.nodes {
-        let row = one(b, n).await?;
-        eprintln!("{row}");
-        out += &row;
-        out += "\n";
+        for sealed in [true, false] {
+            let row = one(b, n, sealed).await?;
+            eprintln!("{row}");
+            out += &row;
+            out += "\n";
+        }
     }
     out += &format!(
         "\ngossip interval {} ms; shards of {SHARDS}, 8-byte digests, base64; nodes in one process, real UDP on loopback.\n",
@@ -109,9 +117,10 @@ pub async fn run(b: &GossipBench) -> anyhow::Result<String> {
     Ok(out)
 }
 
-async fn one(b: &GossipBench, n: usize) -> anyhow::Result<String> {
+async fn one(b: &GossipBench, n: usize, sealed: bool) -> anyhow::Result<String> {
     let interval = Duration::from_millis(b.interval_ms);
     let seed = udp_port()?;
+    let keyring = Keyring::from_base64(&[Keyring::generate_base64()])?;
     let mut nodes = Vec::new();
     for i in 0..n {
         let port = if i == 0 { seed } else { udp_port()? };
@@ -125,6 +134,12 @@ async fn one(b: &GossipBench, n: usize) -> anyhow::Result<String> {
             gossip_interval: interval,
             phi_threshold: 8.0,
             dead_node_grace: Duration::from_secs(60),
+            security: if sealed {
+                GossipSecurity::sealed(keyring.clone())
+            } else {
+                GossipSecurity::plaintext()
+            },
+            max_peers: n.max(1),
         })
         .await?;
         let index = ResidencyIndex::new(ResidencyConfig {
@@ -243,7 +258,8 @@ async fn one(b: &GossipBench, n: usize) -> anyhow::Result<String> {
         }
     }
     Ok(format!(
-        "| {n} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} |",
+        "| {n} | {} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} |",
+        if sealed { "sealed" } else { "plaintext" },
         b.blocks,
         initial.as_secs_f64(),
         times.get(times.len() / 2).copied().unwrap_or(0.0),

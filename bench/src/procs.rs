@@ -198,6 +198,8 @@ pub async fn kvmesh_sidecars(
     let seed = std::net::UdpSocket::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
+    // One fresh key per benchmark cluster.
+    let gossip_key = kvmesh_cluster::Keyring::generate_base64();
     let mut procs = Vec::new();
     for (i, e) in engines.iter().enumerate() {
         let port = free_port()?;
@@ -213,6 +215,7 @@ pub async fn kvmesh_sidecars(
              [health]\ninterval_ms = 1000\n\
              [cluster]\nenabled = true\ncluster_id = \"bench\"\nnode_id = \"sidecar-{i}\"\n\
              gossip_listen = \"127.0.0.1:{gossip}\"\nseeds = [\"127.0.0.1:{seed}\"]\n\
+             gossip_keys = [\"{gossip_key}\"]\n\
              [sidecar]\ncold_placement = \"{cold_placement}\"\n\
              [[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
         );

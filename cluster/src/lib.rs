@@ -8,22 +8,31 @@
 //! [`ResidencyIndex`] (source [`Source::Gossip`]) and to its view of the fleet (through
 //! [`Membership`]): a peer that leaves (chitchat's failure detector) or changes `kv_epoch` loses
 //! every entry.
+//!
+//! Every datagram is sealed under the cluster key ([`seal`], [`transport`]): a sender without
+//! the key can neither join nor inject state. chitchat's server task is watched: if it ever
+//! stops (a panic on a delta it could not apply), [`Cluster::ensure_running`] starts a new
+//! incarnation and counts it, so gossip never freezes silently.
 
 pub mod record;
+pub mod seal;
 pub mod shards;
+pub mod testing;
 pub mod transport;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig};
 use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, RwLock};
 
 pub use record::NodeRecord;
-pub use transport::GossipStats;
+pub use seal::{Keyring, Rejection};
+pub use transport::{GossipSecurity, GossipStats};
 
 /// The gossip key of the node record.
 pub const RECORD_KEY: &str = "node";
@@ -60,14 +69,27 @@ pub struct ClusterConfig {
     pub phi_threshold: f64,
     /// How long a dead node's state is kept before it is forgotten.
     pub dead_node_grace: Duration,
+    /// Keys and switches for sealing datagrams.
+    pub security: GossipSecurity,
+    /// The most peers tracked; more are ignored (and counted) until some leave.
+    pub max_peers: usize,
 }
 
 /// A joined cluster.
 pub struct Cluster {
-    handle: ChitchatHandle,
+    cfg: ClusterConfig,
+    handle: RwLock<Incarnation>,
     stats: Arc<GossipStats>,
-    self_id: ChitchatId,
+    node_id: String,
+    restarts: AtomicU64,
     published: Mutex<Published>,
+}
+
+/// One run of chitchat's server task.
+struct Incarnation {
+    handle: ChitchatHandle,
+    /// Set when the server task ended without being asked to.
+    stopped: Arc<AtomicBool>,
 }
 
 #[derive(Default)]
@@ -80,6 +102,24 @@ impl Cluster {
     /// Opens the gossip socket and starts gossiping.
     pub async fn join(cfg: ClusterConfig) -> Result<Cluster, ClusterError> {
         let stats = Arc::new(GossipStats::default());
+        let incarnation = Self::spawn(&cfg, &stats).await?;
+        Ok(Cluster {
+            node_id: cfg.node_id.clone(),
+            cfg,
+            handle: RwLock::new(incarnation),
+            stats,
+            restarts: AtomicU64::new(0),
+            published: Mutex::new(Published {
+                record: String::new(),
+                shards: vec![String::new(); shards::SHARDS],
+            }),
+        })
+    }
+
+    async fn spawn(
+        cfg: &ClusterConfig,
+        stats: &Arc<GossipStats>,
+    ) -> Result<Incarnation, ClusterError> {
         // A new generation per start: peers then see a restarted node as a new incarnation.
         let generation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -105,8 +145,15 @@ impl Cluster {
             // V1 compresses the per-round digest of every node's version: less steady-state traffic.
             protocol_version: chitchat::ProtocolVersion::V1,
         };
-        let transport = transport::CountingUdp {
+        let transport = transport::SecureUdp {
             stats: stats.clone(),
+            security: cfg.security.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            // Seeds and peers, with room for peers that moved.
+            max_relays: cfg
+                .max_peers
+                .saturating_mul(2)
+                .saturating_add(cfg.seeds.len()),
         };
         let handle = spawn_chitchat(config, Vec::new(), &transport)
             .await
@@ -114,15 +161,62 @@ impl Cluster {
                 addr: cfg.listen,
                 message: format!("{e:#}"),
             })?;
-        Ok(Cluster {
-            handle,
-            stats,
-            self_id,
-            published: Mutex::new(Published {
-                record: String::new(),
-                shards: vec![String::new(); shards::SHARDS],
-            }),
-        })
+        let stopped = Arc::new(AtomicBool::new(false));
+        let watcher = handle.termination_watcher();
+        let flag = stopped.clone();
+        tokio::spawn(async move {
+            let result = watcher.await;
+            flag.store(true, Ordering::Relaxed);
+            if let Err(e) = result {
+                tracing::error!(error = %e, "the gossip server task stopped");
+            }
+        });
+        Ok(Incarnation { handle, stopped })
+    }
+
+    /// Restarts gossip (a new generation, everything published again) if chitchat's server
+    /// task has stopped. Returns whether it did. Call it periodically.
+    pub async fn ensure_running(&self) -> Result<bool, ClusterError> {
+        if !self.handle.read().await.stopped.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let mut current = self.handle.write().await;
+        if !current.stopped.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let fresh = Self::spawn(&self.cfg, &self.stats).await?;
+        {
+            let published = self.published.lock().await;
+            let chitchat = fresh.handle.chitchat();
+            let mut chitchat = chitchat.lock().await;
+            let state = chitchat.self_node_state();
+            if !published.record.is_empty() {
+                state.set(RECORD_KEY, &published.record);
+            }
+            for (i, v) in published.shards.iter().enumerate() {
+                if !v.is_empty() {
+                    state.set(shards::key(i), v);
+                }
+            }
+        }
+        *current = fresh;
+        self.restarts.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(node = %self.node_id, "gossip restarted after its server task stopped");
+        Ok(true)
+    }
+
+    /// This node's current gossip identity (node id, generation, advertised address).
+    pub async fn chitchat_id(&self) -> ChitchatId {
+        self.handle.read().await.handle.chitchat_id().clone()
+    }
+
+    /// Times gossip was restarted by [`Self::ensure_running`].
+    pub fn restarts(&self) -> u64 {
+        self.restarts.load(Ordering::Relaxed)
+    }
+
+    async fn chitchat(&self) -> Arc<Mutex<chitchat::Chitchat>> {
+        self.handle.read().await.handle.chitchat()
     }
 
     /// Gossip traffic counters.
@@ -132,7 +226,7 @@ impl Cluster {
 
     /// This node's id.
     pub fn node_id(&self) -> &str {
-        &self.self_id.node_id
+        &self.node_id
     }
 
     /// Publishes this node's record; a no-op when it did not change.
@@ -140,7 +234,7 @@ impl Cluster {
         let record_json = serde_json::to_string(record).unwrap_or_default();
         let mut published = self.published.lock().await;
         if published.record != record_json {
-            let chitchat = self.handle.chitchat();
+            let chitchat = self.chitchat().await;
             chitchat
                 .lock()
                 .await
@@ -158,7 +252,7 @@ impl Cluster {
             .map(|s| shards::encode(s))
             .collect();
         let mut published = self.published.lock().await;
-        let chitchat = self.handle.chitchat();
+        let chitchat = self.chitchat().await;
         let mut chitchat = chitchat.lock().await;
         let state = chitchat.self_node_state();
         for (i, value) in encoded.into_iter().enumerate() {
@@ -171,25 +265,30 @@ impl Cluster {
 
     /// Number of live peers (not counting this node).
     pub async fn live_peers(&self) -> usize {
-        let chitchat = self.handle.chitchat();
+        let chitchat = self.chitchat().await;
         let chitchat = chitchat.lock().await;
-        chitchat
+        let mut ids: Vec<&str> = chitchat
             .live_nodes()
-            .filter(|id| id.node_id != self.self_id.node_id)
-            .count()
+            .filter(|id| *id.node_id != *self.node_id)
+            .map(|id| &*id.node_id)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
     }
 
     /// Leaves the cluster (peers notice through their failure detector).
     pub async fn shutdown(self) {
-        let _ = self.handle.shutdown().await;
+        let _ = self.handle.into_inner().handle.shutdown().await;
     }
 }
 
 /// How [`ResidencySync`] tells the proxy about peers.
 pub trait Membership: Sync {
-    /// A live peer with an engine published (or updated) its record. Returns the node its
-    /// residency is indexed under, or `None` to ignore the peer.
-    fn upsert(&self, record: &NodeRecord) -> Option<NodeId>;
+    /// A live peer with an engine published (or updated) its record; `gossip_addr` is where
+    /// its (authenticated) gossip comes from. Returns the node its residency is indexed under,
+    /// or `None` to ignore the peer for now (asked again on the next pass).
+    fn upsert(&self, record: &NodeRecord, gossip_addr: SocketAddr) -> Option<NodeId>;
     /// The peer left (dead, or no longer publishing an engine).
     fn remove(&self, node_id: &str, node: NodeId);
 }
@@ -214,10 +313,13 @@ pub struct SyncReport {
     pub removed: usize,
     /// Peers dropped (left or changed epoch).
     pub dropped: usize,
+    /// Live peers ignored because `max_peers` were already tracked.
+    pub over_cap: usize,
 }
 
 struct PeerSnapshot {
     node_id: String,
+    gossip_addr: SocketAddr,
     generation: u64,
     record_version: u64,
     record: Option<NodeRecord>,
@@ -281,7 +383,12 @@ impl ResidencySync {
                 }
                 continue;
             }
-            let Some(node) = membership.upsert(record) else {
+            if !self.peers.contains_key(&snap.node_id) && self.peers.len() >= cluster.cfg.max_peers
+            {
+                report.over_cap += 1;
+                continue;
+            }
+            let Some(node) = membership.upsert(record, snap.gossip_addr) else {
                 continue;
             };
             report.peers += 1;
@@ -321,13 +428,25 @@ impl ResidencySync {
     }
 
     async fn snapshot(&self, cluster: &Cluster) -> Vec<PeerSnapshot> {
-        let chitchat = cluster.handle.chitchat();
+        let chitchat = cluster.chitchat().await;
         let chitchat = chitchat.lock().await;
-        let mut out = Vec::new();
+        // A node id seen under several incarnations (it restarted, or moved to another
+        // address): only the newest counts, so the old one's state is dropped now rather than
+        // when the failure detector gives up on it.
+        let mut newest: HashMap<&str, &ChitchatId> = HashMap::new();
         for id in chitchat.live_nodes() {
-            if id.node_id == cluster.self_id.node_id {
+            if *id.node_id == *cluster.node_id {
                 continue;
             }
+            let e = newest.entry(&*id.node_id).or_insert(id);
+            if (id.generation_id, id.gossip_advertise_addr)
+                > (e.generation_id, e.gossip_advertise_addr)
+            {
+                *e = id;
+            }
+        }
+        let mut out = Vec::new();
+        for id in newest.into_values() {
             let Some(state) = chitchat.node_state(id) else {
                 continue;
             };
@@ -367,6 +486,7 @@ impl ResidencySync {
             }
             out.push(PeerSnapshot {
                 node_id: id.node_id.to_string(),
+                gossip_addr: id.gossip_advertise_addr,
                 generation: id.generation_id,
                 record_version: rec.version,
                 record,

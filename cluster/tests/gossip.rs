@@ -1,10 +1,17 @@
-//! Three nodes gossiping over real UDP on loopback, each with its own residency index.
+//! Nodes gossiping over real UDP on loopback, each with its own residency index; and the
+//! attacks on that gossip, from raw UDP sockets.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvmesh_cluster::{Cluster, ClusterConfig, Membership, NodeRecord, ResidencySync};
+use kvmesh_cluster::seal::Sealer;
+use kvmesh_cluster::testing::crafted_ack;
+use kvmesh_cluster::{
+    Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, Rejection,
+    ResidencySync,
+};
 use kvmesh_filters::chain::{text_chain, Namespace};
 use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
 
@@ -13,10 +20,13 @@ use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source}
 struct Members {
     known: Mutex<Vec<String>>,
     removed: Mutex<Vec<String>>,
+    /// Every proxy URL ever accepted (what routing would send traffic to).
+    urls: Mutex<Vec<String>>,
 }
 
 impl Membership for Members {
-    fn upsert(&self, record: &NodeRecord) -> Option<NodeId> {
+    fn upsert(&self, record: &NodeRecord, _gossip_addr: SocketAddr) -> Option<NodeId> {
+        self.urls.lock().unwrap().push(record.proxy_url.clone());
         let mut k = self.known.lock().unwrap();
         let i = match k.iter().position(|n| *n == record.node_id) {
             Some(i) => i,
@@ -48,7 +58,24 @@ struct Node {
     record: NodeRecord,
 }
 
+const KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+const OTHER_KEY: &str = "ICEiIyQlJicoKSorLC0uLzAxMjM0NTY3ODk6Ozw9Pj8=";
+
+fn keyring(k: &str) -> Keyring {
+    Keyring::from_base64(&[k]).unwrap()
+}
+
 async fn node(name: &str, port: u16, seed: u16) -> Node {
+    node_with(name, port, seed, GossipSecurity::sealed(keyring(KEY)), 16).await
+}
+
+async fn node_with(
+    name: &str,
+    port: u16,
+    seed: u16,
+    security: GossipSecurity,
+    max_peers: usize,
+) -> Node {
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let cluster = Cluster::join(ClusterConfig {
         cluster_id: "test".into(),
@@ -59,6 +86,8 @@ async fn node(name: &str, port: u16, seed: u16) -> Node {
         gossip_interval: Duration::from_millis(50),
         phi_threshold: 8.0,
         dead_node_grace: Duration::from_secs(60),
+        security,
+        max_peers,
     })
     .await
     .unwrap();
@@ -167,4 +196,214 @@ async fn residency_spreads_is_withdrawn_and_dies_with_its_node_or_epoch() {
         .contains(&"c".to_string()));
     assert_eq!(nodes[0].cluster.live_peers().await, 1);
     assert!(nodes[0].cluster.stats().bytes_received() > 0);
+}
+
+fn evil_record(target: &str, url: &str) -> String {
+    serde_json::to_string(&NodeRecord {
+        node_id: target.into(),
+        proxy_url: url.into(),
+        engine_url: url.into(),
+        models: vec!["m".into()],
+        role: "both".into(),
+        kv_epoch: 1,
+        ready: true,
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+async fn send(to: u16, datagrams: &[Vec<u8>]) {
+    let s = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    for d in datagrams {
+        s.send_to(d, ("127.0.0.1", to)).await.unwrap();
+    }
+}
+
+/// Runs gossip rounds for a while (the attack has time to land, if it can).
+async fn settle(nodes: &mut [Node]) {
+    for _ in 0..20 {
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn accepted_url(n: &Node, url: &str) -> bool {
+    n.members.urls.lock().unwrap().iter().any(|u| u == url)
+}
+
+// Defect: chitchat applies Ack deltas from any UDP sender, so one datagram could replace a
+// peer's node record and take its traffic. Plaintext gossip shows the attack works; sealed
+// gossip drops it (forged: no key, wrong key; plaintext refused) and counts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_record_hijacks_plaintext_gossip_but_not_sealed_gossip() {
+    for sealed in [false, true] {
+        let (pa, pb) = (udp_port(), udp_port());
+        let security = || {
+            if sealed {
+                GossipSecurity::sealed(keyring(KEY))
+            } else {
+                GossipSecurity::plaintext()
+            }
+        };
+        let mut nodes = vec![
+            node_with("a", pa, pa, security(), 16).await,
+            node_with("b", pb, pa, security(), 16).await,
+        ];
+        until(&mut nodes, "a learns b", |n| {
+            accepted_url(&n[0], "http://b")
+        })
+        .await;
+        let b_id = nodes[1].cluster.chitchat_id().await;
+        let evil = "http://127.0.0.1:9";
+        let forged = crafted_ack(&b_id, "node", &evil_record("b", evil), 1_000_000, None);
+        let wrong_key = Sealer::new(keyring(OTHER_KEY), "test").seal(&forged);
+        let other_cluster = Sealer::new(keyring(KEY), "other").seal(&forged);
+        send(pa, std::slice::from_ref(&forged)).await;
+        send(pa, &wrong_key).await;
+        send(pa, &other_cluster).await;
+        settle(&mut nodes).await;
+        let stats = nodes[0].cluster.stats();
+        if sealed {
+            assert!(
+                !accepted_url(&nodes[0], evil),
+                "sealed gossip took a forged record"
+            );
+            assert_eq!(stats.rejected(Rejection::Plaintext), 1);
+            assert_eq!(stats.rejected(Rejection::Forged), 2);
+            // Still gossiping with the real b.
+            assert_eq!(nodes[0].cluster.live_peers().await, 1);
+        } else {
+            assert!(
+                accepted_url(&nodes[0], evil),
+                "the control run (plaintext gossip) should show the hijack"
+            );
+        }
+        for n in nodes {
+            n.cluster.shutdown().await;
+        }
+    }
+}
+
+// A node holding another key never joins; a replayed sealed datagram is dropped and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_key_never_joins_and_replays_are_dropped() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let mut nodes = vec![
+        node("a", pa, pa).await,
+        node_with("b", pb, pa, GossipSecurity::sealed(keyring(OTHER_KEY)), 16).await,
+    ];
+    settle(&mut nodes).await;
+    assert_eq!(nodes[0].cluster.live_peers().await, 0);
+    assert_eq!(nodes[1].cluster.live_peers().await, 0);
+    assert!(nodes[0].cluster.stats().rejected(Rejection::Forged) > 0);
+
+    // An insider's datagram captured and sent again.
+    let mut sealer = Sealer::new(keyring(KEY), "test");
+    let frame = sealer.seal(b"anything");
+    send(pa, &frame).await;
+    send(pa, &frame).await;
+    send(pa, &frame).await;
+    settle(&mut nodes).await;
+    assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Replayed), 2);
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
+}
+
+// Defect: a delta whose SetMaxVersion is below a key version in the same delta reaches
+// chitchat's `assert!(node_delta.max_version >= self.max_version)` and kills its server task,
+// freezing gossip. Without the key it is dropped; from a key holder it panics chitchat, and the
+// node restarts gossip (counted) and rejoins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crafted_delta_panic_is_dropped_or_recovered() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let mut nodes = vec![node("a", pa, pa).await, node("b", pb, pa).await];
+    until(&mut nodes, "a and b meet", |n| {
+        accepted_url(&n[0], "http://b")
+    })
+    .await;
+    let b_id = nodes[1].cluster.chitchat_id().await;
+    let poison = crafted_ack(&b_id, "x", "y", 1_000_000, Some(999_999));
+
+    send(pa, std::slice::from_ref(&poison)).await;
+    settle(&mut nodes).await;
+    assert!(!nodes[0].cluster.ensure_running().await.unwrap());
+    assert_eq!(nodes[0].cluster.restarts(), 0);
+    assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Plaintext), 1);
+
+    let sealed = Sealer::new(keyring(KEY), "test").seal(&poison);
+    send(pa, &sealed).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !nodes[0].cluster.ensure_running().await.unwrap() {
+        assert!(
+            Instant::now() < deadline,
+            "chitchat did not stop on the poison delta"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(nodes[0].cluster.restarts(), 1);
+    // The new incarnation gossips again: b sees a (new generation), a sees b.
+    nodes[1].members.urls.lock().unwrap().clear();
+    nodes[0].members.urls.lock().unwrap().clear();
+    until(&mut nodes, "gossip resumes after the restart", |n| {
+        accepted_url(&n[0], "http://b") && accepted_url(&n[1], "http://a")
+    })
+    .await;
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
+}
+
+// Defect: no cap on peers. With max_peers = 1, a third node is ignored and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_beyond_the_cap_are_ignored() {
+    let (pa, pb, pc) = (udp_port(), udp_port(), udp_port());
+    let mut a = node_with("a", pa, pa, GossipSecurity::sealed(keyring(KEY)), 1).await;
+    let mut others = vec![node("b", pb, pa).await, node("c", pc, pa).await];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut over_cap = 0;
+    while a.cluster.live_peers().await < 2 || over_cap == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for both peers"
+        );
+        a.cluster.publish_record(&a.record).await;
+        over_cap = a.sync.sync(&a.cluster, &a.index, &a.members).await.over_cap;
+        for n in others.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(a.members.known.lock().unwrap().len(), 1);
+    a.cluster.shutdown().await;
+    for n in others {
+        n.cluster.shutdown().await;
+    }
+}
+
+// chitchat fills deltas up to the whole UDP payload (65,507 bytes, counted before its zstd
+// compression); sealing adds 57 bytes per frame and splits a message that would not fit. A large
+// residency set (many full-size deltas) must arrive whole through sealed gossip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_size_deltas_cross_sealed_gossip_in_fragments() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let mut nodes = vec![node("a", pa, pa).await, node("b", pb, pa).await];
+    let ns = Namespace::new("m", b"big");
+    let chain = text_chain(&ns, &vec![b'y'; 64 * 30_000], 64);
+    nodes[1]
+        .index
+        .record(NodeId(0), &chain, Source::Reported, Instant::now());
+    until(&mut nodes, "a learns all 30,000 of b's digests", |n| {
+        n[0].index
+            .overlap(&chain, Instant::now())
+            .iter()
+            .any(|(_, blocks)| *blocks == 30_000)
+    })
+    .await;
+    assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Malformed), 0);
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
 }

@@ -92,6 +92,22 @@ pub fn text_chain(ns: &Namespace, canonical: &[u8], block_bytes: usize) -> Vec<D
     chain_blocks(ns, canonical.chunks_exact(block_bytes))
 }
 
+/// Text mode, at most `max_blocks` digests: the chain of the first `max_blocks` full blocks
+/// (equal to the first `max_blocks` digests of [`text_chain`]). Routing compares leading
+/// blocks, so a cap bounds what one request hashes and records in the residency index whatever
+/// the prompt's size.
+pub fn text_chain_capped(
+    ns: &Namespace,
+    canonical: &[u8],
+    block_bytes: usize,
+    max_blocks: usize,
+) -> Vec<Digest> {
+    if block_bytes == 0 {
+        return Vec::new();
+    }
+    chain_blocks(ns, canonical.chunks_exact(block_bytes).take(max_blocks))
+}
+
 /// Token mode: token ids as u32 little-endian, cut every `block_tokens` (the engine's KV block
 /// size); a trailing partial block is not hashed. `block_tokens == 0` yields an empty chain.
 pub fn token_chain(ns: &Namespace, tokens: &[u32], block_tokens: usize) -> Vec<Digest> {
@@ -160,6 +176,20 @@ mod tests {
             text_chain(&ns, b"abcd", 4),
             text_chain(&other_model, b"abcd", 4)
         );
+    }
+
+    #[test]
+    fn capped_chain_is_the_uncapped_prefix() {
+        let ns = Namespace::new("m", b"");
+        let text = vec![7u8; 4 * 100 + 3];
+        let full = text_chain(&ns, &text, 4);
+        assert_eq!(full.len(), 100);
+        let capped = text_chain_capped(&ns, &text, 4, 10);
+        assert_eq!(capped.len(), 10);
+        assert_eq!(capped[..], full[..10]);
+        assert_eq!(text_chain_capped(&ns, &text, 4, 1000), full);
+        assert!(text_chain_capped(&ns, &text, 4, 0).is_empty());
+        assert!(text_chain_capped(&ns, &text, 0, 10).is_empty());
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //!
 //! The request path, in the order the proxy runs it:
 //!
-//! 1. [`request`]: parse and validate an OpenAI request body, produce its canonical prompt bytes.
-//! 2. [`chain`]: cut the canonical prompt into blocks and hash them into the BLAKE3 digest chain.
+//! 1. [`request`]: parse and validate an OpenAI request body in one streaming pass (no JSON tree),
+//!    produce its canonical prompt bytes (optionally only the leading ones).
+//! 2. [`chain`]: cut the canonical prompt into blocks and hash them (optionally only the leading
+//!    ones) into the BLAKE3 digest chain.
 //! 3. [`residency`]: look up which nodes hold how much of that chain.
 //! 4. [`route`]: rank the candidate nodes by prefix overlap balanced against load.
 //!

@@ -1,20 +1,175 @@
 //! Gossip glue: publishes this proxy's node record and its engine's residency, applies peers'
 //! to the fleet and the residency index, and tracks the local engine's `kv_epoch`.
+//!
+//! A peer's published URL becomes an upstream only once it is admitted ([`PeerAdmission`]):
+//! resolved off the gossip task, inside the allowed networks (by default: the address the
+//! peer's authenticated gossip comes from), and answering a health probe.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use http_body_util::BodyExt;
 use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
-use kvmesh_cluster::{Cluster, Membership, NodeRecord, ResidencySync};
+use kvmesh_cluster::{Cluster, Membership, NodeRecord, Rejection, ResidencySync};
 use kvmesh_filters::residency::{NodeId, ResidencyIndex};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
-use crate::config::{parse_engine_url, Mode, ProxyConfig};
+use crate::config::{engine_url_host, Mode, ProxyConfig};
 use crate::fleet::{self, Engine, Fleet, PeerEngine};
 use crate::metrics::Metrics;
+
+/// Forward reasons (`kvmesh_forwards_total{reason}`), to remove a departed peer's series.
+const FORWARD_REASONS: [&str; 6] = [
+    "rank",
+    "home",
+    "local",
+    "local_down",
+    "prefix_saving",
+    "failover",
+];
+
+/// How long a refused peer URL waits before it is checked again.
+const REFUSED_RETRY: Duration = Duration::from_secs(10);
+
+/// What this proxy decided about a peer's published URL.
+#[derive(Debug, Clone, Copy)]
+enum Verdict {
+    /// Being resolved and probed.
+    Pending,
+    /// Checked: requests may go to this address.
+    Admitted(SocketAddr),
+    /// Refused; checked again after this instant.
+    Refused(Instant),
+}
+
+/// Checks peers' published URLs before they are used as upstreams.
+pub struct PeerAdmission {
+    /// (node id, URL) -> verdict; one entry per node id.
+    verdicts: parking_lot::Mutex<HashMap<(String, String), Verdict>>,
+    networks: Vec<ipnet::IpNet>,
+    client: fleet::ProbeClient,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    max_entries: usize,
+}
+
+impl PeerAdmission {
+    fn new(cfg: &ProxyConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(PeerAdmission {
+            verdicts: parking_lot::Mutex::new(HashMap::new()),
+            // Validated at load time; an error here cannot happen, and an empty list is the
+            // strict default anyway.
+            networks: cfg.peer_networks().unwrap_or_default(),
+            client: fleet::probe_client(),
+            timeout: Duration::from_millis(cfg.health.timeout_ms),
+            metrics,
+            max_entries: cfg.cluster.max_peers.saturating_mul(2),
+        })
+    }
+
+    /// The checked address for `node_id` at `url`, or `None` (a check is started when none is
+    /// running and the last refusal is old enough).
+    fn admitted(
+        self: &Arc<Self>,
+        node_id: &str,
+        url: &str,
+        gossip_addr: SocketAddr,
+        via_peer: bool,
+    ) -> Option<SocketAddr> {
+        let key = (node_id.to_string(), url.to_string());
+        let mut verdicts = self.verdicts.lock();
+        match verdicts.get(&key) {
+            Some(Verdict::Admitted(a)) => return Some(*a),
+            Some(Verdict::Pending) => return None,
+            Some(Verdict::Refused(at)) if Instant::now() < *at => return None,
+            _ => {}
+        }
+        // A node publishes one URL: drop what we held for its previous one.
+        verdicts.retain(|(n, u), _| n != node_id || u == url);
+        if verdicts.len() >= self.max_entries {
+            self.refuse_count("over_cap");
+            return None;
+        }
+        verdicts.insert(key.clone(), Verdict::Pending);
+        drop(verdicts);
+        let this = self.clone();
+        tokio::spawn(async move {
+            let verdict = match this.check(&key.1, gossip_addr, via_peer).await {
+                Ok(addr) => {
+                    tracing::info!(peer = %key.0, url = %key.1, %addr, "peer admitted");
+                    Verdict::Admitted(addr)
+                }
+                Err(reason) => {
+                    tracing::warn!(peer = %key.0, url = %key.1, %gossip_addr, reason, "peer URL refused");
+                    this.refuse_count(reason);
+                    Verdict::Refused(Instant::now() + REFUSED_RETRY)
+                }
+            };
+            let mut verdicts = this.verdicts.lock();
+            // Only if the peer is still there and still publishes this URL.
+            if let Some(v) = verdicts.get_mut(&key) {
+                *v = verdict;
+            }
+        });
+        None
+    }
+
+    fn refuse_count(&self, reason: &str) {
+        self.metrics
+            .gossip_peers_refused
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    /// Resolves `url` (asynchronously: never on the gossip loop), checks the address against
+    /// the allowed networks, and probes it.
+    async fn check(
+        &self,
+        url: &str,
+        gossip_addr: SocketAddr,
+        via_peer: bool,
+    ) -> Result<SocketAddr, &'static str> {
+        let (host, port) = engine_url_host(url).map_err(|_| "url")?;
+        let addrs: Vec<SocketAddr> =
+            tokio::time::timeout(self.timeout, tokio::net::lookup_host((host.as_str(), port)))
+                .await
+                .map_err(|_| "url")?
+                .map_err(|_| "url")?
+                .collect();
+        let addr = addrs
+            .into_iter()
+            .find(|a| self.allowed(a.ip(), gossip_addr.ip()))
+            .ok_or("network")?;
+        // A kvmesh peer answers /health; an engine (gateway mode) answers /v1/models.
+        let path = if via_peer { "/health" } else { "/v1/models" };
+        let uri: http::Uri = format!("http://{addr}{path}").parse().map_err(|_| "url")?;
+        let resp = tokio::time::timeout(self.timeout, self.client.get(uri))
+            .await
+            .map_err(|_| "probe")?
+            .map_err(|_| "probe")?;
+        if !resp.status().is_success() {
+            return Err("probe");
+        }
+        Ok(addr)
+    }
+
+    /// Whether a peer gossiping from `gossip_ip` may send us to `ip`.
+    fn allowed(&self, ip: std::net::IpAddr, gossip_ip: std::net::IpAddr) -> bool {
+        if self.networks.is_empty() {
+            ip == gossip_ip || (ip.is_loopback() && gossip_ip.is_loopback())
+        } else {
+            self.networks.iter().any(|n| n.contains(&ip))
+        }
+    }
+
+    fn forget(&self, node_id: &str) {
+        self.verdicts.lock().retain(|(n, _), _| n != node_id);
+    }
+}
 
 /// The background service that runs the gossip.
 pub struct ClusterService {
@@ -32,21 +187,26 @@ pub struct ClusterService {
 struct FleetMembership<'a> {
     fleet: &'a Fleet,
     via_peer: bool,
+    admission: &'a Arc<PeerAdmission>,
+    metrics: &'a Metrics,
 }
 
 impl Membership for FleetMembership<'_> {
-    fn upsert(&self, r: &NodeRecord) -> Option<NodeId> {
+    fn upsert(&self, r: &NodeRecord, gossip_addr: SocketAddr) -> Option<NodeId> {
         let url = if self.via_peer {
             &r.proxy_url
         } else {
             &r.engine_url
         };
-        let addr = match parse_engine_url(url) {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::debug!(peer = %r.node_id, error = %e, "peer published an unusable URL");
-                return None;
+        let Some(addr) = self
+            .admission
+            .admitted(&r.node_id, url, gossip_addr, self.via_peer)
+        else {
+            // Not (yet) checked: whatever we held for this node at another URL goes now.
+            if self.fleet.has_peer_elsewhere(&r.node_id, url) {
+                self.fleet.remove_peer(&r.node_id);
             }
+            return None;
         };
         Some(self.fleet.upsert_peer(&PeerEngine {
             node_id: r.node_id.clone(),
@@ -62,6 +222,13 @@ impl Membership for FleetMembership<'_> {
 
     fn remove(&self, node_id: &str, _node: NodeId) {
         self.fleet.remove_peer(node_id);
+        self.admission.forget(node_id);
+        for reason in FORWARD_REASONS {
+            let _ = self
+                .metrics
+                .forwards
+                .remove_label_values(&[node_id, reason]);
+        }
     }
 }
 
@@ -201,14 +368,23 @@ impl BackgroundService for ClusterService {
         let mut last_epoch_check: Option<Instant> = None;
         let (mut sent, mut received) = (0u64, 0u64);
         let mut published_version: Option<u64> = Some(0);
+        let admission = PeerAdmission::new(&self.cfg, self.metrics.clone());
         let membership = FleetMembership {
             fleet: &self.fleet,
             via_peer: self.cfg.mode == Mode::Sidecar,
+            admission: &admission,
+            metrics: &self.metrics,
         };
+        let mut dropped = [0u64; Rejection::ALL.len()];
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = shutdown.changed() => break,
+            }
+            match cluster.ensure_running().await {
+                Ok(true) => self.metrics.gossip_restarts.inc(),
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "cannot restart gossip; retrying"),
             }
             let local = self.local_engine();
             if let Some(e) = local.as_deref() {
@@ -245,6 +421,20 @@ impl BackgroundService for ClusterService {
                 .with_label_values(&["in"])
                 .inc_by(r - received);
             (sent, received) = (s, r);
+            for (i, reason) in Rejection::ALL.iter().enumerate() {
+                let n = stats.rejected(*reason);
+                self.metrics
+                    .gossip_dropped
+                    .with_label_values(&[reason.label()])
+                    .inc_by(n - dropped[i]);
+                dropped[i] = n;
+            }
+            if report.over_cap > 0 {
+                self.metrics
+                    .gossip_peers_refused
+                    .with_label_values(&["over_cap"])
+                    .inc_by(report.over_cap as u64);
+            }
             if report.added + report.removed > 0 {
                 tracing::debug!(?report, "gossip sync");
             }

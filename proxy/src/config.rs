@@ -45,8 +45,13 @@ pub struct ProxyConfig {
     pub policy: Policy,
     /// Largest accepted request body, bytes; larger bodies get 413.
     pub max_body_bytes: usize,
-    /// Most requests in flight through this proxy; past it, 429 with `Retry-After`.
+    /// Most requests in flight through this proxy, counted from admission (before the body is
+    /// read) to the end of the response: a hard cap; past it, 429 with `Retry-After`.
     pub max_inflight: u64,
+    /// Most request-body bytes held by the proxy at once, over all requests: reserved from the
+    /// request head (`Content-Length`) or as chunks arrive, released once the body has been sent
+    /// and the engine has answered. A request that would pass it gets 503 with `Retry-After`.
+    pub body_budget_bytes: usize,
     /// Worker threads of the proxy (0: one per CPU).
     pub threads: usize,
     /// Log filter (tracing `EnvFilter` syntax). Env: `KVMESH_LOG`.
@@ -115,6 +120,28 @@ pub struct ClusterToml {
     pub phi_threshold: f64,
     /// Seconds a dead node's state is kept before it is forgotten.
     pub dead_node_grace_secs: u64,
+    /// Gossip keys, base64 of 32 bytes each (`kvmesh-proxy gossip-keygen` makes one): the first
+    /// seals what this node sends, every one opens what it receives (rotation: install the new
+    /// key second everywhere, then first everywhere, then drop the old). Env:
+    /// `KVMESH_GOSSIP_KEYS` (comma-separated). Required unless `insecure_plaintext`.
+    pub gossip_keys: Vec<String>,
+    /// A file with one base64 key per line (`#` comments), used after `gossip_keys`.
+    pub gossip_key_file: String,
+    /// Seal outgoing gossip. Off only during a migration to encryption (step 1 of 3).
+    pub encrypt_outgoing: bool,
+    /// Refuse unsealed incoming gossip. Off only during a migration to encryption.
+    pub verify_incoming: bool,
+    /// Run gossip without keys: any host that reaches the gossip port can then join the cluster
+    /// and take traffic. Only for networks where every host is trusted.
+    pub insecure_plaintext: bool,
+    /// Seconds a new sender's clock may differ from ours (bounds replays of old datagrams).
+    pub max_clock_skew_secs: u64,
+    /// The most peers tracked; further nodes are ignored (and counted) until some leave.
+    pub max_peers: usize,
+    /// Networks (CIDR, or single IPs) a peer's published URL may point into. Empty (default):
+    /// the URL must resolve to the IP address the peer gossips from, so a peer can only
+    /// name itself.
+    pub peer_networks: Vec<String>,
 }
 
 impl Default for ClusterToml {
@@ -130,6 +157,14 @@ impl Default for ClusterToml {
             gossip_interval_ms: 200,
             phi_threshold: 8.0,
             dead_node_grace_secs: 60,
+            gossip_keys: Vec::new(),
+            gossip_key_file: String::new(),
+            encrypt_outgoing: true,
+            verify_incoming: true,
+            insecure_plaintext: false,
+            max_clock_skew_secs: 60,
+            max_peers: 256,
+            peer_networks: Vec::new(),
         }
     }
 }
@@ -183,6 +218,7 @@ impl Default for ProxyConfig {
             policy: Policy::Prefix,
             max_body_bytes: 32 << 20,
             max_inflight: 4096,
+            body_budget_bytes: 256 << 20,
             threads: 0,
             log: "info,pingora_core=warn,pingora_proxy=warn".into(),
             engines: Vec::new(),
@@ -228,6 +264,9 @@ pub struct RoutingConfig {
     pub session_header: String,
     /// How many leading digests to send engines in `x-kvmesh-prefix-digests` (0: none).
     pub forward_digests: usize,
+    /// Most blocks of a prompt hashed and recorded in the residency index per request (the
+    /// leading ones, which routing compares); bounds what one huge prompt can evict.
+    pub max_prefix_blocks: usize,
 }
 
 impl Default for RoutingConfig {
@@ -241,6 +280,7 @@ impl Default for RoutingConfig {
             balance_rel_threshold: p.balance_rel_threshold,
             session_header: "x-session-id".into(),
             forward_digests: 32,
+            max_prefix_blocks: 1024,
         }
     }
 }
@@ -375,6 +415,14 @@ impl ProxyConfig {
         if let Ok(v) = std::env::var("KVMESH_LOG") {
             cfg.log = v;
         }
+        if let Ok(v) = std::env::var("KVMESH_GOSSIP_KEYS") {
+            cfg.cluster.gossip_keys = v
+                .split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(String::from)
+                .collect();
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -411,6 +459,15 @@ impl ProxyConfig {
         }
         if self.max_inflight == 0 {
             return bad("`max_inflight` must be > 0".into());
+        }
+        if self.body_budget_bytes < self.max_body_bytes {
+            return bad(format!(
+                "`body_budget_bytes` ({}) must be >= `max_body_bytes` ({})",
+                self.body_budget_bytes, self.max_body_bytes
+            ));
+        }
+        if self.routing.max_prefix_blocks == 0 {
+            return bad("`routing.max_prefix_blocks` must be > 0".into());
         }
         if self.routing.block_bytes == 0 {
             return bad("`routing.block_bytes` must be > 0".into());
@@ -452,6 +509,12 @@ impl ProxyConfig {
                     "`cluster.gossip_interval_ms` and `cluster.phi_threshold` must be > 0".into(),
                 );
             }
+            if c.max_peers == 0 || c.max_clock_skew_secs == 0 {
+                return bad(
+                    "`cluster.max_peers` and `cluster.max_clock_skew_secs` must be > 0".into(),
+                );
+            }
+            self.peer_networks()?;
         }
         if tracing_subscriber::EnvFilter::try_new(&self.log).is_err() {
             return bad(format!("`log` = {:?} is not a valid log filter", self.log));
@@ -515,7 +578,71 @@ impl ProxyConfig {
             gossip_interval: Duration::from_millis(c.gossip_interval_ms),
             phi_threshold: c.phi_threshold,
             dead_node_grace: Duration::from_secs(c.dead_node_grace_secs),
+            security: self.gossip_security()?,
+            max_peers: c.max_peers,
         })
+    }
+
+    /// Gossip keys and switches from `[cluster]` (reads `gossip_key_file`).
+    fn gossip_security(&self) -> Result<kvmesh_cluster::GossipSecurity, ConfigError> {
+        let c = &self.cluster;
+        let bad = |m: String| ConfigError::Invalid(m);
+        let mut keys = c.gossip_keys.clone();
+        if !c.gossip_key_file.is_empty() {
+            let text = std::fs::read_to_string(&c.gossip_key_file).map_err(|e| {
+                bad(format!(
+                    "`cluster.gossip_key_file` = {:?}: {e}",
+                    c.gossip_key_file
+                ))
+            })?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+        }
+        if keys.is_empty() {
+            if !c.insecure_plaintext {
+                return Err(bad(
+                    "gossip needs a key: set `cluster.gossip_keys` or `cluster.gossip_key_file` \
+                     (make one with `kvmesh-proxy gossip-keygen`), or set \
+                     `cluster.insecure_plaintext = true` on a network where every host is trusted"
+                        .into(),
+                ));
+            }
+            return Ok(kvmesh_cluster::GossipSecurity::plaintext());
+        }
+        if c.insecure_plaintext {
+            return Err(bad(
+                "`cluster.insecure_plaintext = true` contradicts the configured gossip keys".into(),
+            ));
+        }
+        let keyring = kvmesh_cluster::Keyring::from_base64(&keys)
+            .map_err(|e| bad(format!("`cluster.gossip_keys`: {e}")))?;
+        Ok(kvmesh_cluster::GossipSecurity {
+            keyring: Some(keyring),
+            encrypt_outgoing: c.encrypt_outgoing,
+            verify_incoming: c.verify_incoming,
+            max_clock_skew: Duration::from_secs(c.max_clock_skew_secs),
+        })
+    }
+
+    /// `cluster.peer_networks`, parsed (a bare IP is a one-address network).
+    pub fn peer_networks(&self) -> Result<Vec<ipnet::IpNet>, ConfigError> {
+        self.cluster
+            .peer_networks
+            .iter()
+            .map(|n| {
+                n.parse::<ipnet::IpNet>()
+                    .or_else(|_| n.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map_err(|_| {
+                        ConfigError::Invalid(format!(
+                            "`cluster.peer_networks`: {n:?} is not a CIDR network or an IP address"
+                        ))
+                    })
+            })
+            .collect()
     }
 
     /// This proxy's node id in the cluster.
@@ -549,6 +676,17 @@ impl ProxyConfig {
 
 /// `http://host:port` -> a socket address (the host is resolved now).
 pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
+    let (host, port) = engine_url_host(url)?;
+    (host.as_str(), port)
+        .to_socket_addrs()
+        .map_err(|e| format!("url {url:?}: cannot resolve host: {e}"))?
+        .next()
+        .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
+}
+
+/// Checks an engine or peer URL (`http://host[:port]`, no path) without resolving it: host
+/// and port.
+pub fn engine_url_host(url: &str) -> Result<(String, u16), String> {
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
@@ -571,11 +709,7 @@ pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("url {url:?} has no host"))?;
     let port = uri.port_u16().unwrap_or(80);
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("url {url:?}: cannot resolve host: {e}"))?
-        .next()
-        .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
+    Ok((host.to_string(), port))
 }
 
 #[cfg(test)]
@@ -609,12 +743,14 @@ mod tests {
                 c.listen.as_str(),
                 c.max_body_bytes,
                 c.max_inflight,
+                c.body_budget_bytes,
                 c.log.as_str()
             ),
             (
                 d.listen.as_str(),
                 d.max_body_bytes,
                 d.max_inflight,
+                d.body_budget_bytes,
                 d.log.as_str()
             )
         );
@@ -679,6 +815,50 @@ mod tests {
     }
 
     #[test]
+    fn gossip_needs_a_valid_key_unless_explicitly_plaintext() {
+        let base = "mode = \"sidecar\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[cluster]\nenabled = true\n";
+        let check = |extra: &str| {
+            ProxyConfig::from_toml(&format!("{base}{extra}"))
+                .unwrap()
+                .validate()
+                .map_err(|e| e.to_string())
+        };
+        let no_key = check("").unwrap_err();
+        assert!(
+            no_key.contains("gossip needs a key") && no_key.contains("gossip-keygen"),
+            "{no_key}"
+        );
+        assert!(check("insecure_plaintext = true\n").is_ok());
+        let key = kvmesh_cluster::Keyring::generate_base64();
+        assert!(check(&format!("gossip_keys = [\"{key}\"]\n")).is_ok());
+        let both = check(&format!(
+            "gossip_keys = [\"{key}\"]\ninsecure_plaintext = true\n"
+        ))
+        .unwrap_err();
+        assert!(both.contains("contradicts"), "{both}");
+        let bad = check(&format!("gossip_keys = [\"{key}\", \"c2hvcnQ=\"]\n")).unwrap_err();
+        assert!(bad.contains("gossip key #1"), "{bad}");
+        let missing = check("gossip_key_file = \"/nonexistent/kvmesh.key\"\n").unwrap_err();
+        assert!(missing.contains("gossip_key_file"), "{missing}");
+        let file = std::env::temp_dir().join(format!("kvmesh-key-{}", std::process::id()));
+        std::fs::write(&file, format!("# rotation: new key first\n{key}\n\n")).unwrap();
+        let from_file = check(&format!(
+            "gossip_key_file = {:?}\n",
+            file.display().to_string()
+        ));
+        let _ = std::fs::remove_file(&file);
+        assert!(from_file.is_ok(), "{from_file:?}");
+        let nets = check(&format!("gossip_keys = [\"{key}\"]\npeer_networks = [\"10.0.0.0/8\", \"192.0.2.7\", \"nope\"]\n"))
+            .unwrap_err();
+        assert!(
+            nets.contains("peer_networks") && nets.contains("nope"),
+            "{nets}"
+        );
+        let zero = check(&format!("gossip_keys = [\"{key}\"]\nmax_peers = 0\n")).unwrap_err();
+        assert!(zero.contains("max_peers"), "{zero}");
+    }
+
+    #[test]
     fn bad_configs_name_the_problem() {
         let cases = [
             ("listen = 5", "listen"),
@@ -690,6 +870,8 @@ mod tests {
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:2\"", "twice"),
             ("max_body_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_body_bytes"),
             ("[routing]\nblock_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "block_bytes"),
+            ("[routing]\nmax_prefix_blocks = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_prefix_blocks"),
+            ("body_budget_bytes = 1000\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_budget_bytes"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {

@@ -320,6 +320,14 @@ impl Fleet {
         id
     }
 
+    /// Whether the fleet holds `node_id`'s engine at a URL other than `url`.
+    pub fn has_peer_elsewhere(&self, node_id: &str, url: &str) -> bool {
+        self.engines
+            .load()
+            .iter()
+            .any(|e| e.peer.as_ref().is_some_and(|l| l.node_id == node_id) && e.url != url)
+    }
+
     /// Forgets a peer's engine (it left).
     pub fn remove_peer(&self, node_id: &str) {
         let _one_writer = self.change.lock();

@@ -22,7 +22,7 @@ use pingora::services::background::{background_service, BackgroundService};
 use crate::config::ProxyConfig;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::service::Gateway;
+use crate::service::{Gateway, Limits};
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here
@@ -51,6 +51,8 @@ enum Command {
         /// The file to check.
         file: PathBuf,
     },
+    /// Print a fresh random gossip key (base64 of 32 bytes) for `cluster.gossip_keys`.
+    GossipKeygen,
 }
 
 /// Periodic work beside the request path: engine health probes and residency TTL sweeps.
@@ -80,6 +82,10 @@ impl BackgroundService for Housekeeping {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::GossipKeygen) = cli.command {
+        println!("{}", kvmesh_cluster::Keyring::generate_base64());
+        return Ok(());
+    }
     if let Some(Command::CheckConfig { file }) = cli.command {
         let cfg = ProxyConfig::load(Some(&file)).with_context(|| {
             format!(
@@ -115,6 +121,9 @@ fn main() -> anyhow::Result<()> {
         std::net::UdpSocket::bind(gossip.listen)
             .with_context(|| format!("cannot bind the gossip address {}", gossip.listen))?;
     }
+    // Pingora binds inside its worker threads, retries a busy address for half a minute and
+    // then panics there, leaving a process that serves nothing. Bind first and fail clearly.
+    probe_listen(&cfg.listen)?;
     let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
     let metrics = Arc::new(Metrics::new().context("metrics registry")?);
 
@@ -146,6 +155,7 @@ fn main() -> anyhow::Result<()> {
     });
     let gateway = Gateway {
         router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+        limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
         cfg,
         fleet,
         index,
@@ -158,6 +168,18 @@ fn main() -> anyhow::Result<()> {
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }
+    // The address was bindable a moment ago (probe_listen); Pingora binds it as it starts.
     tracing::info!(%listen, "kvmesh-proxy listening");
     server.run_forever()
+}
+
+/// Binds `listen` once (with `SO_REUSEADDR`, as Pingora does) and releases it: an address in
+/// use or not assignable is an error naming it, before anything starts.
+fn probe_listen(listen: &str) -> anyhow::Result<()> {
+    let addr: std::net::SocketAddr = listen
+        .parse()
+        .with_context(|| format!("`listen` = {listen:?} is not an IP:port address"))?;
+    std::net::TcpListener::bind(addr)
+        .with_context(|| format!("cannot listen on {addr} (`listen`)"))?;
+    Ok(())
 }

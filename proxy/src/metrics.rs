@@ -46,10 +46,21 @@ pub struct Metrics {
     pub gossip_peers: IntGauge,
     /// Gossip bytes, by direction (`in`, `out`).
     pub gossip_bytes: IntCounterVec,
+    /// Gossip datagrams dropped, by reason (`forged`, `replayed`, `stale`, `plaintext`,
+    /// `malformed`).
+    pub gossip_dropped: IntCounterVec,
+    /// Times the gossip task was restarted after it stopped.
+    pub gossip_restarts: IntCounter,
+    /// Peer records refused, by reason (`url`, `network`, `probe`, `over_cap`).
+    pub gossip_peers_refused: IntCounterVec,
     /// Residency index entries by source.
     pub residency_entries: IntGaugeVec,
     /// Digests the index holds per engine.
     pub engine_residency: IntGaugeVec,
+    /// Requests admitted and not finished (the `max_inflight` cap's count).
+    pub inflight_requests: IntGauge,
+    /// Request-body bytes reserved from `body_budget_bytes`.
+    pub body_bytes: IntGauge,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -157,6 +168,24 @@ impl Metrics {
             Opts::new("kvmesh_gossip_bytes_total", "Gossip bytes by direction"),
             &["direction"],
         )?;
+        let gossip_dropped = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_gossip_dropped_total",
+                "Gossip datagrams dropped before chitchat saw them, by reason",
+            ),
+            &["reason"],
+        )?;
+        let gossip_restarts = IntCounter::new(
+            "kvmesh_gossip_restarts_total",
+            "Gossip restarts after its server task stopped",
+        )?;
+        let gossip_peers_refused = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_peer_urls_refused_total",
+                "Peer records not used for routing, by reason",
+            ),
+            &["reason"],
+        )?;
         let residency_entries = IntGaugeVec::new(
             Opts::new(
                 "kvmesh_residency_entries",
@@ -171,9 +200,22 @@ impl Metrics {
             ),
             &["engine"],
         )?;
+        let inflight_requests = IntGauge::new(
+            "kvmesh_inflight_requests",
+            "Requests admitted and not finished (capped by max_inflight)",
+        )?;
+        let body_bytes = IntGauge::new(
+            "kvmesh_request_body_bytes",
+            "Request-body bytes held, out of body_budget_bytes",
+        )?;
+        registry.register(Box::new(inflight_requests.clone()))?;
+        registry.register(Box::new(body_bytes.clone()))?;
         registry.register(Box::new(forwards.clone()))?;
         registry.register(Box::new(gossip_peers.clone()))?;
         registry.register(Box::new(gossip_bytes.clone()))?;
+        registry.register(Box::new(gossip_dropped.clone()))?;
+        registry.register(Box::new(gossip_restarts.clone()))?;
+        registry.register(Box::new(gossip_peers_refused.clone()))?;
         registry.register(Box::new(residency_entries.clone()))?;
         registry.register(Box::new(engine_residency.clone()))?;
         registry.register(Box::new(requests.clone()))?;
@@ -209,8 +251,13 @@ impl Metrics {
             forwards,
             gossip_peers,
             gossip_bytes,
+            gossip_dropped,
+            gossip_restarts,
+            gossip_peers_refused,
             residency_entries,
             engine_residency,
+            inflight_requests,
+            body_bytes,
         })
     }
 

@@ -1,7 +1,10 @@
 //! The request path of the gateway, one Pingora hook per phase, top to bottom:
 //!
-//! 1. `request_filter`: local endpoints; admission; read and bound the body; parse it; hash the
-//!    canonical prompt into the digest chain.
+//! 1. `request_filter`: local endpoints; admission (a hard cap on requests in flight, taken
+//!    before the body is read); read and bound the body (its bytes reserved from a global body
+//!    budget); parse it in one streaming pass; hash the leading blocks of the canonical prompt
+//!    into the digest chain. Early refusals read and discard the rest of the body, bounded,
+//!    before closing (a lingering close), so that the client sees the error, not a reset.
 //! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load;
 //!    in sidecar mode, keep the local engine unless a peer saves enough), then take the next
 //!    untried engine: the first call, and again after each failover. A peer's engine is reached
@@ -9,18 +12,22 @@
 //! 3. `upstream_request_filter` / `request_body_filter`: send the original body bytes.
 //! 4. `upstream_response_filter` / `response_body_filter`: stream the response through as it
 //!    comes, note the first byte, read `usage` on the way.
-//! 5. `logging`: record residency and metrics; the load guard is released with the context.
+//!    Once the engine has answered and the body has been sent, the body and its budget are
+//!    released: failover can no longer happen.
+//! 5. `logging`: record residency and metrics; the load guard and the admission slot are
+//!    released.
 //!
 //! Failover happens only before the first response byte: connect failures
 //! (`fail_to_connect`) and failures while sending the request (`error_while_proxy`).
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use http::header;
-use kvmesh_filters::chain::{text_chain, Digest, Namespace};
+use kvmesh_filters::chain::{text_chain_capped, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::{self, Endpoint, ParsedRequest};
 use kvmesh_filters::residency::{ResidencyIndex, Source};
@@ -45,6 +52,98 @@ const MAX_USAGE_BODY: usize = 4 << 20;
 const MAX_SSE_LINE: usize = 1 << 20;
 /// A request forwarded by a peer proxy carries this header and is served locally.
 pub const HOP_HEADER: &str = "x-kvmesh-hop";
+/// Lingering close after an early refusal: most body bytes read and discarded ...
+const LINGER_MAX_BYTES: usize = 64 << 20;
+/// ... and for at most this long, before the connection is closed.
+const LINGER_TIME: Duration = Duration::from_secs(5);
+
+/// Proxy-wide hard limits: requests in flight and request-body bytes held.
+pub struct Limits {
+    inflight: AtomicU64,
+    max_inflight: u64,
+    body_bytes: AtomicUsize,
+    body_budget: usize,
+}
+
+impl Limits {
+    /// Limits of `max_inflight` requests and `body_budget` body bytes.
+    pub fn new(max_inflight: u64, body_budget: usize) -> Arc<Self> {
+        Arc::new(Limits {
+            inflight: AtomicU64::new(0),
+            max_inflight,
+            body_bytes: AtomicUsize::new(0),
+            body_budget,
+        })
+    }
+
+    /// Requests admitted and not finished.
+    pub fn inflight(&self) -> u64 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+
+    /// Body bytes reserved now.
+    pub fn body_bytes(&self) -> usize {
+        self.body_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Takes an admission slot, or `None` at the cap.
+    fn admit(self: &Arc<Self>) -> Option<Admitted> {
+        self.inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < self.max_inflight).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Admitted(self.clone()))
+    }
+}
+
+/// An admission slot; released on drop.
+struct Admitted(Arc<Limits>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Body bytes reserved from the budget by one request; released on drop.
+struct BodyPermit {
+    limits: Arc<Limits>,
+    bytes: usize,
+}
+
+impl BodyPermit {
+    fn new(limits: &Arc<Limits>) -> Self {
+        BodyPermit {
+            limits: limits.clone(),
+            bytes: 0,
+        }
+    }
+
+    /// Reserves `n` more bytes; `false` (and nothing reserved) past the budget.
+    fn grow(&mut self, n: usize) -> bool {
+        let budget = self.limits.body_budget;
+        let ok = self
+            .limits
+            .body_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |cur| {
+                cur.checked_add(n).filter(|&t| t <= budget)
+            })
+            .is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for BodyPermit {
+    fn drop(&mut self) {
+        self.limits
+            .body_bytes
+            .fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
 
 /// The gateway: shared, immutable-after-start state of the proxy.
 pub struct Gateway {
@@ -58,6 +157,8 @@ pub struct Gateway {
     pub router: Router,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Hard caps on requests in flight and body bytes held.
+    pub limits: Arc<Limits>,
 }
 
 /// What the router knows of a parsed request.
@@ -73,7 +174,13 @@ pub struct Plan {
 pub struct Ctx {
     started: Instant,
     route: &'static str,
+    /// The admission slot, held from admission to `logging`.
+    admitted: Option<Admitted>,
     body: Option<Bytes>,
+    /// The body's reservation, released with the body.
+    body_permit: Option<BodyPermit>,
+    /// The client asked `Expect: 100-continue` and has not been told to send the body.
+    awaiting_continue: bool,
     body_sent: bool,
     plan: Option<Plan>,
     decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
@@ -98,7 +205,10 @@ impl Ctx {
         Ctx {
             started: Instant::now(),
             route: "other",
+            admitted: None,
             body: None,
+            body_permit: None,
+            awaiting_continue: false,
             body_sent: false,
             plan: None,
             decision: None,
@@ -140,6 +250,24 @@ async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
+/// Lingering close: reads and discards what is left of the request body, at most
+/// [`LINGER_MAX_BYTES`] for at most [`LINGER_TIME`], so that a client that writes its whole body
+/// before reading gets the response rather than a connection reset. A client still waiting for
+/// `100 Continue` sends no body: nothing to drain.
+async fn linger(session: &mut Session, ctx: &Ctx) {
+    if ctx.awaiting_continue {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + LINGER_TIME;
+    let mut drained = 0usize;
+    while drained < LINGER_MAX_BYTES && !session.is_body_done() {
+        match tokio::time::timeout_at(deadline, session.read_request_body()).await {
+            Ok(Ok(Some(chunk))) => drained += chunk.len(),
+            _ => break,
+        }
+    }
+}
+
 async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
     ctx.status = e.status();
     let retry_after: &[(&str, &str)] =
@@ -159,6 +287,9 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
     )
     .await?;
     ctx.error = Some(e);
+    ctx.body = None;
+    ctx.body_permit = None;
+    linger(session, ctx).await;
     Ok(true)
 }
 
@@ -215,8 +346,24 @@ impl Gateway {
     /// reading once the JSON document is complete, before the terminating chunk, so that
     /// Pingora's own body loop reads the end and calls `request_body_filter` where the whole
     /// body is swapped in.
-    async fn read_body(&self, session: &mut Session) -> std::result::Result<Bytes, ApiError> {
+    async fn read_body(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> std::result::Result<Bytes, ApiError> {
         let limit = self.cfg.max_body_bytes;
+        let over_budget = || {
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["body_budget"])
+                .inc();
+            ApiError::new(
+                ErrorKind::Overloaded,
+                "request bodies held by the proxy are at its budget (`body_budget_bytes`); retry shortly",
+            )
+        };
+        // Dropped (released) on any error; moved into the context with the body.
+        let mut permit = BodyPermit::new(&self.limits);
         let too_large = || {
             ApiError::new(
                 ErrorKind::BodyTooLarge,
@@ -250,6 +397,12 @@ impl Gateway {
         if content_length.is_some_and(|cl| cl > limit) {
             return Err(too_large());
         }
+        // Counted from the request head: a declared length is reserved before any byte is read.
+        if let Some(cl) = content_length {
+            if !permit.grow(cl) {
+                return Err(over_budget());
+            }
+        }
         let expects_continue = session
             .req_header()
             .headers
@@ -257,6 +410,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
         if expects_continue {
+            ctx.awaiting_continue = false;
             session.write_continue_response().await.map_err(|e| {
                 ApiError::new(
                     ErrorKind::InvalidRequest,
@@ -282,6 +436,9 @@ impl Gateway {
             if buf.len() + chunk.len() > limit {
                 return Err(too_large());
             }
+            if content_length.is_none() && !permit.grow(chunk.len()) {
+                return Err(over_budget());
+            }
             buf.extend_from_slice(&chunk);
             if chunked {
                 json_end.feed(&chunk);
@@ -298,6 +455,7 @@ impl Gateway {
                 "request body could not be staged for forwarding",
             ));
         }
+        ctx.body_permit = Some(permit);
         Ok(buf.freeze())
     }
 
@@ -317,11 +475,13 @@ impl Gateway {
                     )
                 }
             }
-            (true, "/metrics") => (
-                200,
-                "text/plain; version=0.0.4",
-                Bytes::from(self.metrics.render(&self.fleet, &self.index)),
-            ),
+            (true, "/metrics") => (200, "text/plain; version=0.0.4", {
+                self.metrics
+                    .inflight_requests
+                    .set(self.limits.inflight() as i64);
+                self.metrics.body_bytes.set(self.limits.body_bytes() as i64);
+                Bytes::from(self.metrics.render(&self.fleet, &self.index))
+            }),
             (true, "/v1/models") => {
                 let mut ids: Vec<String> = Vec::new();
                 for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
@@ -355,7 +515,12 @@ impl Gateway {
             &parsed.model,
             parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
         );
-        let chain = text_chain(&ns, &parsed.canonical, self.cfg.routing.block_bytes);
+        let chain = text_chain_capped(
+            &ns,
+            &parsed.canonical,
+            self.cfg.routing.block_bytes,
+            self.cfg.routing.max_prefix_blocks,
+        );
         let session_key = session
             .req_header()
             .headers
@@ -367,7 +532,7 @@ impl Gateway {
             endpoint: parsed.endpoint,
             model: parsed.model,
             chain,
-            total_bytes: parsed.canonical.len(),
+            total_bytes: parsed.canonical_len,
             session_key,
         }
     }
@@ -534,7 +699,7 @@ impl Gateway {
         // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
         let cached_bytes =
             (plan.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
-        let cached_blocks = cached_bytes / self.cfg.routing.block_bytes;
+        let cached_blocks = (cached_bytes / self.cfg.routing.block_bytes).min(plan.chain.len());
         let verdict = self.index.confirm(
             d.engine().id,
             &plan.chain,
@@ -570,6 +735,12 @@ impl ProxyHttp for Gateway {
         if self.local(session, ctx, &path).await? {
             return Ok(true);
         }
+        ctx.awaiting_continue = session
+            .req_header()
+            .headers
+            .get(header::EXPECT)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
         let Some(endpoint) = Endpoint::from_path(&path) else {
             let e = ApiError::new(
                 ErrorKind::NotFound,
@@ -599,7 +770,13 @@ impl ProxyHttp for Gateway {
             }
             ctx.local_only = true;
         }
-        if self.fleet.total_inflight() >= self.cfg.max_inflight {
+        ctx.admitted = self.limits.admit();
+        if ctx.admitted.is_none() {
+            tracing::debug!(
+                admitted = self.limits.inflight(),
+                at_engines = self.fleet.total_inflight(),
+                "max_inflight reached"
+            );
             self.metrics
                 .admission_rejections
                 .with_label_values(&["max_inflight"])
@@ -610,11 +787,17 @@ impl ProxyHttp for Gateway {
             );
             return respond_error(session, ctx, e).await;
         }
-        let body = match self.read_body(session).await {
+        let body = match self.read_body(session, ctx).await {
             Ok(b) => b,
             Err(e) => return respond_error(session, ctx, e).await,
         };
-        let parsed = match request::parse(endpoint, &body) {
+        // Only the leading blocks are hashed: keep no more of the canonical prompt than that.
+        let keep = self
+            .cfg
+            .routing
+            .max_prefix_blocks
+            .saturating_mul(self.cfg.routing.block_bytes);
+        let parsed = match request::parse_limited(endpoint, &body, keep) {
             Ok(p) => p,
             Err(e) => return respond_error(session, ctx, e).await,
         };
@@ -728,6 +911,10 @@ impl ProxyHttp for Gateway {
         // whitespace after the JSON document), the engine gets the whole body once per attempt.
         *body = if ctx.body_sent {
             None
+        } else if ctx.response_started {
+            // The engine answered already: no failover needs the body again.
+            ctx.body_permit = None;
+            ctx.body.take()
         } else {
             ctx.body.clone()
         };
@@ -743,6 +930,11 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.response_started = true;
         ctx.status = resp.status.as_u16();
+        if ctx.body_sent {
+            // No failover after the first response byte: the body is not needed any more.
+            ctx.body = None;
+            ctx.body_permit = None;
+        }
         let is_sse = resp
             .headers
             .get(header::CONTENT_TYPE)
@@ -907,6 +1099,9 @@ impl ProxyHttp for Gateway {
         }
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
+        ctx.body = None;
+        ctx.body_permit = None;
+        ctx.admitted = None;
     }
 }
 

@@ -159,6 +159,15 @@ fn inflight_returns_to_zero_after_client_aborts_mid_stream() {
     );
     let proxy = Proxy::start("", &[&sim], true);
     for _ in 0..3 {
+        // The previous stream's abort reaches the proxy only at its next write to the client:
+        // wait for its release rather than race it.
+        assert!(
+            eventually(Duration::from_secs(10), || proxy
+                .metric("kvmesh_engine_inflight")
+                == 0.0),
+            "the aborted stream was not released: inflight {}",
+            proxy.metric("kvmesh_engine_inflight")
+        );
         let body = chat_body(
             "sim-model",
             "tell me a long story",
@@ -167,6 +176,7 @@ fn inflight_returns_to_zero_after_client_aborts_mid_stream() {
         let mut s = start_request(proxy.addr, "POST", CHAT, &body, Framing::Length, &[]).unwrap();
         assert_eq!(s.status, 200);
         assert!(s.next_piece().unwrap().is_some());
+        // 200 tokens at 50 ms each: the stream runs for seconds, and it alone is counted.
         assert_eq!(
             proxy.metric("kvmesh_engine_inflight"),
             1.0,

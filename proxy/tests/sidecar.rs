@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use common::*;
 
 const CHAT: &str = "/v1/chat/completions";
+/// The test cluster's gossip key (tests only; real clusters make theirs with gossip-keygen).
+const GOSSIP_KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 
 fn udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0")
@@ -44,6 +46,7 @@ node_id = "{name}"
 gossip_listen = "127.0.0.1:{gossip}"
 seeds = ["127.0.0.1:{seed}"]
 gossip_interval_ms = 100
+gossip_keys = ["{GOSSIP_KEY}"]
 [sidecar]
 peer_down_secs = 2
 cold_placement = "{cold}"
@@ -111,10 +114,12 @@ fn cluster(sim_args: &[&[&str]; 3], cold: &str) -> (Vec<Sim>, Vec<Node>) {
             sidecar(n, s.addr, gossip, seed, cold)
         })
         .collect();
-    wait_for("every sidecar sees 2 peers", 20, || {
-        nodes
-            .iter()
-            .all(|n| n.proxy.metric("kvmesh_gossip_peers") == 2.0)
+    // Live in gossip, then admitted (URL checked and probed) and healthy in every fleet.
+    wait_for("every sidecar sees and admits 2 peers", 20, || {
+        nodes.iter().all(|n| {
+            n.proxy.metric("kvmesh_gossip_peers") == 2.0
+                && n.proxy.metric("kvmesh_engine_healthy") == 3.0
+        })
     });
     (sims, nodes)
 }
@@ -138,6 +143,36 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
     // Its residency reaches a and b by gossip.
     wait_for("a and b learn c's residency", 20, || {
         a.residency_of("c") > 0.0 && b.residency_of("c") > 0.0
+    });
+
+    // Forged gossip aimed at a: c's node record replaced by one pointing at an attacker's
+    // listener, sent plaintext (as chitchat itself would accept it) and sealed with a wrong
+    // key. Both are dropped before chitchat, counted, and change no routing.
+    let attacker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    attacker.set_nonblocking(true).unwrap();
+    let evil = format!("http://{}", attacker.local_addr().unwrap());
+    let record = format!(
+        r#"{{"node_id":"c","proxy_url":"{evil}","engine_url":"{evil}","models":["sim-model"],"role":"both","kv_epoch":1,"ready":true}}"#
+    );
+    let c_gossip: SocketAddr = format!("127.0.0.1:{}", c.gossip).parse().unwrap();
+    let forged =
+        kvmesh_cluster::testing::crafted_ack_for("c", 0, c_gossip, "node", &record, 1_000_000);
+    let wrong_key =
+        kvmesh_cluster::Keyring::from_base64(&[kvmesh_cluster::Keyring::generate_base64()])
+            .unwrap();
+    let sealed_wrong = kvmesh_cluster::seal::Sealer::new(wrong_key, "test").seal(&forged);
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    udp.send_to(&forged, ("127.0.0.1", a.gossip)).unwrap();
+    for f in &sealed_wrong {
+        udp.send_to(f, ("127.0.0.1", a.gossip)).unwrap();
+    }
+    wait_for("a counts the forged datagrams", 10, || {
+        a.proxy
+            .metric("kvmesh_gossip_dropped_total{reason=\"plaintext\"}")
+            >= 1.0
+            && a.proxy
+                .metric("kvmesh_gossip_dropped_total{reason=\"forged\"}")
+                >= 1.0
     });
 
     // The same prefix sent to a is served by c's engine, once, through c's proxy.
@@ -171,6 +206,10 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
         a.proxy
             .metric("kvmesh_forwards_total{peer=\"c\",reason=\"prefix_saving\"}"),
         1.0
+    );
+    assert!(
+        attacker.accept().is_err(),
+        "forged gossip sent traffic to the attacker"
     );
 
     // Streaming through the hop: events arrive, usage included, from c's engine.
@@ -350,6 +389,7 @@ node_id = "gw"
 gossip_listen = "127.0.0.1:{gossip}"
 seeds = ["127.0.0.1:{}"]
 gossip_interval_ms = 100
+gossip_keys = ["{GOSSIP_KEY}"]
 "#,
         nodes[0].gossip
     );
@@ -396,4 +436,101 @@ gossip_interval_ms = 100
     for n in &nodes {
         assert_eq!(n.proxy.metric("kvmesh_engine_healthy{engine=\"gw\"}"), 0.0);
     }
+}
+
+/// A gossip node run by the test itself (a key holder: an insider, or a buggy peer) that
+/// publishes whatever node record it is given.
+fn insider(
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    seed: u16,
+    record: kvmesh_cluster::NodeRecord,
+) -> kvmesh_cluster::Cluster {
+    let port = udp_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    rt.block_on(async {
+        let cluster = kvmesh_cluster::Cluster::join(kvmesh_cluster::ClusterConfig {
+            cluster_id: "test".into(),
+            node_id: name.into(),
+            listen: addr,
+            advertise: addr,
+            seeds: vec![format!("127.0.0.1:{seed}")],
+            gossip_interval: Duration::from_millis(100),
+            phi_threshold: 8.0,
+            dead_node_grace: Duration::from_secs(60),
+            security: kvmesh_cluster::GossipSecurity::sealed(
+                kvmesh_cluster::Keyring::from_base64(&[GOSSIP_KEY]).unwrap(),
+            ),
+            max_peers: 16,
+        })
+        .await
+        .unwrap();
+        cluster.publish_record(&record).await;
+        cluster
+    })
+}
+
+// Defect: a peer's node record became an upstream without any check. Even a key holder's
+// record is used only once its URL resolves into the allowed networks (default: the address
+// its gossip comes from) and answers a probe. Here one insider names a foreign host and one a
+// dead port on its own address: both are refused (counted by reason), never routed to.
+#[test]
+fn a_peer_url_outside_its_own_address_or_not_answering_is_never_used() {
+    let sim = Sim::start("engine-a", &["--instant"]);
+    let seed = udp_port();
+    let a = sidecar("a", sim.addr, seed, seed, "local");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dead_port = free_port();
+    let record = |name: &str, url: String| kvmesh_cluster::NodeRecord {
+        node_id: name.into(),
+        proxy_url: url.clone(),
+        engine_url: url,
+        models: vec!["sim-model".into()],
+        role: "both".into(),
+        kv_epoch: 1,
+        ready: true,
+        ..Default::default()
+    };
+    // 192.0.2.0/24 is TEST-NET-1: refused by the network rule before any connection.
+    let foreign = insider(
+        &rt,
+        "foreign",
+        seed,
+        record("foreign", "http://192.0.2.1:8080".into()),
+    );
+    let dead = insider(
+        &rt,
+        "dead",
+        seed,
+        record("dead", format!("http://127.0.0.1:{dead_port}")),
+    );
+    wait_for("a sees both insiders and refuses their URLs", 20, || {
+        a.proxy.metric("kvmesh_gossip_peers") == 2.0
+            && a.proxy
+                .metric("kvmesh_peer_urls_refused_total{reason=\"network\"}")
+                >= 1.0
+            && a.proxy
+                .metric("kvmesh_peer_urls_refused_total{reason=\"probe\"}")
+                >= 1.0
+    });
+    // Only the local engine is in the fleet; every request is served there.
+    assert_eq!(a.proxy.metric("kvmesh_engine_healthy"), 1.0);
+    for i in 0..4 {
+        let r = post(
+            a.proxy.addr,
+            CHAT,
+            &chat_body("sim-model", &format!("{} q{i}", text(7, 3000)), ""),
+        );
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-kvmesh-engine"), Some("engine-a"));
+        assert_eq!(r.header("x-kvmesh-peer"), None);
+    }
+    rt.block_on(async {
+        foreign.shutdown().await;
+        dead.shutdown().await;
+    });
 }

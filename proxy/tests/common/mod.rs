@@ -9,8 +9,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Path of a workspace binary (`cargo build --workspace --bins` builds them all).
+///
+/// `KVMESH_TEST_PROXY_BIN` names another `kvmesh-proxy` to test (e.g. an older build, to check
+/// that a regression test fails there).
 pub fn bin(name: &str) -> PathBuf {
     let proxy = PathBuf::from(env!("CARGO_BIN_EXE_kvmesh-proxy"));
+    if name == "kvmesh-proxy" {
+        if let Some(p) = std::env::var_os("KVMESH_TEST_PROXY_BIN") {
+            return PathBuf::from(p);
+        }
+    }
     let p = proxy.parent().unwrap().join(name);
     assert!(
         p.exists(),
@@ -415,4 +423,52 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(50));
     }
     f()
+}
+
+/// Sends a request head and the first `sent` bytes of a `Content-Length: total` body, and
+/// stops: a client still uploading. Finish it with [`finish_upload`].
+pub fn start_upload(addr: SocketAddr, path: &str, body: &[u8], sent: usize) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(&body[..sent]).unwrap();
+    s.flush().unwrap();
+    s
+}
+
+/// Sends the rest of an upload begun with [`start_upload`] and reads the whole response.
+pub fn finish_upload(mut s: TcpStream, body: &[u8], sent: usize) -> Resp {
+    s.write_all(&body[sent..]).unwrap();
+    s.flush().unwrap();
+    read_response(s).unwrap()
+}
+
+/// Reads one `Connection: close` response to EOF and parses it.
+pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no response head in {} bytes", raw.len())))?;
+    let head = String::from_utf8_lossy(&raw[..end]).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    Ok(Resp {
+        status,
+        headers,
+        body: raw[end + 4..].to_vec(),
+    })
 }
