@@ -138,7 +138,20 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
         "[ram]\ncapacity_bytes = 2147483648\n[limits]\nmax_block_bytes = 1048576\n",
     )
     .await?;
-    let kv = vec!["--kvagent".to_string(), format!("http://{}", agent.addr)];
+    // Both engines sign and check their blocks with one key, so the fresh engine may page in
+    // what the first wrote (with a random key per start it would refuse them).
+    let key_file =
+        std::env::temp_dir().join(format!("kvmesh-bench-shim-{}.key", std::process::id()));
+    let key: String = (0..32)
+        .map(|_| format!("{:02x}", fastrand::u8(..)))
+        .collect();
+    std::fs::write(&key_file, key)?;
+    let kv = vec![
+        "--kvagent".to_string(),
+        format!("http://{}", agent.addr),
+        "--kv-mac-key-file".to_string(),
+        key_file.display().to_string(),
+    ];
     let doc = words(b.shared_prefix, 7);
     let ask = |q: &str| body(model_name, &format!("{doc}\nQuestion: {q}"), 8);
     let a = engine(b, &kv)?;
@@ -155,6 +168,7 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
     drop(fresh);
     drop(agent);
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_file(&key_file);
     let ms = |s: &Sample| s.ttft.as_secs_f64() * 1e3;
     out += &format!(
         "\n| shared prefix ({} prompt tokens) | cached tokens | TTFT ms | vs cold |\n|---|---:|---:|---:|\n| cold (computed) | {} | {:.0} | 1.00 |\n| resident (prefix cache) | {} | {:.0} | {:.3} |\n| paged in from kvagent (fresh engine) | {} | {:.0} | {:.3} |\n",

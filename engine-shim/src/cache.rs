@@ -154,6 +154,11 @@ impl PrefixCache {
         evicted
     }
 
+    /// Drops one block (if held).
+    pub fn remove(&mut self, d: &Digest) {
+        self.blocks.pop(d);
+    }
+
     /// Drops everything.
     pub fn clear(&mut self) {
         self.blocks.clear();

@@ -6,6 +6,7 @@
 //! new full prompt blocks stored (and written through to kvagent) -> sampled decode, streamed as
 //! [`Event`]s until EOS, a stop string or `max_tokens`.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -51,6 +52,29 @@ pub enum Event {
         /// Tokens generated.
         completion_tokens: usize,
     },
+    /// The engine could not serve this request (it goes on serving the next): the last event.
+    Failed {
+        /// Why, for the client.
+        message: String,
+    },
+}
+
+/// Why the worker refused a job (the HTTP side checks these first; this is the last line).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServeError {
+    /// The prompt has no tokens.
+    #[error("the prompt has no tokens")]
+    EmptyPrompt,
+    /// Prompt plus completion exceed the model's context.
+    #[error("{prompt} prompt tokens + {max_tokens} completion tokens exceed the model's context of {context}")]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested completion tokens.
+        max_tokens: usize,
+        /// The model's context length.
+        context: usize,
+    },
 }
 
 /// A queued request.
@@ -91,6 +115,18 @@ pub struct Stats {
     pub paged_in_tokens: AtomicU64,
     /// Tokens generated.
     pub generated_tokens: AtomicU64,
+    /// Requests that failed inside the engine (answered 500; the engine went on).
+    pub requests_failed: AtomicU64,
+    /// Blocks from kvagent not used on page-in, by [`crate::kvstore::RejectReason::index`].
+    pub pagein_rejected: [AtomicU64; 5],
+    /// Page-ins from kvagent that timed out (treated as misses).
+    pub pagein_timeouts: AtomicU64,
+    /// Page-ins from kvagent that failed (treated as misses).
+    pub pagein_errors: AtomicU64,
+    /// Blocks whose write-through to kvagent was dropped: too many were in flight.
+    pub writethrough_dropped_blocks: AtomicU64,
+    /// Write-through `PutBlocks` calls that failed or timed out.
+    pub writethrough_failed: AtomicU64,
 }
 
 /// The worker's state.
@@ -102,6 +138,8 @@ pub struct Worker {
     prefill_chunk: usize,
     store: Option<Box<dyn BlockStore>>,
     stats: Arc<Stats>,
+    /// Blocks the current request used or added: dropped from the pool if it fails.
+    touched: Vec<Digest>,
 }
 
 impl Worker {
@@ -123,10 +161,12 @@ impl Worker {
             prefill_chunk: prefill_chunk.max(1),
             store,
             stats,
+            touched: Vec::new(),
         }
     }
 
-    /// Serves jobs until the queue closes.
+    /// Serves jobs until the queue closes. A job that fails (or panics) inside the model gets
+    /// [`Event::Failed`]; the blocks it touched leave the pool and the next job is served.
     pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
         let _no_grad = tch::no_grad_guard();
         while let Ok(job) = jobs.recv() {
@@ -135,15 +175,50 @@ impl Worker {
                 continue;
             }
             self.stats.running.store(1, Ordering::Relaxed);
-            self.serve(job);
+            let last = self.serve_one(&job);
+            // The load gauges change before the answer can complete: a client that reads
+            // /metrics right after its response sees its request finished.
             self.stats.running.store(0, Ordering::Relaxed);
+            for ev in last {
+                let _ = job.events.send(ev);
+            }
         }
+    }
+
+    /// Serves one job, isolating its failure; returns the events still to send (the final text
+    /// and `Done`, or `Failed`).
+    fn serve_one(&mut self, job: &Job) -> Vec<Event> {
+        self.touched.clear();
+        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve(job)));
+        let message = match outcome {
+            Ok(Ok(last)) => return last,
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                tracing::error!(error = %what, prompt = job.prompt.len(), "request failed in the engine; serving the next");
+                format!("the engine failed while serving this request: {what}")
+            }
+        };
+        self.stats.requests_failed.fetch_add(1, Ordering::Relaxed);
+        // Whatever the failed request put into (or read from) the pool is not trusted.
+        for d in self.touched.drain(..) {
+            self.cache.remove(&d);
+        }
+        self.stats
+            .cache_blocks
+            .store(self.cache.len() as u64, Ordering::Relaxed);
+        vec![Event::Failed { message }]
     }
 
     /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
     /// in chunks; returns the last position's logits and the cached token count.
     fn prefill(&mut self, prompt: &[u32], kv: &mut KvCache) -> (Tensor, usize) {
         let chain = token_chain(&self.ns, prompt, BLOCK_TOKENS);
+        self.touched.extend_from_slice(&chain);
         // At least one prompt token is always computed: its logits start the answer.
         let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
         let mut local = self.cache.leading(&chain[..usable.min(chain.len())]);
@@ -196,10 +271,25 @@ impl Worker {
         )
     }
 
-    fn serve(&mut self, job: Job) {
+    /// Prefill and decode; returns the events still to send (empty when the client left).
+    fn serve(&mut self, job: &Job) -> Result<Vec<Event>, ServeError> {
         let p = &job.params;
         let started = std::time::Instant::now();
-        let mut kv = KvCache::new(&self.model.cfg, job.prompt.len() + p.max_tokens + 1);
+        let context = self.model.cfg.context;
+        if job.prompt.is_empty() {
+            return Err(ServeError::EmptyPrompt);
+        }
+        let capacity = job
+            .prompt
+            .len()
+            .checked_add(p.max_tokens)
+            .filter(|&n| n <= context)
+            .ok_or(ServeError::TooLong {
+                prompt: job.prompt.len(),
+                max_tokens: p.max_tokens,
+                context,
+            })?;
+        let mut kv = KvCache::new(&self.model.cfg, capacity + 1);
         let (mut logits, cached) = self.prefill(&job.prompt, &mut kv);
         let prefilled = started.elapsed();
         self.stats
@@ -246,7 +336,7 @@ impl Worker {
                     .send(Event::Text(text[sent..upto].to_string()))
                     .is_err()
                 {
-                    return; // client gone
+                    return Ok(Vec::new()); // client gone
                 }
                 sent = upto;
             }
@@ -254,7 +344,7 @@ impl Worker {
                 break;
             }
             if job.events.is_closed() {
-                return; // client gone
+                return Ok(Vec::new()); // client gone
             }
             logits = self.model.forward(&[next], &mut kv, true);
         }
@@ -263,8 +353,9 @@ impl Worker {
             Some(cut) => &text[..cut],
             None => &text[..],
         };
+        let mut last = Vec::with_capacity(2);
         if text.len() > sent {
-            let _ = job.events.send(Event::Text(text[sent..].to_string()));
+            last.push(Event::Text(text[sent..].to_string()));
         }
         let decode = started.elapsed() - prefilled;
         tracing::debug!(
@@ -275,10 +366,11 @@ impl Worker {
             decode_ms_per_token = decode.as_secs_f64() * 1e3 / generated.len().max(1) as f64,
             "request done"
         );
-        let _ = job.events.send(Event::Done {
+        last.push(Event::Done {
             finish_reason: finish,
             completion_tokens: generated.len(),
         });
+        Ok(last)
     }
 }
 

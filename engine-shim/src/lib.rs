@@ -6,6 +6,7 @@
 //!
 //! - [`cache`]: the paged prefix cache (16-token blocks named by the token digest chain);
 //! - [`engine`]: the worker: FIFO queue, prefix reuse, chunked prefill, sampling;
+//! - [`kvstore`]: blocks written through to kvagent and paged back in, sealed with a MAC;
 //! - [`server`]: the OpenAI HTTP surface.
 //!
 //! Not built yet (docs/engine-shim.md): continuous batching of decode steps (requests are served
@@ -14,6 +15,7 @@
 pub mod cache;
 pub mod engine;
 pub mod gguf;
+pub mod kvstore;
 pub mod model;
 pub mod server;
 pub mod tokenizer;

@@ -4,16 +4,18 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use engine_shim::cache::KvBlock;
 use engine_shim::engine::{BlockStore, Stats, Worker};
 use engine_shim::gguf::Gguf;
+use engine_shim::kvstore::{KvagentStore, Limits, MacKey};
 use engine_shim::model::{Llama, WeightType};
 use engine_shim::server::{self, App};
 use engine_shim::tokenizer::ModelTokenizer;
 use hyper_util::rt::TokioIo;
-use kvmesh_filters::chain::Digest;
 use serde::Deserialize;
 
 #[derive(Parser)]
@@ -47,6 +49,9 @@ struct Cli {
     /// Overrides `threads`.
     #[arg(long)]
     threads: Option<usize>,
+    /// Overrides `kv_mac_key_file`.
+    #[arg(long)]
+    kv_mac_key_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -89,6 +94,18 @@ struct EngineConfig {
     weights: WeightType,
     /// kvagent gRPC URL for spilling and paging in blocks; empty: none.
     kvagent_url: String,
+    /// Longest wait for one page-in from kvagent (and for connecting to it), milliseconds; on
+    /// timeout the blocks are computed instead.
+    kvagent_fetch_timeout_ms: u64,
+    /// Longest wait for one write-through `PutBlocks` call, milliseconds.
+    kvagent_put_timeout_ms: u64,
+    /// Most blocks in write-through to kvagent at once; more are dropped (and counted).
+    kvagent_put_max_blocks: usize,
+    /// Key of the MAC on blocks written to kvagent, 64 hex characters; empty (and no
+    /// `kv_mac_key_file`): random per start, so blocks spilled by another run are not reused.
+    kv_mac_key: String,
+    /// A file holding the MAC key (64 hex characters); empty: none.
+    kv_mac_key_file: PathBuf,
     /// Log filter.
     log: String,
 }
@@ -108,66 +125,13 @@ impl Default for EngineConfig {
             threads: 0,
             weights: WeightType::F32,
             kvagent_url: String::new(),
+            kvagent_fetch_timeout_ms: 2000,
+            kvagent_put_timeout_ms: 10_000,
+            kvagent_put_max_blocks: 512,
+            kv_mac_key: String::new(),
+            kv_mac_key_file: PathBuf::new(),
             log: "info".into(),
         }
-    }
-}
-
-/// Blocks written through to kvagent, and paged back in from it.
-struct KvagentStore {
-    rt: tokio::runtime::Handle,
-    client: kvagent::KvAgentClient<tonic::transport::Channel>,
-    model: String,
-}
-
-impl BlockStore for KvagentStore {
-    fn put(&mut self, blocks: Vec<(Digest, Vec<u8>)>) {
-        let mut client = self.client.clone();
-        let model = self.model.clone();
-        self.rt.spawn(async move {
-            // Batches well under kvagent's 64 MiB message bound.
-            for chunk in blocks.chunks(16) {
-                let req = kvagent::pb::PutBlocksRequest {
-                    blocks: chunk
-                        .iter()
-                        .map(|(d, p)| kvagent::pb::Block {
-                            digest: bytes::Bytes::copy_from_slice(&d.0),
-                            model: model.clone(),
-                            token_count: engine_shim::cache::BLOCK_TOKENS as u32,
-                            payload: bytes::Bytes::copy_from_slice(p),
-                        })
-                        .collect(),
-                };
-                if let Err(e) = client.put_blocks(req).await {
-                    tracing::warn!(error = %e, "kvagent PutBlocks failed");
-                    return;
-                }
-            }
-        });
-    }
-
-    fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
-        let mut client = self.client.clone();
-        let req = kvagent::pb::GetBlocksRequest {
-            digests: digests
-                .iter()
-                .map(|d| bytes::Bytes::copy_from_slice(&d.0))
-                .collect(),
-        };
-        self.rt.block_on(async move {
-            let mut out = Vec::new();
-            let Ok(resp) = client.get_blocks(req).await else {
-                return out;
-            };
-            let mut stream = resp.into_inner();
-            while let Ok(Some(m)) = stream.message().await {
-                match m.block {
-                    Some(b) => out.push(b.payload.to_vec()),
-                    None => break,
-                }
-            }
-            out
-        })
     }
 }
 
@@ -199,6 +163,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
     if let Some(n) = cli.threads {
         cfg.threads = n;
     }
+    if let Some(p) = &cli.kv_mac_key_file {
+        cfg.kv_mac_key_file = p.clone();
+    }
     if let Some(w) = &cli.weights {
         cfg.weights = match w.as_str() {
             "bf16" => WeightType::Bf16,
@@ -210,7 +177,29 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
     anyhow::ensure!(cfg.cache_blocks > 0, "cache_blocks must be > 0");
     anyhow::ensure!(cfg.max_queue > 0, "max_queue must be > 0");
     anyhow::ensure!(cfg.default_max_tokens > 0, "default_max_tokens must be > 0");
+    anyhow::ensure!(
+        cfg.kvagent_fetch_timeout_ms > 0 && cfg.kvagent_put_timeout_ms > 0,
+        "kvagent_fetch_timeout_ms and kvagent_put_timeout_ms must be > 0"
+    );
+    anyhow::ensure!(
+        cfg.kv_mac_key.is_empty() || cfg.kv_mac_key_file.as_os_str().is_empty(),
+        "set kv_mac_key or kv_mac_key_file, not both"
+    );
     Ok(cfg)
+}
+
+/// The MAC key of blocks written to kvagent: configured, or random for this run.
+fn mac_key(cfg: &EngineConfig) -> anyhow::Result<MacKey> {
+    if !cfg.kv_mac_key.is_empty() {
+        return MacKey::from_hex(&cfg.kv_mac_key).context("kv_mac_key");
+    }
+    if !cfg.kv_mac_key_file.as_os_str().is_empty() {
+        return Ok(MacKey::from_file(&cfg.kv_mac_key_file)?);
+    }
+    tracing::info!(
+        "no kv_mac_key configured: a random one for this run (blocks spilled by other runs are not reused)"
+    );
+    Ok(MacKey::random())
 }
 
 fn inspect(model: &Path) -> anyhow::Result<()> {
@@ -241,6 +230,14 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // The listen socket first: a busy address fails now, before the model is loaded, and
+    // nothing announces listening before the bind succeeded.
+    let listener = std::net::TcpListener::bind(cfg.listen)
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    listener
+        .set_nonblocking(true)
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
     let threads = if cfg.threads > 0 {
         cfg.threads
     } else {
@@ -263,19 +260,41 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the HTTP runtime")?;
+    let stats = Arc::new(Stats::default());
     let store: Option<Box<dyn BlockStore>> = if cfg.kvagent_url.is_empty() {
         None
     } else {
+        let fetch_timeout = Duration::from_millis(cfg.kvagent_fetch_timeout_ms);
         let client = rt
-            .block_on(kvagent::connect(cfg.kvagent_url.clone(), 64 << 20))
+            // The timer is made inside the runtime (it needs its time driver).
+            .block_on(async {
+                tokio::time::timeout(
+                    fetch_timeout,
+                    kvagent::connect(cfg.kvagent_url.clone(), 64 << 20),
+                )
+                .await
+            })
+            .with_context(|| {
+                format!(
+                    "connecting to kvagent at {}: no answer within {} ms",
+                    cfg.kvagent_url, cfg.kvagent_fetch_timeout_ms
+                )
+            })?
             .with_context(|| format!("connecting to kvagent at {}", cfg.kvagent_url))?;
-        Some(Box::new(KvagentStore {
-            rt: rt.handle().clone(),
+        Some(Box::new(KvagentStore::new(
+            rt.handle().clone(),
             client,
-            model: cfg.served_model_name.clone(),
-        }))
+            cfg.served_model_name.clone(),
+            mac_key(&cfg)?,
+            KvBlock::bytes(&model.cfg),
+            Limits {
+                fetch_timeout,
+                put_timeout: Duration::from_millis(cfg.kvagent_put_timeout_ms),
+                put_max_blocks: cfg.kvagent_put_max_blocks,
+            },
+            stats.clone(),
+        )))
     };
-    let stats = Arc::new(Stats::default());
     let (jobs, queue) = std::sync::mpsc::sync_channel(cfg.max_queue);
     let worker = Worker::new(
         model,
@@ -301,10 +320,11 @@ fn main() -> anyhow::Result<()> {
             .map(|d| d.as_millis() as u64)
             .unwrap_or(1),
     });
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind(cfg.listen))
-        .with_context(|| format!("binding {}", cfg.listen))?;
-    let addr = listener.local_addr()?;
+    let listener = {
+        let _rt = rt.enter();
+        tokio::net::TcpListener::from_std(listener)
+            .with_context(|| format!("cannot listen on {addr}"))?
+    };
     rt.spawn(serve(listener, app));
     rt.spawn(async {
         let _ = tokio::signal::ctrl_c().await;

@@ -16,7 +16,14 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::engine::{Event, Job, SamplingParams, Stats};
+use crate::kvstore::RejectReason;
 use crate::tokenizer::ModelTokenizer;
+
+/// Most bytes of one `stop` string.
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Most `stop` strings.
+pub const MAX_STOPS: usize = 4;
 
 /// Response body type.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -111,21 +118,62 @@ fn metrics(app: &App) -> String {
     let s = &app.stats;
     let m = &app.model_name;
     let usage = s.cache_blocks.load(Ordering::Relaxed) as f64 / app.cache_capacity.max(1) as f64;
-    format!(
+    let mut out = format!(
         "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name=\"{m}\"}} {usage}\n\
          # TYPE engine_shim_prompt_tokens_total counter\nengine_shim_prompt_tokens_total {}\n\
          # TYPE engine_shim_cached_tokens_total counter\nengine_shim_cached_tokens_total {}\n\
          # TYPE engine_shim_paged_in_tokens_total counter\nengine_shim_paged_in_tokens_total {}\n\
-         # TYPE engine_shim_generated_tokens_total counter\nengine_shim_generated_tokens_total {}\n",
+         # TYPE engine_shim_generated_tokens_total counter\nengine_shim_generated_tokens_total {}\n\
+         # TYPE engine_shim_requests_failed_total counter\nengine_shim_requests_failed_total {}\n\
+         # TYPE engine_shim_kv_pagein_timeouts_total counter\nengine_shim_kv_pagein_timeouts_total {}\n\
+         # TYPE engine_shim_kv_pagein_errors_total counter\nengine_shim_kv_pagein_errors_total {}\n\
+         # TYPE engine_shim_kv_writethrough_dropped_blocks_total counter\nengine_shim_kv_writethrough_dropped_blocks_total {}\n\
+         # TYPE engine_shim_kv_writethrough_failed_total counter\nengine_shim_kv_writethrough_failed_total {}\n\
+         # TYPE engine_shim_kv_pagein_rejected_total counter\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
         s.prompt_tokens.load(Ordering::Relaxed),
         s.cached_tokens.load(Ordering::Relaxed),
         s.paged_in_tokens.load(Ordering::Relaxed),
         s.generated_tokens.load(Ordering::Relaxed),
-    )
+        s.requests_failed.load(Ordering::Relaxed),
+        s.pagein_timeouts.load(Ordering::Relaxed),
+        s.pagein_errors.load(Ordering::Relaxed),
+        s.writethrough_dropped_blocks.load(Ordering::Relaxed),
+        s.writethrough_failed.load(Ordering::Relaxed),
+    );
+    for r in RejectReason::ALL {
+        let n = s
+            .pagein_rejected
+            .get(r.index())
+            .map_or(0, |c| c.load(Ordering::Relaxed));
+        out.push_str(&format!(
+            "engine_shim_kv_pagein_rejected_total{{reason=\"{}\"}} {n}\n",
+            r.as_str()
+        ));
+    }
+    out
+}
+
+/// Rejects, before anything is tokenised, a prompt of `bytes` bytes that cannot fit the context
+/// with `max_tokens`: it has at least [`ModelTokenizer::min_tokens`] tokens.
+fn check_prompt_bytes(
+    app: &App,
+    bytes: usize,
+    max_tokens: usize,
+    param: &str,
+) -> Result<(), ApiError> {
+    let at_least = app.tokenizer.min_tokens(bytes);
+    if at_least.saturating_add(max_tokens) > app.max_model_len {
+        return Err(bad(format!(
+            "This model's maximum context length is {} tokens. However, the prompt is {bytes} bytes, so at least {at_least} tokens, and you requested {max_tokens} tokens for the completion. Please reduce the prompt or max_tokens.",
+            app.max_model_len
+        ))
+        .with_param(param));
+    }
+    Ok(())
 }
 
 /// A validated request.
@@ -173,6 +221,31 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
         )
         .with_param("model"));
     }
+    let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    let (max_key, max_value) = match (num("max_tokens"), num("max_completion_tokens")) {
+        (Some(v), _) => ("max_tokens", Some(v)),
+        (None, Some(v)) => ("max_completion_tokens", Some(v)),
+        (None, None) => ("max_tokens", None),
+    };
+    let max_tokens = match max_value {
+        None => app.default_max_tokens,
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| {
+                bad(format!("`{max_key}` must be a positive integer")).with_param(max_key)
+            })
+            // Above usize::MAX on a 32-bit target: far over any context, and reported as such.
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))?,
+    };
+    for k in ["n", "best_of"] {
+        if let Some(v) = num(k) {
+            if v.as_u64() != Some(1) {
+                return Err(bad(format!("only `{k}` = 1 is supported")).with_param(k));
+            }
+        }
+    }
+    let prompt_param = if chat { "messages" } else { "prompt" };
     let prompt = if chat {
         let msgs = obj
             .get("messages")
@@ -182,16 +255,18 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
                 bad("`messages` (a non-empty array) is required").with_param("messages")
             })?;
         let mut pairs = Vec::with_capacity(msgs.len());
+        let mut content_bytes = 0usize;
         for (i, m) in msgs.iter().enumerate() {
             let role = m
                 .get("role")
                 .and_then(Value::as_str)
                 .ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
-            pairs.push((
-                role.to_string(),
-                text_of(m.get("content").unwrap_or(&Value::Null), i)?,
-            ));
+            let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
+            content_bytes = content_bytes.saturating_add(content.len());
+            pairs.push((role.to_string(), content));
         }
+        // The rendered prompt holds every content: too long already, it is not rendered.
+        check_prompt_bytes(app, content_bytes, max_tokens, prompt_param)?;
         app.tokenizer
             .render_chat(&pairs)
             .map_err(|e| bad(e.to_string()).with_param("messages"))?
@@ -204,13 +279,7 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             _ => return Err(bad("`prompt` (a string) is required").with_param("prompt")),
         }
     };
-    let num = |k: &str| obj.get(k).filter(|v| !v.is_null());
-    let max_tokens = match num("max_tokens").or(num("max_completion_tokens")) {
-        None => app.default_max_tokens,
-        Some(v) => v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
-            bad("`max_tokens` must be a positive integer").with_param("max_tokens")
-        })? as usize,
-    };
+    check_prompt_bytes(app, prompt.len(), max_tokens, prompt_param)?;
     let temperature = match num("temperature") {
         None => 1.0,
         Some(v) => v
@@ -234,16 +303,25 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
                 .ok_or_else(|| bad("`seed` must be a non-negative integer").with_param("seed"))?,
         ),
     };
+    let bad_stop = || {
+        bad(format!(
+            "`stop` must be a string or up to {MAX_STOPS} strings of at most {MAX_STOP_BYTES} bytes each"
+        ))
+        .with_param("stop")
+    };
     let stop = match num("stop") {
         None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 4 => a
+        Some(Value::Array(a)) if a.len() <= MAX_STOPS => a
             .iter()
             .map(|s| s.as_str().map(String::from))
             .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| bad("`stop` must be a string or up to 4 strings").with_param("stop"))?,
-        Some(_) => return Err(bad("`stop` must be a string or up to 4 strings").with_param("stop")),
+            .ok_or_else(bad_stop)?,
+        Some(_) => return Err(bad_stop()),
     };
+    if stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(bad_stop());
+    }
     let stream = match num("stream") {
         None => false,
         Some(v) => v
@@ -293,12 +371,14 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
     if ids.is_empty() {
         return error_response(&bad("the prompt has no tokens").with_param("prompt"));
     }
-    if ids.len() + parsed.params.max_tokens > app.max_model_len {
+    let requested = ids.len().checked_add(parsed.params.max_tokens);
+    if requested.is_none_or(|n| n > app.max_model_len) {
+        // u128: the sum of two usizes never overflows it.
+        let total = ids.len() as u128 + parsed.params.max_tokens as u128;
         return error_response(
             &bad(format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+                "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
                 app.max_model_len,
-                ids.len() + parsed.params.max_tokens,
                 ids.len(),
                 parsed.params.max_tokens
             ))
@@ -371,6 +451,9 @@ async fn whole(
                             "created": now_secs(), "model": app.model_name, "choices": [choice],
                             "usage": usage(prompt, cached, completion_tokens)}),
                 );
+            }
+            Event::Failed { message } => {
+                return error_response(&ApiError::new(ErrorKind::Internal, message));
             }
         }
     }
@@ -445,6 +528,15 @@ fn stream(
                     let _ = tx
                         .send(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))
                         .await;
+                    return;
+                }
+                Event::Failed { message } => {
+                    // The status line is sent already: the error goes in the stream.
+                    let e = ApiError::new(ErrorKind::Internal, message);
+                    let mut b = b"data: ".to_vec();
+                    b.extend_from_slice(&e.to_json());
+                    b.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+                    let _ = tx.send(Frame::data(Bytes::from(b))).await;
                     return;
                 }
             };

@@ -43,6 +43,8 @@ pub struct ModelTokenizer {
     eos_text: String,
     /// Whether BOS is prepended to prompts.
     pub add_bos: bool,
+    /// Most bytes of text one token can stand for (at least 1).
+    max_token_bytes: usize,
 }
 
 impl ModelTokenizer {
@@ -115,7 +117,11 @@ impl ModelTokenizer {
                 .map(|s| s.to_string())
                 .unwrap_or_default()
         };
+        // A byte-level token stands for one byte per character of its vocabulary entry, a special
+        // token for its literal text: neither exceeds the entry's UTF-8 length.
+        let max_token_bytes = tokens.iter().map(|t| t.len()).max().unwrap_or(1).max(1);
         Ok(ModelTokenizer {
+            max_token_bytes,
             bos_text: text_of(bos),
             eos_text: text_of(eos),
             tokenizer,
@@ -142,6 +148,18 @@ impl ModelTokenizer {
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// Most bytes of text one token can stand for: a text of `n` bytes has at least
+    /// `n.div_ceil(max_token_bytes())` tokens, a bound known before tokenising it.
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
+    }
+
+    /// The fewest tokens [`ModelTokenizer::encode`] can give for a text of `bytes` bytes (BOS
+    /// included), without tokenising it.
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.max_token_bytes) + usize::from(self.add_bos)
     }
 
     /// Text of `ids` (special tokens skipped).

@@ -305,14 +305,22 @@ fn blocks_paged_in_from_kvagent_give_the_recomputed_answer() {
         let e = engine(&[]);
         answer(&chat(e.addr, &q2, json!({})))
     };
-    // Engine A computes the document and writes its blocks through to kvagent.
+    // Engine A computes the document and writes its blocks through to kvagent, sealed with the
+    // key engines that share blocks are configured with.
+    let key_file = temp_file("paged.key", MAC_KEY_HEX);
+    let keyed = [
+        "--kvagent",
+        &url,
+        "--kv-mac-key-file",
+        key_file.to_str().unwrap(),
+    ];
     {
-        let a = engine(&["--kvagent", &url]);
+        let a = engine(&keyed);
         chat(a.addr, &q1, json!({}));
         std::thread::sleep(Duration::from_millis(500));
     }
-    // Engine B starts empty and pages the document in instead of recomputing it.
-    let b = engine(&["--kvagent", &url]);
+    // Engine B starts empty, with the same key, and pages the document in.
+    let b = engine(&keyed);
     let v = chat(b.addr, &q2, json!({}));
     assert!(
         cached(&v) >= 600,
@@ -320,6 +328,19 @@ fn blocks_paged_in_from_kvagent_give_the_recomputed_answer() {
         cached(&v)
     );
     assert_eq!(answer(&v), recomputed);
+    // An engine with its own (random, per start) key does not trust blocks sealed with the shared key.
+    {
+        let c = engine(&["--kvagent", &url]);
+        let v = chat(c.addr, &q2, json!({}));
+        assert_eq!(cached(&v), 0);
+        assert_eq!(answer(&v), recomputed);
+        assert!(
+            metric(
+                c.addr,
+                "engine_shim_kv_pagein_rejected_total{reason=\"mac\"}"
+            ) >= 1.0
+        );
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -355,4 +376,448 @@ fn bad_requests_get_openai_errors() {
         answer(&chat(e.addr, "What is the capital of France?", json!({}))),
         "The capital of France is Paris."
     );
+}
+
+/// Reads one metric (the first line starting with `name`, labels included in `name`).
+fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let m = get(addr, "/metrics");
+    m.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing: {m}"))
+}
+
+/// A file in a fresh temporary directory for this test process.
+fn temp_file(name: &str, contents: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("engine-shim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join(name);
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
+const MAC_KEY_HEX: &str = "5ec2e7000000000000000000000000000000000000000000000000000000c0de";
+
+#[test]
+fn absurd_request_values_get_400_and_the_engine_keeps_serving() {
+    let e = engine(&[]);
+    let chat_with = |extra: &str| {
+        format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}]{extra}}}"#)
+    };
+    let cases: Vec<(&str, String, &str)> = vec![
+        // Used to overflow `prompt + max_tokens`, pass the context check and kill the engine.
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_tokens":18446744073709551615"#),
+            "messages",
+        ),
+        (
+            "/v1/completions",
+            format!(r#"{{"model":"{MODEL}","prompt":"hi","max_tokens":18446744073709551615}}"#),
+            "prompt",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_completion_tokens":18446744073709551615"#),
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_tokens":18446744073709551616"#),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_tokens":-1"#),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_tokens":0"#),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_tokens":1e300"#),
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","max_completion_tokens":-5"#),
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","n":18446744073709551615"#),
+            "n",
+        ),
+        ("/v1/chat/completions", chat_with(r#","n":-1"#), "n"),
+        (
+            "/v1/completions",
+            format!(r#"{{"model":"{MODEL}","prompt":"hi","best_of":1000000}}"#),
+            "best_of",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","stop":["a","b","c","d","e"]"#),
+            "stop",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(&format!(r#","stop":"{}""#, "x".repeat(5000))),
+            "stop",
+        ),
+        ("/v1/chat/completions", chat_with(r#","seed":-3"#), "seed"),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","temperature":-1"#),
+            "temperature",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_with(r#","top_p":1e308"#),
+            "top_p",
+        ),
+    ];
+    for (path, body, param) in &cases {
+        let (s, b) = post(e.addr, path, body.as_bytes());
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        assert_eq!(s, 400, "{body:.200}: {}", String::from_utf8_lossy(&b));
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body:.200}");
+        assert_eq!(v["error"]["code"], "invalid_request", "{body:.200}");
+        assert_eq!(v["error"]["param"], *param, "{body:.200}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+    // The same process still answers, and nothing failed inside it.
+    assert_eq!(
+        answer(&chat(e.addr, "What is the capital of France?", json!({}))),
+        "The capital of France is Paris."
+    );
+    assert_eq!(metric(e.addr, "engine_shim_requests_failed_total"), 0.0);
+}
+
+#[test]
+fn a_huge_prompt_is_rejected_before_it_is_tokenised() {
+    let e = engine(&[]);
+    // 3 MiB: under max_body_bytes, far over what 8192 tokens can hold.
+    let huge = "lorem ipsum ".repeat((3 << 20) / 12);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": huge, "max_tokens": 4}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": huge}], "max_tokens": 4}),
+        ),
+    ] {
+        let (s, b) = post(e.addr, path, &serde_json::to_vec(&body).unwrap());
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        assert_eq!(
+            s,
+            400,
+            "{path}: {}",
+            String::from_utf8_lossy(&b[..b.len().min(300)])
+        );
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("maximum context length is 8192"), "{msg}");
+        // Refused on its byte length (a bound known before tokenising), not on a token count.
+        assert!(msg.contains(&format!("{} bytes", huge.len())), "{msg}");
+    }
+    assert_eq!(
+        answer(&chat(e.addr, "What is the capital of France?", json!({}))),
+        "The capital of France is Paris."
+    );
+}
+
+/// Starts engine-shim on `listen` and waits (bounded) for it to exit: (success, stdout, stderr).
+fn run_to_exit(args: &[&str]) -> (bool, String, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
+        .current_dir(root())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn engine-shim");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("engine-shim {args:?} did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status.success(), out, err)
+}
+
+#[test]
+fn a_busy_listen_port_fails_naming_the_address() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    let (ok, out, err) = run_to_exit(&["--listen", &addr]);
+    assert!(!ok, "exited successfully with {addr} busy");
+    assert!(err.contains(&addr), "stderr does not name {addr}: {err}");
+    assert!(!out.contains("listening"), "announced listening: {out}");
+    // The socket is bound first: the address is reported even before a model is looked at.
+    let (ok, out, err) = run_to_exit(&["--listen", &addr, "--model", "models/absent.gguf"]);
+    assert!(!ok);
+    assert!(err.contains(&addr), "bound after loading the model: {err}");
+    assert!(!out.contains("listening"));
+    drop(busy);
+}
+
+#[test]
+fn running_is_clear_when_the_answer_arrives() {
+    let e = engine(&[]);
+    for i in 0..12 {
+        let stream = i % 2 == 1;
+        let body = json!({"model": MODEL, "prompt": format!("{i}, {}, {},", i + 1, i + 2),
+                          "temperature": 0, "max_tokens": 2, "stream": stream});
+        let (s, _) = post(
+            e.addr,
+            "/v1/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        assert_eq!(s, 200);
+        assert_eq!(
+            metric(e.addr, "vllm:num_requests_running"),
+            0.0,
+            "after request {i}"
+        );
+    }
+}
+
+/// Test instrument: a "kvagent" that accepts TCP connections and never answers (holds them).
+struct HungKvagent {
+    addr: SocketAddr,
+}
+
+impl HungKvagent {
+    fn start() -> Self {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for s in l.incoming() {
+                match s {
+                    Ok(s) => held.push(s),
+                    Err(_) => return,
+                }
+            }
+        });
+        HungKvagent { addr }
+    }
+}
+
+#[test]
+fn a_hung_kvagent_neither_hangs_the_engine_nor_piles_up_writes() {
+    let hung = HungKvagent::start();
+    let config = temp_file(
+        "hung.toml",
+        "kvagent_fetch_timeout_ms = 300\nkvagent_put_timeout_ms = 600000\nkvagent_put_max_blocks = 2\n",
+    );
+    let e = engine(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--kvagent",
+        &format!("http://{}", hung.addr),
+    ]);
+    // Two full blocks: a page-in is tried (and times out), both blocks go to write-through,
+    // which the hung agent holds: they fill `kvagent_put_max_blocks`.
+    let v = chat(e.addr, "What is the capital of France?", json!({}));
+    assert_eq!(answer(&v), "The capital of France is Paris.");
+    assert!(metric(e.addr, "engine_shim_kv_pagein_timeouts_total") >= 1.0);
+    assert_eq!(
+        metric(e.addr, "engine_shim_kv_writethrough_dropped_blocks_total"),
+        0.0
+    );
+    // Another prompt: its new block does not fit, it is dropped (not queued, not waited for).
+    let v = chat(
+        e.addr,
+        "Name three colours of the rainbow, please, and explain why the sky looks blue.",
+        json!({"max_tokens": 8}),
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert!(metric(e.addr, "engine_shim_kv_writethrough_dropped_blocks_total") >= 1.0);
+    assert!(metric(e.addr, "engine_shim_kv_pagein_timeouts_total") >= 2.0);
+}
+
+mod forged {
+    //! Blocks put into kvagent by someone else, at digests the engine will look up.
+    use super::*;
+    use engine_shim::gguf::Gguf;
+    use engine_shim::kvstore::{seal, MacKey};
+    use engine_shim::tokenizer::ModelTokenizer;
+    use kvmesh_filters::chain::{token_chain, Digest, Namespace};
+
+    fn put(agent: SocketAddr, block: kvagent::pb::Block) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let mut c = kvagent::connect(format!("http://{agent}"), 64 << 20)
+                .await
+                .unwrap();
+            let r = c
+                .put_blocks(kvagent::pb::PutBlocksRequest {
+                    blocks: vec![block],
+                })
+                .await
+                .unwrap();
+            assert_eq!(r.into_inner().stored, 1);
+        });
+    }
+
+    fn block(d: &Digest, model: &str, token_count: u32, payload: Vec<u8>) -> kvagent::pb::Block {
+        kvagent::pb::Block {
+            digest: bytes::Bytes::copy_from_slice(&d.0),
+            model: model.into(),
+            token_count,
+            payload: payload.into(),
+        }
+    }
+
+    fn completion(addr: SocketAddr, prompt: &str) -> (String, u64) {
+        let body = json!({"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 8});
+        let (s, b) = post(addr, "/v1/completions", &serde_json::to_vec(&body).unwrap());
+        assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        (
+            v["choices"][0]["text"].as_str().unwrap().to_string(),
+            cached(&v),
+        )
+    }
+
+    #[test]
+    fn forged_kvagent_blocks_are_not_used() {
+        let g = Gguf::open(&root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")).unwrap();
+        let tok = ModelTokenizer::from_gguf(&g).unwrap();
+        let u = |k: &str| g.get_u64(&format!("llama.{k}")).unwrap() as usize;
+        let head_dim = u("embedding_length") / u("attention.head_count");
+        let kv_bytes = 2 * u("block_count") * u("attention.head_count_kv") * 16 * head_dim * 4;
+        assert_eq!(kv_bytes, 737_280);
+        let ns = Namespace::new(MODEL, b"");
+        let key = MacKey::from_hex(MAC_KEY_HEX).unwrap();
+        let key_file = temp_file("forged.key", MAC_KEY_HEX);
+        let dir = std::env::temp_dir().join(format!("engine-shim-forged-{}", std::process::id()));
+        let agent = kvagent(&dir);
+        let victim = engine(&[
+            "--kvagent",
+            &format!("http://{}", agent.addr),
+            "--kv-mac-key-file",
+            key_file.to_str().unwrap(),
+        ]);
+        let cold = engine(&[]);
+        let junk = |n: usize| (0..n).map(|i| (i % 251) as u8).collect::<Vec<u8>>();
+        let elsewhere = Digest([9; 32]);
+        // (case, what the forger stores at the prompt's first digest, rejection reason)
+        type Forge = Box<dyn Fn(&Digest) -> kvagent::pb::Block>;
+        let cases: Vec<(&str, Forge, Option<&str>)> = vec![
+            // Exactly the bare KV size: what the old size check accepted.
+            (
+                "bare",
+                Box::new(move |d| block(d, MODEL, 16, junk(kv_bytes))),
+                Some("size"),
+            ),
+            (
+                "junk mac",
+                Box::new(move |d| block(d, MODEL, 16, junk(kv_bytes + 32))),
+                Some("mac"),
+            ),
+            (
+                "sealed for another digest",
+                Box::new({
+                    let key = key.clone();
+                    move |d| {
+                        block(
+                            d,
+                            MODEL,
+                            16,
+                            seal(&key, &elsewhere, MODEL, 16, &junk(kv_bytes)),
+                        )
+                    }
+                }),
+                Some("mac"),
+            ),
+            (
+                "another model",
+                Box::new({
+                    let key = key.clone();
+                    move |d| {
+                        block(
+                            d,
+                            "other-model",
+                            16,
+                            seal(&key, d, "other-model", 16, &junk(kv_bytes)),
+                        )
+                    }
+                }),
+                Some("model"),
+            ),
+            (
+                "another token count",
+                Box::new({
+                    let key = key.clone();
+                    move |d| block(d, MODEL, 8, seal(&key, d, MODEL, 8, &junk(kv_bytes)))
+                }),
+                Some("token_count"),
+            ),
+            // Control: sealed with the engine's key, it is paged in (so the cases above were
+            // looked up, and refused by the checks).
+            (
+                "sealed with the key",
+                Box::new({
+                    let key = key.clone();
+                    move |d| block(d, MODEL, 16, seal(&key, d, MODEL, 16, &junk(kv_bytes)))
+                }),
+                None,
+            ),
+        ];
+        for (i, (case, forge, reason)) in cases.iter().enumerate() {
+            // A distinct first block per case: the victim holds none of it yet.
+            let prompt = format!(
+                "Case {i}. The quick brown fox jumps over the lazy dog; the lazy dog sleeps on. \
+                 The fox runs into the woods, and the dog dreams of bones. In the morning the fox"
+            );
+            let ids = tok.encode(&prompt).unwrap();
+            assert!(ids.len() > 33, "{case}: {} tokens", ids.len());
+            let chain = token_chain(&ns, &ids, 16);
+            put(agent.addr, forge(&chain[0]));
+            let rejected = |r: &str| {
+                metric(
+                    victim.addr,
+                    &format!("engine_shim_kv_pagein_rejected_total{{reason=\"{r}\"}}"),
+                )
+            };
+            let before = reason.map(rejected);
+            let (text, cached_tokens) = completion(victim.addr, &prompt);
+            match reason {
+                Some(r) => {
+                    assert_eq!(cached_tokens, 0, "{case}: a forged block was used");
+                    assert_eq!(rejected(r), before.unwrap() + 1.0, "{case}");
+                    assert_eq!(text, completion(cold.addr, &prompt).0, "{case}");
+                }
+                None => assert_eq!(cached_tokens, 16, "{case}: the control was not paged in"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
