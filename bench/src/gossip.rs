@@ -47,7 +47,7 @@ const OWN: NodeId = NodeId(0);
 struct Ids(Mutex<Vec<String>>);
 
 impl Membership for Ids {
-    fn upsert(&self, r: &NodeRecord, _gossip_addr: std::net::SocketAddr) -> Option<NodeId> {
+    fn upsert(&self, r: &NodeRecord, _origin: &kvmesh_cluster::PeerOrigin) -> Option<NodeId> {
         let mut ids = self.0.lock();
         let i = ids.iter().position(|n| *n == r.node_id).unwrap_or_else(|| {
             ids.push(r.node_id.clone());

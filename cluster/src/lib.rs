@@ -17,6 +17,7 @@
 pub mod record;
 pub mod seal;
 pub mod shards;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod transport;
 
@@ -149,6 +150,7 @@ impl Cluster {
             stats: stats.clone(),
             security: cfg.security.clone(),
             cluster_id: cfg.cluster_id.clone(),
+            advertise: cfg.advertise,
             // Seeds and peers, with room for peers that moved.
             max_relays: cfg
                 .max_peers
@@ -285,12 +287,24 @@ impl Cluster {
 
 /// How [`ResidencySync`] tells the proxy about peers.
 pub trait Membership: Sync {
-    /// A live peer with an engine published (or updated) its record; `gossip_addr` is where
-    /// its (authenticated) gossip comes from. Returns the node its residency is indexed under,
-    /// or `None` to ignore the peer for now (asked again on the next pass).
-    fn upsert(&self, record: &NodeRecord, gossip_addr: SocketAddr) -> Option<NodeId>;
+    /// A live peer with an engine published (or updated) its record. Returns the node its
+    /// residency is indexed under, or `None` to ignore the peer for now (asked again on the
+    /// next pass).
+    fn upsert(&self, record: &NodeRecord, origin: &PeerOrigin) -> Option<NodeId>;
+    /// The node ids of every live peer, once per pass (forget what is kept about others).
+    fn live(&self, _node_ids: &[&str]) {}
     /// The peer left (dead, or no longer publishing an engine).
     fn remove(&self, node_id: &str, node: NodeId);
+}
+
+/// Where a peer's gossip identity says it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerOrigin {
+    /// The gossip address the peer advertises (its own claim, relayed by any node).
+    pub gossip_addr: SocketAddr,
+    /// Whether this node has received authenticated gossip from that IP itself: the claim is
+    /// then backed by a host that holds the key and really is there.
+    pub heard_from: bool,
 }
 
 struct PeerState {
@@ -319,7 +333,7 @@ pub struct SyncReport {
 
 struct PeerSnapshot {
     node_id: String,
-    gossip_addr: SocketAddr,
+    origin: PeerOrigin,
     generation: u64,
     record_version: u64,
     record: Option<NodeRecord>,
@@ -347,6 +361,8 @@ impl ResidencySync {
         membership: &dyn Membership,
     ) -> SyncReport {
         let snapshots = self.snapshot(cluster).await;
+        let live_ids: Vec<&str> = snapshots.iter().map(|s| s.node_id.as_str()).collect();
+        membership.live(&live_ids);
         let mut report = SyncReport::default();
         let now = Instant::now();
         let live: std::collections::HashSet<&str> =
@@ -388,7 +404,7 @@ impl ResidencySync {
                 report.over_cap += 1;
                 continue;
             }
-            let Some(node) = membership.upsert(record, snap.gossip_addr) else {
+            let Some(node) = membership.upsert(record, &snap.origin) else {
                 continue;
             };
             report.peers += 1;
@@ -404,7 +420,11 @@ impl ResidencySync {
                 if let Some(old) = self.peers.get(&snap.node_id) {
                     report.removed += old.shards.iter().map(Vec::len).sum::<usize>();
                     report.dropped += 1;
-                    tracing::info!(peer = %snap.node_id, kv_epoch = record.kv_epoch, "peer restarted or changed kv_epoch: its residency is dropped");
+                    // A peer that moved has a new node in the fleet: the old one's entries go.
+                    if old.node != node {
+                        index.drop_node(old.node);
+                    }
+                    tracing::info!(peer = %snap.node_id, kv_epoch = record.kv_epoch, "peer restarted, moved or changed kv_epoch: its residency is dropped");
                 }
                 index.drop_node(node);
                 self.peers.insert(
@@ -486,7 +506,10 @@ impl ResidencySync {
             }
             out.push(PeerSnapshot {
                 node_id: id.node_id.to_string(),
-                gossip_addr: id.gossip_advertise_addr,
+                origin: PeerOrigin {
+                    gossip_addr: id.gossip_advertise_addr,
+                    heard_from: cluster.stats.has_heard_from(id.gossip_advertise_addr.ip()),
+                },
                 generation: id.generation_id,
                 record_version: rec.version,
                 record,

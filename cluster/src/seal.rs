@@ -1,5 +1,6 @@
-//! Authenticated, encrypted gossip frames: every datagram sealed with ChaCha20-Poly1305 under
-//! the cluster key, replays refused, large messages split into fragments that fit a datagram.
+//! Authenticated, encrypted gossip frames: every datagram sealed with XChaCha20-Poly1305 under
+//! the cluster key, bound to its destination, replays refused, large messages split into
+//! fragments that fit a datagram.
 //!
 //! chitchat itself trusts every UDP sender (its cluster id is only checked on `Syn`); this
 //! layer sits under it (see [`crate::transport`]) so that nothing unauthenticated reaches it.
@@ -7,33 +8,44 @@
 //! A frame:
 //!
 //! ```text
-//! magic "kv" | version 1 | fragment index | fragment count | session u64 | counter u64 |
-//! timestamp_ms u64 | nonce [12] | ciphertext | tag [16]
+//! magic "kv" | version 2 | fragment index | fragment count | key id [4] | session u64 |
+//! counter u64 | timestamp_ms u64 | destination [18] | nonce [24] | ciphertext | tag [16]
 //! ```
 //!
 //! Everything before the nonce, and the cluster id, is authenticated as associated data, so a
-//! frame sealed for another cluster, or with any header byte changed, does not open. The
-//! session is random per socket (a restart is a new session), the counter grows by one per
-//! frame; the receiver keeps a 128-frame window per session and refuses a counter it has seen
-//! (a replay) or one older than the window. A session it does not know yet is accepted only
-//! when its timestamp is within `max_clock_skew` of the receiver's clock, which bounds how old
-//! a replayed capture can be once its session has been forgotten.
+//! frame sealed for another cluster, or with any header byte changed, does not open.
+//! - The destination (IPv6-mapped address and port the sender sent to) must be one of the
+//!   receiver's own addresses: a frame captured on its way to one node is refused by every
+//!   other (`misdirected`).
+//! - The session is random per socket (a restart is a new session), the counter grows by one
+//!   per frame; the receiver keeps a 128-frame window per session and refuses a counter it has
+//!   seen, or one older than the window (`replayed`). A session is pinned to the source address
+//!   it first came from.
+//! - Every frame's timestamp must be within `max_clock_skew` of the receiver's clock
+//!   (`stale`), which bounds how old a replayed capture can be once its session is forgotten.
+//! - The key id (a hash of the key) picks the one key to try, so a forged frame costs one
+//!   authentication, not one per installed key.
+//! - Nonces are 24 random bytes (XChaCha20): no practical risk of reuse under a key shared by
+//!   the whole fleet.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
-use chacha20poly1305::{ChaCha20Poly1305, Key, Nonce};
+use chacha20poly1305::{Key, XChaCha20Poly1305, XNonce};
 
 /// Bytes a key has.
 pub const KEY_LEN: usize = 32;
 /// The largest UDP payload over IPv4.
 pub const MAX_DATAGRAM: usize = 65_507;
 const MAGIC: [u8; 2] = *b"kv";
-const VERSION: u8 = 1;
-const HEADER_LEN: usize = 2 + 1 + 1 + 1 + 8 + 8 + 8;
-const NONCE_LEN: usize = 12;
+const VERSION: u8 = 2;
+const KEY_ID_LEN: usize = 4;
+const DEST_LEN: usize = 18;
+const HEADER_LEN: usize = 2 + 1 + 1 + 1 + KEY_ID_LEN + 8 + 8 + 8 + DEST_LEN;
+const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
 /// Bytes a frame adds to the plaintext it carries.
 pub const OVERHEAD: usize = HEADER_LEN + NONCE_LEN + TAG_LEN;
@@ -43,6 +55,21 @@ pub const MAX_FRAGMENT_PLAINTEXT: usize = MAX_DATAGRAM - OVERHEAD;
 /// datagram, so two always suffice; the bound keeps a hostile count from mattering).
 pub const MAX_FRAGMENTS: usize = 4;
 const WINDOW: u64 = 128;
+/// How long the pieces of a fragmented message wait for the rest.
+const REASSEMBLY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Messages being reassembled at once, in all (each at most [`MAX_FRAGMENTS`] datagrams).
+const MAX_PARTIAL: usize = 64;
+/// Messages being reassembled at once per sender session.
+const MAX_PARTIAL_PER_SESSION: usize = 4;
+
+// Header field offsets.
+const AT_INDEX: usize = 3;
+const AT_COUNT: usize = 4;
+const AT_KEY_ID: usize = 5;
+const AT_SESSION: usize = AT_KEY_ID + KEY_ID_LEN;
+const AT_COUNTER: usize = AT_SESSION + 8;
+const AT_TIMESTAMP: usize = AT_COUNTER + 8;
+const AT_DEST: usize = AT_TIMESTAMP + 8;
 
 /// Errors reading keys.
 #[derive(Debug, thiserror::Error)]
@@ -63,7 +90,7 @@ pub enum KeyError {
 /// every node, then remove the old one.
 #[derive(Clone)]
 pub struct Keyring {
-    keys: Vec<ChaCha20Poly1305>,
+    keys: Vec<([u8; KEY_ID_LEN], XChaCha20Poly1305)>,
 }
 
 impl std::fmt::Debug for Keyring {
@@ -89,7 +116,11 @@ impl Keyring {
                 if raw.len() != KEY_LEN {
                     return Err(KeyError::Malformed { index });
                 }
-                Ok(ChaCha20Poly1305::new(Key::from_slice(&raw)))
+                let mut id = [0u8; KEY_ID_LEN];
+                id.copy_from_slice(
+                    &blake3::derive_key("kvmesh gossip key id v1", &raw)[..KEY_ID_LEN],
+                );
+                Ok((id, XChaCha20Poly1305::new(Key::from_slice(&raw))))
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Keyring { keys })
@@ -125,6 +156,18 @@ fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// An address as 16 bytes (IPv4 mapped into IPv6) and a port.
+fn encode_addr(a: SocketAddr) -> [u8; DEST_LEN] {
+    let ip = match a.ip() {
+        IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+        IpAddr::V6(v6) => v6,
+    };
+    let mut out = [0u8; DEST_LEN];
+    out[..16].copy_from_slice(&ip.octets());
+    out[16..].copy_from_slice(&a.port().to_be_bytes());
+    out
+}
+
 /// Why an incoming datagram was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rejection {
@@ -132,12 +175,20 @@ pub enum Rejection {
     Malformed,
     /// A frame that no installed key opens: forged, altered, another cluster, or a wrong key.
     Forged,
-    /// A frame already received, or older than the replay window of its session.
+    /// A frame already received, older than the replay window of its session, or its session
+    /// seen from another source address.
     Replayed,
-    /// A new session whose timestamp is too far from this node's clock.
+    /// A frame whose timestamp is too far from this node's clock.
     Stale,
     /// Plaintext while incoming frames must be sealed.
     Plaintext,
+    /// A frame sealed for another node's address.
+    Misdirected,
+    /// Pieces of a fragmented message dropped before the rest arrived (timeout, or too many
+    /// messages in reassembly at once).
+    Incomplete,
+    /// A datagram on one of the internal loopback sockets from anyone but their owner.
+    Local,
 }
 
 impl Rejection {
@@ -149,16 +200,22 @@ impl Rejection {
             Rejection::Replayed => "replayed",
             Rejection::Stale => "stale",
             Rejection::Plaintext => "plaintext",
+            Rejection::Misdirected => "misdirected",
+            Rejection::Incomplete => "incomplete",
+            Rejection::Local => "local",
         }
     }
 
     /// Every reason, for metrics.
-    pub const ALL: [Rejection; 5] = [
+    pub const ALL: [Rejection; 8] = [
         Rejection::Malformed,
         Rejection::Forged,
         Rejection::Replayed,
         Rejection::Stale,
         Rejection::Plaintext,
+        Rejection::Misdirected,
+        Rejection::Incomplete,
+        Rejection::Local,
     ];
 }
 
@@ -183,9 +240,10 @@ impl Sealer {
         }
     }
 
-    /// The frames that carry `plaintext` (one, or a few fragments when it does not fit).
-    pub fn seal(&mut self, plaintext: &[u8]) -> Vec<Vec<u8>> {
-        let Some(cipher) = self.keyring.keys.first() else {
+    /// The frames that carry `plaintext` to `dest` (one, or a few fragments when it does not
+    /// fit); empty only if the message is too large for [`MAX_FRAGMENTS`].
+    pub fn seal(&mut self, plaintext: &[u8], dest: SocketAddr) -> Vec<Vec<u8>> {
+        let Some((key_id, cipher)) = self.keyring.keys.first() else {
             return Vec::new();
         };
         let pieces: Vec<&[u8]> = if plaintext.is_empty() {
@@ -198,6 +256,7 @@ impl Sealer {
         }
         let count = pieces.len() as u8;
         let ts = now_ms();
+        let dest = encode_addr(dest);
         let mut frames = Vec::with_capacity(pieces.len());
         for (i, piece) in pieces.into_iter().enumerate() {
             self.counter = self.counter.wrapping_add(1);
@@ -206,15 +265,17 @@ impl Sealer {
             frame.push(VERSION);
             frame.push(i as u8);
             frame.push(count);
+            frame.extend_from_slice(key_id);
             frame.extend_from_slice(&self.session.to_le_bytes());
             frame.extend_from_slice(&self.counter.to_le_bytes());
             frame.extend_from_slice(&ts.to_le_bytes());
+            frame.extend_from_slice(&dest);
             let mut nonce = [0u8; NONCE_LEN];
             fill_random(&mut nonce);
             let mut aad = frame.clone();
             aad.extend_from_slice(&self.aad_suffix);
             let Ok(ct) = cipher.encrypt(
-                Nonce::from_slice(&nonce),
+                XNonce::from_slice(&nonce),
                 Payload {
                     msg: piece,
                     aad: &aad,
@@ -239,6 +300,8 @@ struct SessionWindow {
     top: u64,
     seen: u128,
     last_seen: Instant,
+    from: SocketAddr,
+    partials: usize,
 }
 
 impl SessionWindow {
@@ -277,53 +340,73 @@ struct Partial {
 pub struct Opener {
     keyring: Keyring,
     aad_suffix: Vec<u8>,
+    own: Vec<SocketAddr>,
     max_clock_skew: Duration,
     max_sessions: usize,
     sessions: HashMap<u64, SessionWindow>,
     partial: HashMap<(u64, u64), Partial>,
+    incomplete: u64,
 }
 
-/// How long the pieces of a fragmented message wait for the rest.
-const REASSEMBLY_TIMEOUT: Duration = Duration::from_secs(5);
-/// Messages being reassembled at once (each at most [`MAX_FRAGMENTS`] datagrams).
-const MAX_PARTIAL: usize = 64;
-
 impl Opener {
-    /// An opener; `max_sessions` bounds the senders remembered for replay checks.
+    /// An opener for a node reachable at `own` (its advertised and listen addresses; an
+    /// unspecified IP matches any IP on that port). `max_sessions` bounds the senders
+    /// remembered for replay checks.
     pub fn new(
         keyring: Keyring,
         cluster_id: &str,
+        own: Vec<SocketAddr>,
         max_clock_skew: Duration,
         max_sessions: usize,
     ) -> Opener {
         Opener {
             keyring,
             aad_suffix: cluster_id.as_bytes().to_vec(),
+            own,
             max_clock_skew,
             max_sessions: max_sessions.max(1),
             sessions: HashMap::new(),
             partial: HashMap::new(),
+            incomplete: 0,
         }
     }
 
-    /// Opens one datagram. `Ok(Some(message))` when a whole message is complete, `Ok(None)`
-    /// for a fragment kept for later.
-    pub fn open(&mut self, datagram: &[u8]) -> Result<Option<Vec<u8>>, Rejection> {
+    fn addressed_to_us(&self, dest: &[u8]) -> bool {
+        self.own.iter().any(|a| {
+            if a.ip().is_unspecified() {
+                dest[16..] == a.port().to_be_bytes()
+            } else {
+                dest == encode_addr(*a)
+            }
+        })
+    }
+
+    /// Opens one datagram that came from `from`. `Ok(Some(message))` when a whole message is
+    /// complete, `Ok(None)` for a fragment kept for later.
+    pub fn open(
+        &mut self,
+        datagram: &[u8],
+        from: SocketAddr,
+    ) -> Result<Option<Vec<u8>>, Rejection> {
         if datagram.len() < OVERHEAD || !is_sealed(datagram) {
             return Err(Rejection::Malformed);
         }
-        let (index, count) = (datagram[3] as usize, datagram[4] as usize);
+        let (index, count) = (datagram[AT_INDEX] as usize, datagram[AT_COUNT] as usize);
         if count == 0 || count > MAX_FRAGMENTS || index >= count {
             return Err(Rejection::Malformed);
+        }
+        if !self.addressed_to_us(&datagram[AT_DEST..AT_DEST + DEST_LEN]) {
+            return Err(Rejection::Misdirected);
         }
         let field = |at: usize| {
             let mut b = [0u8; 8];
             b.copy_from_slice(&datagram[at..at + 8]);
             u64::from_le_bytes(b)
         };
-        let (session, counter, ts) = (field(5), field(13), field(21));
+        let (session, counter, ts) = (field(AT_SESSION), field(AT_COUNTER), field(AT_TIMESTAMP));
+        let key_id = &datagram[AT_KEY_ID..AT_KEY_ID + KEY_ID_LEN];
         let header = &datagram[..HEADER_LEN];
-        let nonce = Nonce::from_slice(&datagram[HEADER_LEN..HEADER_LEN + NONCE_LEN]);
+        let nonce = XNonce::from_slice(&datagram[HEADER_LEN..HEADER_LEN + NONCE_LEN]);
         let ct = &datagram[HEADER_LEN + NONCE_LEN..];
         let mut aad = Vec::with_capacity(HEADER_LEN + self.aad_suffix.len());
         aad.extend_from_slice(header);
@@ -332,22 +415,22 @@ impl Opener {
             .keyring
             .keys
             .iter()
-            .find_map(|k| k.decrypt(nonce, Payload { msg: ct, aad: &aad }).ok())
+            .filter(|(id, _)| id == key_id)
+            .find_map(|(_, k)| k.decrypt(nonce, Payload { msg: ct, aad: &aad }).ok())
             .ok_or(Rejection::Forged)?;
         // Authentic from here on: the header fields can be trusted as the sender wrote them.
+        if u128::from(now_ms().abs_diff(ts)) > self.max_clock_skew.as_millis() {
+            return Err(Rejection::Stale);
+        }
         let now = Instant::now();
         match self.sessions.get_mut(&session) {
             Some(w) => {
-                if !w.accept(counter) {
+                if w.from != from || !w.accept(counter) {
                     return Err(Rejection::Replayed);
                 }
                 w.last_seen = now;
             }
             None => {
-                let skew = now_ms().abs_diff(ts);
-                if u128::from(skew) > self.max_clock_skew.as_millis() {
-                    return Err(Rejection::Stale);
-                }
                 if self.sessions.len() >= self.max_sessions {
                     if let Some(oldest) = self
                         .sessions
@@ -364,6 +447,8 @@ impl Opener {
                         top: counter,
                         seen: 1,
                         last_seen: now,
+                        from,
+                        partials: 0,
                     },
                 );
             }
@@ -371,33 +456,99 @@ impl Opener {
         if count == 1 {
             return Ok(Some(plaintext));
         }
-        self.partial
-            .retain(|_, p| now.duration_since(p.started) < REASSEMBLY_TIMEOUT);
+        self.reassemble(session, counter, index, count, plaintext, now)
+    }
+
+    fn reassemble(
+        &mut self,
+        session: u64,
+        counter: u64,
+        index: usize,
+        count: usize,
+        piece: Vec<u8>,
+        now: Instant,
+    ) -> Result<Option<Vec<u8>>, Rejection> {
+        self.expire_partials(now);
         let first = counter.wrapping_sub(index as u64);
-        if !self.partial.contains_key(&(session, first)) && self.partial.len() >= MAX_PARTIAL {
-            return Ok(None);
+        let key = (session, first);
+        if !self.partial.contains_key(&key) {
+            let per_session = self.sessions.get(&session).map_or(0, |w| w.partials);
+            // Full: the oldest message in reassembly (of this session, when it is the one
+            // over its share) makes room; it is counted as incomplete.
+            if per_session >= MAX_PARTIAL_PER_SESSION || self.partial.len() >= MAX_PARTIAL {
+                let oldest = self
+                    .partial
+                    .iter()
+                    .filter(|((s, _), _)| per_session < MAX_PARTIAL_PER_SESSION || *s == session)
+                    .min_by_key(|(_, p)| p.started)
+                    .map(|(k, _)| *k);
+                if let Some(k) = oldest {
+                    self.drop_partial(k);
+                }
+            }
+            if let Some(w) = self.sessions.get_mut(&session) {
+                w.partials += 1;
+            }
+            self.partial.insert(
+                key,
+                Partial {
+                    pieces: vec![None; count],
+                    started: now,
+                },
+            );
         }
-        let entry = self.partial.entry((session, first)).or_insert(Partial {
-            pieces: vec![None; count],
-            started: now,
-        });
+        let Some(entry) = self.partial.get_mut(&key) else {
+            return Ok(None);
+        };
         if entry.pieces.len() != count {
             return Err(Rejection::Malformed);
         }
-        entry.pieces[index] = Some(plaintext);
+        entry.pieces[index] = Some(piece);
         if entry.pieces.iter().all(Option::is_some) {
-            let whole = self
-                .partial
-                .remove(&(session, first))
-                .map(|p| p.pieces.into_iter().flatten().flatten().collect());
+            let whole = self.partial.remove(&key).map(|p| {
+                p.pieces
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .collect::<Vec<u8>>()
+            });
+            if let Some(w) = self.sessions.get_mut(&session) {
+                w.partials = w.partials.saturating_sub(1);
+            }
             return Ok(whole);
         }
         Ok(None)
     }
 
+    fn expire_partials(&mut self, now: Instant) {
+        let expired: Vec<(u64, u64)> = self
+            .partial
+            .iter()
+            .filter(|(_, p)| now.duration_since(p.started) >= REASSEMBLY_TIMEOUT)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in expired {
+            self.drop_partial(k);
+        }
+    }
+
+    fn drop_partial(&mut self, key: (u64, u64)) {
+        if self.partial.remove(&key).is_some() {
+            self.incomplete += 1;
+            if let Some(w) = self.sessions.get_mut(&key.0) {
+                w.partials = w.partials.saturating_sub(1);
+            }
+        }
+    }
+
     /// Senders remembered for replay checks.
     pub fn sessions(&self) -> usize {
         self.sessions.len()
+    }
+
+    /// Fragmented messages dropped incomplete so far.
+    pub fn incomplete(&self) -> u64 {
+        self.incomplete
     }
 }
 
@@ -414,57 +565,118 @@ mod tests {
         base64::engine::general_purpose::STANDARD.encode([byte; KEY_LEN])
     }
 
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// This node (B) is at :2; frames come from A at :1.
+    const B: u16 = 2;
+    const A: u16 = 1;
+
+    fn opener(keys: &[&str], cluster: &str, max_sessions: usize) -> Opener {
+        Opener::new(
+            ring(keys),
+            cluster,
+            vec![addr(B)],
+            Duration::from_secs(60),
+            max_sessions,
+        )
+    }
+
     fn pair(cluster: &str) -> (Sealer, Opener) {
         let k = key(7);
         (
             Sealer::new(ring(&[&k]), cluster),
-            Opener::new(ring(&[&k]), cluster, Duration::from_secs(60), 16),
+            opener(&[&k], cluster, 16),
         )
+    }
+
+    fn one(s: &mut Sealer, msg: &[u8]) -> Vec<u8> {
+        s.seal(msg, addr(B)).remove(0)
     }
 
     #[test]
     fn round_trip_and_replay_refused() {
         let (mut s, mut o) = pair("c");
-        let frames = s.seal(b"hello");
+        let frames = s.seal(b"hello", addr(B));
         assert_eq!(frames.len(), 1);
         assert_eq!(frames[0].len(), 5 + OVERHEAD);
-        assert_eq!(o.open(&frames[0]), Ok(Some(b"hello".to_vec())));
-        assert_eq!(o.open(&frames[0]), Err(Rejection::Replayed));
+        assert_eq!(o.open(&frames[0], addr(A)), Ok(Some(b"hello".to_vec())));
+        assert_eq!(o.open(&frames[0], addr(A)), Err(Rejection::Replayed));
         // Out of order within the window is fine, once.
-        let a = s.seal(b"a").remove(0);
-        let b = s.seal(b"b").remove(0);
-        assert_eq!(o.open(&b), Ok(Some(b"b".to_vec())));
-        assert_eq!(o.open(&a), Ok(Some(b"a".to_vec())));
-        assert_eq!(o.open(&a), Err(Rejection::Replayed));
+        let a = one(&mut s, b"a");
+        let b = one(&mut s, b"b");
+        assert_eq!(o.open(&b, addr(A)), Ok(Some(b"b".to_vec())));
+        assert_eq!(o.open(&a, addr(A)), Ok(Some(b"a".to_vec())));
+        assert_eq!(o.open(&a, addr(A)), Err(Rejection::Replayed));
         // Older than the window: refused.
-        let old = s.seal(b"old").remove(0);
+        let old = one(&mut s, b"old");
         for _ in 0..WINDOW {
-            let f = s.seal(b"x").remove(0);
-            assert!(o.open(&f).is_ok());
+            let f = one(&mut s, b"x");
+            assert!(o.open(&f, addr(A)).is_ok());
         }
-        assert_eq!(o.open(&old), Err(Rejection::Replayed));
+        assert_eq!(o.open(&old, addr(A)), Err(Rejection::Replayed));
+        // A session is pinned to its source: a fresh frame of it from elsewhere is refused.
+        let fresh = one(&mut s, b"fresh");
+        assert_eq!(o.open(&fresh, addr(9)), Err(Rejection::Replayed));
+    }
+
+    #[test]
+    fn a_frame_sealed_for_another_node_is_misdirected() {
+        // A seals to B, then to C, then to B; a sniffer replays the A->C frame to B.
+        let (mut s, mut o) = pair("c");
+        let to_b = s.seal(b"to b", addr(B)).remove(0);
+        let to_c = s.seal(b"to c", addr(3)).remove(0);
+        let to_b2 = s.seal(b"to b again", addr(B)).remove(0);
+        assert!(o.open(&to_b, addr(A)).is_ok());
+        assert!(o.open(&to_b2, addr(A)).is_ok());
+        assert_eq!(o.open(&to_c, addr(A)), Err(Rejection::Misdirected));
+        // An unspecified listen address matches any IP on its port.
+        let mut any = Opener::new(
+            ring(&[&key(7)]),
+            "c",
+            vec![SocketAddr::from(([0, 0, 0, 0], B))],
+            Duration::from_secs(60),
+            4,
+        );
+        let mut s2 = Sealer::new(ring(&[&key(7)]), "c");
+        let f = s2
+            .seal(b"x", SocketAddr::from(([10, 0, 0, 5], B)))
+            .remove(0);
+        assert!(any.open(&f, addr(A)).is_ok());
     }
 
     #[test]
     fn wrong_key_cluster_or_tampering_is_forged() {
         let (mut s, _) = pair("c");
-        let frame = s.seal(b"payload").remove(0);
-        let mut other_key = Opener::new(ring(&[&key(8)]), "c", Duration::from_secs(60), 4);
-        assert_eq!(other_key.open(&frame), Err(Rejection::Forged));
-        let mut other_cluster = Opener::new(ring(&[&key(7)]), "d", Duration::from_secs(60), 4);
-        assert_eq!(other_cluster.open(&frame), Err(Rejection::Forged));
+        let frame = one(&mut s, b"payload");
+        assert_eq!(
+            opener(&[&key(8)], "c", 4).open(&frame, addr(A)),
+            Err(Rejection::Forged)
+        );
+        assert_eq!(
+            opener(&[&key(7)], "d", 4).open(&frame, addr(A)),
+            Err(Rejection::Forged)
+        );
         let (_, mut o) = pair("c");
-        for at in [3, 6, 14, 22, HEADER_LEN + 1, frame.len() - 1] {
+        for at in [
+            3,
+            6,
+            AT_SESSION + 1,
+            AT_TIMESTAMP + 1,
+            HEADER_LEN + 1,
+            frame.len() - 1,
+        ] {
             let mut bad = frame.clone();
             bad[at] ^= 1;
-            let r = o.open(&bad);
+            let r = o.open(&bad, addr(A));
             assert!(
                 r == Err(Rejection::Forged) || r == Err(Rejection::Malformed),
                 "byte {at}: {r:?}"
             );
         }
-        assert_eq!(o.open(&frame), Ok(Some(b"payload".to_vec())));
-        assert_eq!(o.open(b"junk"), Err(Rejection::Malformed));
+        assert_eq!(o.open(&frame, addr(A)), Ok(Some(b"payload".to_vec())));
+        assert_eq!(o.open(b"junk", addr(A)), Err(Rejection::Malformed));
     }
 
     #[test]
@@ -472,16 +684,16 @@ mod tests {
         let (old, new) = (key(1), key(2));
         // Step 1: the new key installed as secondary; old primary still seals.
         let mut sender = Sealer::new(ring(&[&old]), "c");
-        let mut receiver = Opener::new(ring(&[&old, &new]), "c", Duration::from_secs(60), 4);
-        assert!(receiver.open(&sender.seal(b"1").remove(0)).is_ok());
+        let mut receiver = opener(&[&old, &new], "c", 4);
+        assert!(receiver.open(&one(&mut sender, b"1"), addr(A)).is_ok());
         // Step 2: new primary; nodes still holding the old key as secondary open it.
         let mut sender = Sealer::new(ring(&[&new, &old]), "c");
-        assert!(receiver.open(&sender.seal(b"2").remove(0)).is_ok());
+        assert!(receiver.open(&one(&mut sender, b"2"), addr(A)).is_ok());
         // Step 3: old removed; its frames no longer open.
-        let mut receiver = Opener::new(ring(&[&new]), "c", Duration::from_secs(60), 4);
+        let mut receiver = opener(&[&new], "c", 4);
         let mut stale_sender = Sealer::new(ring(&[&old]), "c");
         assert_eq!(
-            receiver.open(&stale_sender.seal(b"3").remove(0)),
+            receiver.open(&one(&mut stale_sender, b"3"), addr(A)),
             Err(Rejection::Forged)
         );
     }
@@ -490,46 +702,89 @@ mod tests {
     fn large_messages_fragment_under_the_datagram_limit() {
         let (mut s, mut o) = pair("c");
         let big: Vec<u8> = (0..MAX_DATAGRAM).map(|i| (i % 251) as u8).collect();
-        let frames = s.seal(&big);
+        let frames = s.seal(&big, addr(B));
         assert_eq!(frames.len(), 2);
         assert!(frames.iter().all(|f| f.len() <= MAX_DATAGRAM));
         // Arrival order does not matter.
-        assert_eq!(o.open(&frames[1]), Ok(None));
-        assert_eq!(o.open(&frames[0]), Ok(Some(big)));
+        assert_eq!(o.open(&frames[1], addr(A)), Ok(None));
+        assert_eq!(o.open(&frames[0], addr(A)), Ok(Some(big)));
         let exact = vec![9u8; MAX_FRAGMENT_PLAINTEXT];
-        assert_eq!(s.seal(&exact).len(), 1);
+        assert_eq!(s.seal(&exact, addr(B)).len(), 1);
     }
 
     #[test]
-    fn stale_new_session_refused_and_sessions_bounded() {
-        let k = key(3);
-        let mut o = Opener::new(ring(&[&k]), "c", Duration::from_secs(60), 2);
-        let mut s = Sealer::new(ring(&[&k]), "c");
-        let mut frame = s.seal(b"x").remove(0);
-        // Rewrite the timestamp to an hour ago and reseal by hand: only the key holder can,
-        // which is the point; the opener must still refuse a session that old.
-        let ts = (now_ms() - 3_600_000).to_le_bytes();
-        frame[21..29].copy_from_slice(&ts);
-        let cipher = &ring(&[&k]).keys[0];
-        let mut aad = frame[..HEADER_LEN].to_vec();
+    fn reassembly_is_bounded_and_evicts_oldest_counting_it() {
+        let (mut s, mut o) = pair("c");
+        let big = vec![1u8; MAX_FRAGMENT_PLAINTEXT + 10];
+        // One session leaves many first halves: only its share is kept, oldest evicted.
+        let mut seconds = Vec::new();
+        for _ in 0..10 {
+            let mut f = s.seal(&big, addr(B));
+            assert_eq!(o.open(&f[0], addr(A)), Ok(None));
+            seconds.push(f.remove(1));
+        }
+        assert_eq!(o.incomplete(), 10 - MAX_PARTIAL_PER_SESSION as u64);
+        // The most recent messages still complete.
+        let last = seconds.pop().expect("ten");
+        assert_eq!(
+            o.open(&last, addr(A)).map(|m| m.map(|m| m.len())),
+            Ok(Some(big.len()))
+        );
+        // Another sender is not locked out by the first one's leftovers.
+        let mut other = Sealer::new(ring(&[&key(7)]), "c");
+        let f = other.seal(&big, addr(B));
+        assert_eq!(
+            o.open(&f[0], SocketAddr::from(([127, 0, 0, 1], 5))),
+            Ok(None)
+        );
+        assert_eq!(
+            o.open(&f[1], SocketAddr::from(([127, 0, 0, 1], 5)))
+                .map(|m| m.map(|m| m.len())),
+            Ok(Some(big.len()))
+        );
+    }
+
+    /// `frame` with its timestamp set to `ts`, resealed (only a key holder can do this).
+    fn with_timestamp(frame: &[u8], ts: u64, k: &str) -> Vec<u8> {
+        let mut out = frame[..HEADER_LEN].to_vec();
+        out[AT_TIMESTAMP..AT_TIMESTAMP + 8].copy_from_slice(&ts.to_le_bytes());
+        let cipher = &ring(&[k]).keys[0].1;
+        let mut aad = out.clone();
         aad.extend_from_slice(b"c");
         let nonce = [5u8; NONCE_LEN];
         let ct = cipher
             .encrypt(
-                Nonce::from_slice(&nonce),
+                XNonce::from_slice(&nonce),
                 Payload {
                     msg: b"x",
                     aad: &aad,
                 },
             )
             .expect("seal");
-        frame.truncate(HEADER_LEN);
-        frame.extend_from_slice(&nonce);
-        frame.extend_from_slice(&ct);
-        assert_eq!(o.open(&frame), Err(Rejection::Stale));
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&ct);
+        out
+    }
+
+    #[test]
+    fn stale_frames_refused_and_sessions_bounded() {
+        let k = key(3);
+        let mut o = opener(&[&k], "c", 2);
+        let mut s = Sealer::new(ring(&[&k]), "c");
+        let hour_ago = now_ms() - 3_600_000;
+        // A new session an hour old, and a known session's frame an hour old: both stale.
+        assert_eq!(
+            o.open(&with_timestamp(&one(&mut s, b"x"), hour_ago, &k), addr(A)),
+            Err(Rejection::Stale)
+        );
+        assert!(o.open(&one(&mut s, b"y"), addr(A)).is_ok());
+        assert_eq!(
+            o.open(&with_timestamp(&one(&mut s, b"x"), hour_ago, &k), addr(A)),
+            Err(Rejection::Stale)
+        );
         for _ in 0..5 {
             let mut s = Sealer::new(ring(&[&k]), "c");
-            assert!(o.open(&s.seal(b"y").remove(0)).is_ok());
+            assert!(o.open(&one(&mut s, b"y"), addr(A)).is_ok());
         }
         assert_eq!(o.sessions(), 2);
     }
@@ -562,27 +817,27 @@ mod tests {
         #[test]
         fn open_never_panics_on_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
             let (_, mut o) = pair("c");
-            prop_assert!(o.open(&bytes).is_err());
+            prop_assert!(o.open(&bytes, addr(A)).is_err());
         }
 
-        // A real frame with any byte flipped does not open.
+        // Arbitrary bytes behind a valid-looking header (magic, version, destination) too.
+        #[test]
+        fn open_never_panics_behind_a_valid_header(tail in proptest::collection::vec(any::<u8>(), 0..512), index in any::<u8>(), count in any::<u8>()) {
+            let (mut s, mut o) = pair("c");
+            let mut frame = one(&mut s, b"z")[..HEADER_LEN].to_vec();
+            frame[AT_INDEX] = index;
+            frame[AT_COUNT] = count;
+            frame.extend_from_slice(&tail);
+            prop_assert!(o.open(&frame, addr(A)).is_err());
+        }
+
+        // A real frame with any bit flipped does not open.
         #[test]
         fn open_refuses_any_single_bit_flip(at in 0usize..(40 + OVERHEAD), bit in 0u8..8) {
             let (mut s, mut o) = pair("c");
-            let mut frame = s.seal(&[0x5a; 40]).remove(0);
+            let mut frame = one(&mut s, &[0x5a; 40]);
             frame[at] ^= 1 << bit;
-            prop_assert!(o.open(&frame).is_err());
-        }
-
-        // Arbitrary header fields on an otherwise valid frame (count 0, index past count, huge
-        // counts) are handled without panicking.
-        #[test]
-        fn open_survives_hostile_fragment_fields(index in any::<u8>(), count in any::<u8>()) {
-            let (mut s, mut o) = pair("c");
-            let mut frame = s.seal(b"z").remove(0);
-            frame[3] = index;
-            frame[4] = count;
-            let _ = o.open(&frame);
+            prop_assert!(o.open(&frame, addr(A)).is_err());
         }
     }
 }

@@ -23,7 +23,7 @@
 //! [`seal`]: crate::seal
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -72,14 +72,19 @@ impl GossipSecurity {
     }
 }
 
-/// Gossip traffic of one node since it joined.
+/// Gossip traffic of one node since it joined, and who it has heard from.
 #[derive(Debug, Default)]
 pub struct GossipStats {
     sent: AtomicU64,
     received: AtomicU64,
     rejected: [AtomicU64; Rejection::ALL.len()],
     relays_evicted: AtomicU64,
+    /// Source IPs of datagrams that opened (or were accepted as plaintext), last time seen.
+    senders: Mutex<HashMap<IpAddr, Instant>>,
 }
+
+/// Source IPs remembered in [`GossipStats::has_heard_from`].
+const MAX_SENDERS: usize = 4096;
 
 impl GossipStats {
     /// Bytes sent on the gossip socket.
@@ -102,6 +107,23 @@ impl GossipStats {
         self.relays_evicted.load(Ordering::Relaxed)
     }
 
+    /// Whether a datagram from `ip` has passed authentication (the host really gossips with
+    /// us, rather than being an address some node claims).
+    pub fn has_heard_from(&self, ip: IpAddr) -> bool {
+        lock(&self.senders).contains_key(&ip.to_canonical())
+    }
+
+    fn heard_from(&self, ip: IpAddr) {
+        let ip = ip.to_canonical();
+        let mut senders = lock(&self.senders);
+        if senders.len() >= MAX_SENDERS && !senders.contains_key(&ip) {
+            if let Some(oldest) = senders.iter().min_by_key(|(_, t)| **t).map(|(i, _)| *i) {
+                senders.remove(&oldest);
+            }
+        }
+        senders.insert(ip, Instant::now());
+    }
+
     fn reject(&self, reason: Rejection, from: SocketAddr) {
         self.rejected[reason as usize].fetch_add(1, Ordering::Relaxed);
         tracing::debug!(%from, reason = reason.label(), "gossip datagram dropped");
@@ -116,6 +138,8 @@ pub struct SecureUdp {
     pub security: GossipSecurity,
     /// Bound into every seal, so frames of another cluster never open.
     pub cluster_id: String,
+    /// The address peers send to (frames for any other address are refused).
+    pub advertise: SocketAddr,
     /// The most peer addresses relayed at once.
     pub max_relays: usize,
 }
@@ -207,9 +231,19 @@ impl Shared {
             let Some(opener) = &self.opener else {
                 return self.stats.reject(Rejection::Forged, from);
             };
-            match lock(opener).open(datagram) {
+            let (result, incomplete) = {
+                let mut o = lock(opener);
+                let before = o.incomplete();
+                let r = o.open(datagram, from);
+                (r, o.incomplete() - before)
+            };
+            if incomplete > 0 {
+                self.stats.rejected[Rejection::Incomplete as usize]
+                    .fetch_add(incomplete, Ordering::Relaxed);
+            }
+            match result {
                 Ok(Some(m)) => m,
-                Ok(None) => return,
+                Ok(None) => return self.stats.heard_from(from.ip()),
                 Err(r) => return self.stats.reject(r, from),
             }
         } else if self.verify_incoming {
@@ -217,6 +251,7 @@ impl Shared {
         } else {
             datagram.to_vec()
         };
+        self.stats.heard_from(from.ip());
         match self.relay_for(from) {
             Ok(relay) => {
                 let _ = relay.send_to(&message, self.inner_addr).await;
@@ -237,11 +272,11 @@ async fn outbound(shared: Arc<Shared>, relay: Arc<UdpSocket>, peer: SocketAddr) 
         };
         if from != shared.inner_addr {
             // Only chitchat's own socket may speak to a relay.
-            shared.stats.reject(Rejection::Plaintext, from);
+            shared.stats.reject(Rejection::Local, from);
             continue;
         }
         let frames = match &shared.sealer {
-            Some(sealer) => lock(sealer).seal(&buf[..n]),
+            Some(sealer) => lock(sealer).seal(&buf[..n], peer),
             None => vec![buf[..n].to_vec()],
         };
         for f in frames {
@@ -279,6 +314,7 @@ impl Transport for SecureUdp {
                 Mutex::new(Opener::new(
                     k,
                     cluster_id,
+                    vec![self.advertise, listen_addr],
                     self.security.max_clock_skew,
                     self.max_relays.saturating_mul(2),
                 ))
@@ -365,10 +401,7 @@ impl Socket for SecureSocket {
                         ..out
                     })
                 }
-                None => self
-                    .shared
-                    .stats
-                    .reject(Rejection::Plaintext, out.from_addr),
+                None => self.shared.stats.reject(Rejection::Local, out.from_addr),
             }
         }
     }

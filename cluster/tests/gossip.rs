@@ -3,13 +3,17 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
+
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvmesh_cluster::seal::Sealer;
 use kvmesh_cluster::testing::crafted_ack;
 use kvmesh_cluster::{
-    Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, Rejection,
+    Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, PeerOrigin, Rejection,
     ResidencySync,
 };
 use kvmesh_filters::chain::{text_chain, Namespace};
@@ -25,13 +29,15 @@ struct Members {
 }
 
 impl Membership for Members {
-    fn upsert(&self, record: &NodeRecord, _gossip_addr: SocketAddr) -> Option<NodeId> {
+    fn upsert(&self, record: &NodeRecord, _origin: &PeerOrigin) -> Option<NodeId> {
         self.urls.lock().unwrap().push(record.proxy_url.clone());
         let mut k = self.known.lock().unwrap();
-        let i = match k.iter().position(|n| *n == record.node_id) {
+        // A node id at a new URL is a new fleet entry (as the proxy's fleet does it).
+        let name = format!("{}@{}", record.node_id, record.proxy_url);
+        let i = match k.iter().position(|n| *n == name) {
             Some(i) => i,
             None => {
-                k.push(record.node_id.clone());
+                k.push(name);
                 k.len() - 1
             }
         };
@@ -258,8 +264,8 @@ async fn forged_record_hijacks_plaintext_gossip_but_not_sealed_gossip() {
         let b_id = nodes[1].cluster.chitchat_id().await;
         let evil = "http://127.0.0.1:9";
         let forged = crafted_ack(&b_id, "node", &evil_record("b", evil), 1_000_000, None);
-        let wrong_key = Sealer::new(keyring(OTHER_KEY), "test").seal(&forged);
-        let other_cluster = Sealer::new(keyring(KEY), "other").seal(&forged);
+        let wrong_key = Sealer::new(keyring(OTHER_KEY), "test").seal(&forged, local(pa));
+        let other_cluster = Sealer::new(keyring(KEY), "other").seal(&forged, local(pa));
         send(pa, std::slice::from_ref(&forged)).await;
         send(pa, &wrong_key).await;
         send(pa, &other_cluster).await;
@@ -301,7 +307,7 @@ async fn wrong_key_never_joins_and_replays_are_dropped() {
 
     // An insider's datagram captured and sent again.
     let mut sealer = Sealer::new(keyring(KEY), "test");
-    let frame = sealer.seal(b"anything");
+    let frame = sealer.seal(b"anything", local(pa));
     send(pa, &frame).await;
     send(pa, &frame).await;
     send(pa, &frame).await;
@@ -333,7 +339,7 @@ async fn crafted_delta_panic_is_dropped_or_recovered() {
     assert_eq!(nodes[0].cluster.restarts(), 0);
     assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Plaintext), 1);
 
-    let sealed = Sealer::new(keyring(KEY), "test").seal(&poison);
+    let sealed = Sealer::new(keyring(KEY), "test").seal(&poison, local(pa));
     send(pa, &sealed).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !nodes[0].cluster.ensure_running().await.unwrap() {
@@ -403,6 +409,49 @@ async fn full_size_deltas_cross_sealed_gossip_in_fragments() {
     })
     .await;
     assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Malformed), 0);
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
+}
+
+// Defect: when a peer moved (its record names a new URL, so the fleet gives it a new node),
+// the residency learnt under its old node stayed in the index until the gossip TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_moves_leaves_no_residency_behind() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let mut nodes = vec![node("a", pa, pa).await, node("b", pb, pa).await];
+    let ns = Namespace::new("m", b"");
+    let chain = text_chain(&ns, &[b'z'; 256 * 40], 256);
+    nodes[1]
+        .index
+        .record(NodeId(0), &chain, Source::Reported, Instant::now());
+    let gossip_entries = |n: &Node| {
+        n.index
+            .count_by_source()
+            .iter()
+            .filter(|(s, _)| *s == Source::Gossip)
+            .map(|(_, c)| *c)
+            .sum::<usize>()
+    };
+    until(&mut nodes, "a learns b's 40 digests", |n| {
+        gossip_entries(&n[0]) == 40
+    })
+    .await;
+    let before = nodes[0].index.overlap(&chain, Instant::now())[0].0;
+    nodes[1].record.proxy_url = "http://b-moved".into();
+    until(&mut nodes, "a follows b to its new node", |n| {
+        n[0].index
+            .overlap(&chain, Instant::now())
+            .first()
+            .is_some_and(|(node, blocks)| *node != before && *blocks == 40)
+    })
+    .await;
+    assert_eq!(
+        gossip_entries(&nodes[0]),
+        40,
+        "the old node's entries are still indexed"
+    );
+    assert!(nodes[0].index.node_keys(before, usize::MAX).is_empty());
     for n in nodes {
         n.cluster.shutdown().await;
     }

@@ -9,6 +9,8 @@ pub enum ErrorKind {
     InvalidRequest,
     /// The body is larger than the configured limit (413).
     BodyTooLarge,
+    /// The client did not send its whole body within the configured time (408).
+    RequestTimeout,
     /// No engine serves the requested model (404).
     ModelNotFound,
     /// No route matches the method and path (404).
@@ -33,6 +35,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest => 400,
             ErrorKind::BodyTooLarge => 413,
+            ErrorKind::RequestTimeout => 408,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::Forbidden => 403,
@@ -48,6 +51,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest
             | ErrorKind::BodyTooLarge
+            | ErrorKind::RequestTimeout
             | ErrorKind::ModelNotFound
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed => "invalid_request_error",
@@ -62,6 +66,7 @@ impl ErrorKind {
         match self {
             ErrorKind::InvalidRequest => "invalid_request",
             ErrorKind::BodyTooLarge => "request_too_large",
+            ErrorKind::RequestTimeout => "request_timeout",
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
@@ -149,5 +154,10 @@ mod tests {
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["code"], "request_too_large");
         assert_eq!(v["error"]["param"], "body");
+        let t = ApiError::new(ErrorKind::RequestTimeout, "slow");
+        let v: serde_json::Value = serde_json::from_slice(&t.to_json()).unwrap();
+        assert_eq!(t.status(), 408);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "request_timeout");
     }
 }

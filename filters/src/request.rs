@@ -12,7 +12,6 @@
 //! its canonical bytes (which [`parse_limited`] also caps), not half a gigabyte of `Value`s.
 //! Fields the router does not need are skipped with [`serde::de::IgnoredAny`].
 
-use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -91,6 +90,11 @@ impl Canon {
         }
     }
 
+    /// Bytes that may still be kept.
+    fn room(&self) -> usize {
+        self.cap.saturating_sub(self.kept.len())
+    }
+
     fn push(&mut self, b: &[u8]) {
         self.len = self.len.saturating_add(b.len());
         let room = self.cap.saturating_sub(self.kept.len());
@@ -161,7 +165,7 @@ struct Fields {
     stream: Option<bool>,
     user: Option<String>,
     cache_salt: Option<String>,
-    tools: Option<Vec<u8>>,
+    tools: Option<Canon>,
     prompt: Canon,
 }
 
@@ -206,7 +210,7 @@ impl<'de> Visitor<'de> for Body {
         let mut stream: Option<Option<bool>> = None;
         let mut user: Option<Option<String>> = None;
         let mut cache_salt: Option<Option<String>> = None;
-        let mut tools: Option<Option<Vec<u8>>> = None;
+        let mut tools: Option<Option<Canon>> = None;
         let mut prompt: Option<Canon> = None;
         while let Some(key) = map.next_key::<Key>()? {
             let is_prompt = matches!(
@@ -242,7 +246,11 @@ impl<'de> Visitor<'de> for Body {
                     map.next_value::<Option<String>>()?,
                     "cache_salt",
                 )?,
-                Key::Tools if chat => set_once(&mut tools, map.next_value_seed(Tools)?, "tools")?,
+                Key::Tools if chat => set_once(
+                    &mut tools,
+                    map.next_value_seed(Tools { cap: self.cap })?,
+                    "tools",
+                )?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -261,112 +269,393 @@ impl<'de> Visitor<'de> for Body {
     }
 }
 
-/// `tools`: null, or an array, canonicalised as compact JSON with sorted object keys.
-struct Tools;
+/// Deepest nesting of arrays and objects accepted in `tools`, the `tools` array itself
+/// counting as level 1. Deeper values are refused (400): real tool schemas nest a few levels.
+pub const MAX_TOOLS_DEPTH: usize = 32;
+
+/// `tools`: null, or an array, canonicalised as compact JSON with sorted object keys (exactly
+/// what `serde_json::to_vec(&Value)` writes, later duplicate keys replacing earlier ones), of
+/// which the first `cap` bytes are kept and all are counted.
+///
+/// Linear work whatever the nesting: each top-level element is written once, in input order,
+/// into one buffer ([`ToolsArena`]); an object whose keys are not already in order records where
+/// its entries lie, and the element is then emitted once in canonical order, only as far as the
+/// cap. Once the cap is reached, elements are still validated and counted but no bytes are kept.
+struct Tools {
+    cap: usize,
+}
 
 impl<'de> DeserializeSeed<'de> for Tools {
-    type Value = Option<Vec<u8>>;
+    type Value = Option<Canon>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for Tools {
-    type Value = Option<Vec<u8>>;
+    type Value = Option<Canon>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of tools")
     }
     fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
         Ok(None)
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::new();
-        CompactJson(&mut out).visit_seq(seq)?;
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Canon::new(self.cap);
+        let mut arena = ToolsArena::default();
+        out.push(b"[");
+        let mut first = true;
+        loop {
+            arena.reset(out.room() > 0);
+            let element = JsonValue {
+                arena: &mut arena,
+                depth: 2,
+            };
+            let Some(len) = seq.next_element_seed(element)? else {
+                break;
+            };
+            if !first {
+                out.push(b",");
+            }
+            first = false;
+            arena.emit(&mut out, len);
+        }
+        out.push(b"]");
         Ok(Some(out))
     }
 }
 
-/// Writes a JSON value as compact JSON with object keys in byte order, exactly as
-/// `serde_json::to_vec(&Value)` does with serde_json's default (sorted) map, without the tree.
-struct CompactJson<'a>(&'a mut Vec<u8>);
+// Bytes written or copied while canonicalising `tools`, per thread (tests check the work is
+// linear in the input).
+#[cfg(test)]
+thread_local! {
+    static TOOLS_WORK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
-impl<'de> DeserializeSeed<'de> for CompactJson<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+fn count_work(_n: usize) {
+    #[cfg(test)]
+    TOOLS_WORK.with(|w| w.set(w.get() + _n));
+}
+
+/// An object of a `tools` element whose entries must be reordered (keys out of order, or
+/// duplicated): where it lies in [`ToolsArena::raw`], and its surviving entries in canonical
+/// order (a range of [`ToolsArena::sorted`]).
+struct Reordered {
+    start: usize,
+    end: usize,
+    entries: std::ops::Range<usize>,
+}
+
+/// An entry of an object still being read.
+struct OpenEntry {
+    /// The unescaped key, in [`ToolsArena::keys`].
+    key: std::ops::Range<usize>,
+    /// `"key":value` in [`ToolsArena::raw`].
+    raw: std::ops::Range<usize>,
+    /// Canonical length of `"key":value`.
+    len: usize,
+}
+
+/// One top-level `tools` element, as compact JSON in input order plus what it takes to emit it
+/// in canonical order.
+#[derive(Default)]
+struct ToolsArena {
+    /// Keep `raw` (false once the cap is reached: lengths are still computed).
+    store: bool,
+    /// Compact JSON of the element, object keys in input order.
+    raw: Vec<u8>,
+    /// Unescaped keys of the objects being read (a stack).
+    keys: Vec<u8>,
+    /// Entries of the objects being read (a stack).
+    open: Vec<OpenEntry>,
+    /// Objects to reorder, in the order they closed.
+    reordered: Vec<Reordered>,
+    /// `raw` ranges of reordered objects' entries, in canonical order.
+    sorted: Vec<std::ops::Range<usize>>,
+    /// Scratch space for sorting an object's entries.
+    order: Vec<usize>,
+}
+
+impl ToolsArena {
+    fn reset(&mut self, store: bool) {
+        self.store = store;
+        self.raw.clear();
+        self.keys.clear();
+        self.open.clear();
+        self.reordered.clear();
+        self.sorted.clear();
+    }
+
+    fn pos(&self) -> usize {
+        self.raw.len()
+    }
+
+    fn write(&mut self, b: &[u8]) -> usize {
+        if self.store {
+            count_work(b.len());
+            self.raw.extend_from_slice(b);
+        }
+        b.len()
+    }
+
+    fn write_json<T: serde::Serialize + ?Sized, E: de::Error>(
+        &mut self,
+        v: &T,
+    ) -> Result<usize, E> {
+        let mut w = RawWriter {
+            arena: self,
+            written: 0,
+        };
+        serde_json::to_writer(&mut w, v).map_err(E::custom)?;
+        Ok(w.written)
+    }
+
+    /// Appends the element's canonical form (`len` bytes) to `out`, keeping at most its room.
+    fn emit(&mut self, out: &mut Canon, len: usize) {
+        let room = out.room();
+        if self.store && room > 0 {
+            self.reordered.sort_unstable_by_key(|r| r.start);
+            let mut e = Emitter {
+                arena: self,
+                out: &mut out.kept,
+                room,
+            };
+            e.range(0, e.arena.raw.len());
+        }
+        out.len = out.len.saturating_add(len);
+    }
+}
+
+/// `io::Write` into a [`ToolsArena`], counting what it is given.
+struct RawWriter<'a> {
+    arena: &'a mut ToolsArena,
+    written: usize,
+}
+
+impl std::io::Write for RawWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.written += self.arena.write(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Copies an element's `raw` bytes into the canonical output, reordered objects in key order,
+/// until `room` is used up.
+struct Emitter<'a> {
+    arena: &'a ToolsArena,
+    out: &'a mut Vec<u8>,
+    room: usize,
+}
+
+impl Emitter<'_> {
+    fn copy(&mut self, b: &[u8]) {
+        let n = b.len().min(self.room);
+        count_work(n);
+        self.out.extend_from_slice(&b[..n]);
+        self.room -= n;
+    }
+
+    /// Emits `raw[a..b]`, a sequence of whole values or entries.
+    fn range(&mut self, a: usize, b: usize) {
+        let a_ = self.arena;
+        let mut pos = a;
+        let mut next = a_.reordered.partition_point(|r| r.start < a);
+        while pos < b && self.room > 0 {
+            match a_.reordered.get(next).filter(|r| r.start < b) {
+                Some(r) => {
+                    self.copy(&a_.raw[pos..r.start]);
+                    self.copy(b"{");
+                    for (i, e) in a_.sorted[r.entries.clone()].iter().enumerate() {
+                        if i > 0 {
+                            self.copy(b",");
+                        }
+                        self.range(e.start, e.end);
+                    }
+                    self.copy(b"}");
+                    pos = r.end;
+                    next = a_.reordered.partition_point(|x| x.start < r.end);
+                }
+                None => {
+                    self.copy(&a_.raw[pos..b]);
+                    pos = b;
+                }
+            }
+        }
+    }
+}
+
+/// Any JSON value inside `tools`, at nesting level `depth`: written compactly into the arena;
+/// the value is its canonical length.
+struct JsonValue<'a> {
+    arena: &'a mut ToolsArena,
+    depth: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for JsonValue<'_> {
+    type Value = usize;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-fn write_json<T: serde::Serialize + ?Sized, E: de::Error>(
-    out: &mut Vec<u8>,
-    v: &T,
-) -> Result<(), E> {
-    serde_json::to_writer(out, v).map_err(E::custom)
+fn too_deep<E: de::Error>() -> E {
+    E::custom(format_args!(
+        "`tools` nests arrays and objects deeper than {MAX_TOOLS_DEPTH} levels"
+    ))
 }
 
-impl<'de> Visitor<'de> for CompactJson<'_> {
-    type Value = ();
+impl<'de> Visitor<'de> for JsonValue<'_> {
+    type Value = usize;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("any JSON value")
     }
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
-        write_json(self.0, &v)
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<usize, E> {
+        self.arena.write_json(&v)
     }
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
-        write_json(self.0, &v)
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<usize, E> {
+        self.arena.write_json(&v)
     }
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
-        write_json(self.0, &v)
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<usize, E> {
+        self.arena.write_json(&v)
     }
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
-        write_json(self.0, &v)
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<usize, E> {
+        self.arena.write_json(&v)
     }
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        write_json(self.0, v)
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<usize, E> {
+        self.arena.write_json(v)
     }
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        self.0.extend_from_slice(b"null");
-        Ok(())
+    fn visit_unit<E: de::Error>(self) -> Result<usize, E> {
+        Ok(self.arena.write(b"null"))
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        let out = self.0;
-        out.push(b'[');
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<usize, A::Error> {
+        if self.depth > MAX_TOOLS_DEPTH {
+            return Err(too_deep());
+        }
+        let arena = self.arena;
+        let mut len = arena.write(b"[");
         let mut first = true;
         loop {
-            if !first {
-                out.push(b',');
-            }
-            if seq.next_element_seed(CompactJson(out))?.is_none() {
-                if !first {
-                    out.pop();
+            let comma = if first { 0 } else { arena.write(b",") };
+            let item = JsonValue {
+                arena: &mut *arena,
+                depth: self.depth + 1,
+            };
+            match seq.next_element_seed(item)? {
+                Some(n) => len += comma + n,
+                None => {
+                    if comma > 0 && arena.store {
+                        arena.raw.pop();
+                    }
+                    break;
                 }
-                break;
             }
             first = false;
         }
-        out.push(b']');
-        Ok(())
+        Ok(len + arena.write(b"]"))
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        // Later duplicates replace earlier ones, as in serde_json's map.
-        let mut entries: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-        while let Some(k) = map.next_key::<String>()? {
-            let mut v = Vec::new();
-            map.next_value_seed(CompactJson(&mut v))?;
-            entries.insert(k, v);
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<usize, A::Error> {
+        if self.depth > MAX_TOOLS_DEPTH {
+            return Err(too_deep());
         }
-        let out = self.0;
-        out.push(b'{');
-        for (i, (k, v)) in entries.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
+        let arena = self.arena;
+        let start = arena.pos();
+        arena.write(b"{");
+        let key_base = arena.keys.len();
+        let open_base = arena.open.len();
+        loop {
+            if arena.open.len() > open_base {
+                arena.write(b",");
             }
-            write_json(out, k.as_str())?;
-            out.push(b':');
-            out.extend_from_slice(v);
+            let entry_start = arena.pos();
+            let key_start = arena.keys.len();
+            let Some(key_len) = map.next_key_seed(KeyInto(&mut *arena))? else {
+                if arena.open.len() > open_base && arena.store {
+                    arena.raw.pop();
+                }
+                break;
+            };
+            let key = key_start..arena.keys.len();
+            arena.write(b":");
+            let value = JsonValue {
+                arena: &mut *arena,
+                depth: self.depth + 1,
+            };
+            let value_len = map.next_value_seed(value)?;
+            let raw = entry_start..arena.pos();
+            arena.open.push(OpenEntry {
+                key,
+                raw,
+                len: key_len + 1 + value_len,
+            });
         }
-        out.push(b'}');
-        Ok(())
+        arena.write(b"}");
+        let end = arena.pos();
+        let keys = &arena.keys;
+        let entries = &arena.open[open_base..];
+        let key = |e: &OpenEntry| &keys[e.key.clone()];
+        let in_order = entries.windows(2).all(|w| key(&w[0]) < key(&w[1]));
+        let mut len = 2;
+        if in_order {
+            len += entries.iter().map(|e| e.len).sum::<usize>() + entries.len().saturating_sub(1);
+        } else {
+            let mut order = std::mem::take(&mut arena.order);
+            order.clear();
+            order.extend(0..entries.len());
+            // Stable: among equal keys the last one, which replaces the others, stays last.
+            order.sort_by(|&i, &j| key(&entries[i]).cmp(key(&entries[j])));
+            let sorted_base = arena.sorted.len();
+            let mut kept = 0;
+            for (n, &i) in order.iter().enumerate() {
+                let replaced = order
+                    .get(n + 1)
+                    .is_some_and(|&j| key(&entries[j]) == key(&entries[i]));
+                if replaced {
+                    continue;
+                }
+                len += entries[i].len;
+                kept += 1;
+                if arena.store {
+                    arena.sorted.push(entries[i].raw.clone());
+                }
+            }
+            len += kept - 1;
+            arena.order = order;
+            if arena.store {
+                arena.reordered.push(Reordered {
+                    start,
+                    end,
+                    entries: sorted_base..arena.sorted.len(),
+                });
+            }
+        }
+        arena.open.truncate(open_base);
+        arena.keys.truncate(key_base);
+        Ok(len)
+    }
+}
+
+/// An object key inside `tools`: its unescaped bytes go to the arena's key stack (for ordering),
+/// its JSON form to `raw`; the value is the length of that JSON form.
+struct KeyInto<'a>(&'a mut ToolsArena);
+
+impl<'de> DeserializeSeed<'de> for KeyInto<'_> {
+    type Value = usize;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyInto<'_> {
+    type Value = usize;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<usize, E> {
+        self.0.keys.extend_from_slice(v.as_bytes());
+        self.0.write_json(v)
     }
 }
 
@@ -729,18 +1018,34 @@ impl<'de> Visitor<'de> for Token<'_> {
     }
 }
 
-/// Runs the body visitor over `body`; on failure, again with path tracking to name the field.
+/// Largest body that, when invalid, is parsed a second time with path tracking to name the
+/// field at fault; a larger one is refused with the first pass's message (line and column).
+pub const MAX_PATH_TRACKED_BODY: usize = 1 << 20;
+
+/// Runs the body visitor over `body`; on failure of a body of at most
+/// [`MAX_PATH_TRACKED_BODY`] bytes, again with path tracking to name the field.
 fn deserialize(seed: Body, body: &[u8]) -> Result<Fields, ApiError> {
     if body.is_empty() {
         return Err(invalid("request body is empty; expected a JSON object"));
     }
     // Fast path without path tracking.
     let mut de = serde_json::Deserializer::from_slice(body);
-    if let Ok(fields) = seed.deserialize(&mut de) {
-        return de
-            .end()
-            .map(|()| fields)
-            .map_err(|e| invalid(format!("invalid JSON body: trailing characters: {e}")));
+    let first = match seed.deserialize(&mut de) {
+        Ok(fields) => {
+            return de
+                .end()
+                .map(|()| fields)
+                .map_err(|e| invalid(format!("invalid JSON body: trailing characters: {e}")));
+        }
+        Err(e) => e,
+    };
+    if body.len() > MAX_PATH_TRACKED_BODY {
+        let what = if first.is_syntax() || first.is_eof() {
+            "invalid JSON body"
+        } else {
+            "invalid request body"
+        };
+        return Err(invalid(format!("{what}: {first}")));
     }
     let mut de = serde_json::Deserializer::from_slice(body);
     let mut track = serde_path_to_error::Track::new();
@@ -786,8 +1091,8 @@ pub fn parse_limited(
     )?;
     require_model(&f.model)?;
     let mut canonical = Canon::new(max_canonical_bytes);
-    if let Some(tools) = &f.tools {
-        canonical.push(tools);
+    if let Some(tools) = f.tools {
+        canonical.append(tools);
     }
     canonical.append(f.prompt);
     Ok(ParsedRequest {
@@ -1019,5 +1324,152 @@ mod tests {
         .unwrap_err();
         assert!(e.message.contains("0..2^32"), "{}", e.message);
         assert_eq!(e.param.as_deref(), Some("prompt[0]"));
+    }
+
+    fn tools_body(tools: &str, content: &str) -> String {
+        format!(
+            r#"{{"model":"m","tools":{tools},"messages":[{{"role":"user","content":{}}}]}}"#,
+            serde_json::to_string(content).unwrap()
+        )
+    }
+
+    /// The canonical bytes `serde_json::to_vec(&Value)` gives `tools`, then the user message.
+    fn want_canonical(tools: &str, content: &str) -> Vec<u8> {
+        let v: serde_json::Value = serde_json::from_str(tools).unwrap();
+        let mut want = serde_json::to_vec(&v).unwrap();
+        want.extend_from_slice(format!("user\n{content}\n\n").as_bytes());
+        want
+    }
+
+    #[test]
+    fn canonical_bytes_of_ordinary_tools_are_unchanged() {
+        let tools = r#"[{"type":"function","function":{"name":"get_weather","description":"Weather at a place","parameters":{"type":"object","properties":{"location":{"type":"string","description":"City, e.g. \"Paris\""},"unit":{"type":"string","enum":["celsius","fahrenheit"]}},"required":["location"],"additionalProperties":false},"strict":true}}]"#;
+        let r = chat(&tools_body(tools, "hi")).unwrap();
+        // The bytes the previous (Value-tree) canonicalisation wrote, spelt out.
+        let golden = r#"[{"function":{"description":"Weather at a place","name":"get_weather","parameters":{"additionalProperties":false,"properties":{"location":{"description":"City, e.g. \"Paris\"","type":"string"},"unit":{"enum":["celsius","fahrenheit"],"type":"string"}},"required":["location"],"type":"object"},"strict":true},"type":"function"}]user
+hi
+
+"#;
+        assert_eq!(String::from_utf8(r.canonical.clone()).unwrap(), golden);
+        assert_eq!(r.canonical, want_canonical(tools, "hi"));
+        // Orderings a byte-wise comparison of escaped keys would get wrong, duplicates inside
+        // reordered and in-order objects, nesting under single-entry objects, empty values.
+        for tools in [
+            r#"[{"A":1,"\n":2,"é":3,"z":[{"y":1,"x":2}]}]"#,
+            r#"[{"a":{"x":1,"x":{"q":2,"p":1}},"b":[{"d":1,"c":2},[],{}]}]"#,
+            r#"[{"only":{"only":{"b":1,"a":[{"d":null,"c":true}]}}}, {"k":"v"}, [1,2.5,-3]]"#,
+            r#"[{"b":1,"a":2,"b":3,"a":{"z":0,"y":0}}]"#,
+            r#"[]"#,
+            r#"[{}]"#,
+        ] {
+            let r = chat(&tools_body(tools, "x")).unwrap();
+            let want = want_canonical(tools, "x");
+            assert_eq!(
+                String::from_utf8_lossy(&r.canonical),
+                String::from_utf8_lossy(&want),
+                "{tools}"
+            );
+            assert_eq!(r.canonical_len, want.len(), "{tools}");
+            // A capped parse keeps exactly a prefix of the same bytes.
+            for cap in 0..want.len() + 2 {
+                let c = parse_limited(
+                    Endpoint::ChatCompletions,
+                    tools_body(tools, "x").as_bytes(),
+                    cap,
+                )
+                .unwrap();
+                assert_eq!(
+                    c.canonical,
+                    want[..cap.min(want.len())],
+                    "{tools} cap {cap}"
+                );
+                assert_eq!(c.canonical_len, want.len(), "{tools} cap {cap}");
+            }
+        }
+    }
+
+    /// `levels` objects nested in one another, keys out of order at every level, each level
+    /// with `pad` bytes of string of its own.
+    fn nested_tools(levels: usize, pad: usize) -> String {
+        let filler = "p".repeat(pad);
+        let mut t = String::from("0");
+        for _ in 0..levels {
+            t = format!(r#"{{"z":"{filler}","a":{t}}}"#);
+        }
+        format!("[{t}]")
+    }
+
+    #[test]
+    fn deeply_nested_tools_are_refused_naming_tools() {
+        // The `tools` array is level 1: 31 objects inside it reach the limit, 32 pass it.
+        let ok = nested_tools(MAX_TOOLS_DEPTH - 1, 8);
+        let r = chat(&tools_body(&ok, "x")).unwrap();
+        assert_eq!(r.canonical, want_canonical(&ok, "x"));
+        for levels in [MAX_TOOLS_DEPTH, 120] {
+            let deep = nested_tools(levels, 8);
+            let e = chat(&tools_body(&deep, "x")).unwrap_err();
+            assert_eq!(e.status(), 400);
+            assert!(e.message.contains("`tools`"), "{}", e.message);
+            assert!(e.message.contains("deeper than 32"), "{}", e.message);
+            assert!(e.param.as_deref().is_some_and(|p| p.starts_with("tools")));
+            // Arrays count as well as objects.
+            let arrays = format!("{}{}", "[".repeat(levels + 1), "]".repeat(levels + 1));
+            let e = chat(&tools_body(&arrays, "x")).unwrap_err();
+            assert!(e.message.contains("deeper than 32"), "{}", e.message);
+        }
+        // A large invalid body is refused from the first pass, still naming `tools`.
+        let deep = nested_tools(120, 8);
+        let big = tools_body(&deep, &"y".repeat(MAX_PATH_TRACKED_BODY));
+        let e = chat(&big).unwrap_err();
+        assert_eq!(e.status(), 400);
+        assert!(e.message.contains("`tools`"), "{}", e.message);
+        let fine = tools_body(&nested_tools(3, 8), &"y".repeat(MAX_PATH_TRACKED_BODY));
+        let e = chat(&format!("{fine} trailing")).unwrap_err();
+        assert!(e.message.contains("trailing"), "{}", e.message);
+        let bad = format!(
+            r#"{{"model":"m","x":"{}","messages":5}}"#,
+            "y".repeat(MAX_PATH_TRACKED_BODY)
+        );
+        let e = chat(&bad).unwrap_err();
+        assert!(e.message.contains("invalid type"), "{}", e.message);
+    }
+
+    #[test]
+    fn nested_tools_cost_work_linear_in_their_size() {
+        // 31 levels, every one out of order: copying each level into its parent (the previous
+        // canonicaliser) wrote ~16x the input; one buffer and one ordered emission write ~2x.
+        let tools = nested_tools(MAX_TOOLS_DEPTH - 1, 4096);
+        let body = tools_body(&tools, "x");
+        TOOLS_WORK.with(|w| w.set(0));
+        let r = chat(&body).unwrap();
+        let work = TOOLS_WORK.with(|w| w.get());
+        assert_eq!(r.canonical, want_canonical(&tools, "x"));
+        assert!(
+            work <= 2 * tools.len() + 64,
+            "{work} bytes of work for {} bytes of tools",
+            tools.len()
+        );
+        // Under a cap, what is emitted stops at the cap.
+        TOOLS_WORK.with(|w| w.set(0));
+        let r = parse_limited(Endpoint::ChatCompletions, body.as_bytes(), 1000).unwrap();
+        let work = TOOLS_WORK.with(|w| w.get());
+        assert_eq!(r.canonical.len(), 1000);
+        assert!(work <= tools.len() + 1000 + 64, "{work}");
+        // Past the cap, later elements are validated and counted, not kept.
+        let two = format!(
+            "[{},{}]",
+            &tools[1..tools.len() - 1],
+            &tools[1..tools.len() - 1]
+        );
+        TOOLS_WORK.with(|w| w.set(0));
+        let r = parse_limited(
+            Endpoint::ChatCompletions,
+            tools_body(&two, "x").as_bytes(),
+            1000,
+        )
+        .unwrap();
+        let work = TOOLS_WORK.with(|w| w.get());
+        assert_eq!(r.canonical_len, want_canonical(&two, "x").len());
+        assert!(work <= tools.len() + 1000 + 64, "{work}");
     }
 }

@@ -2,8 +2,9 @@
 //! to the fleet and the residency index, and tracks the local engine's `kv_epoch`.
 //!
 //! A peer's published URL becomes an upstream only once it is admitted ([`PeerAdmission`]):
-//! resolved off the gossip task, inside the allowed networks (by default: the address the
-//! peer's authenticated gossip comes from), and answering a health probe.
+//! resolved off the gossip task, inside the allowed networks (by default: the IP the peer
+//! advertises for gossip, and only once this node has received authenticated gossip from that
+//! IP itself), and answering a health probe.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use http_body_util::BodyExt;
 use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
-use kvmesh_cluster::{Cluster, Membership, NodeRecord, Rejection, ResidencySync};
+use kvmesh_cluster::{Cluster, Membership, NodeRecord, PeerOrigin, Rejection, ResidencySync};
 use kvmesh_filters::residency::{NodeId, ResidencyIndex};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
@@ -34,6 +35,9 @@ const FORWARD_REASONS: [&str; 6] = [
 
 /// How long a refused peer URL waits before it is checked again.
 const REFUSED_RETRY: Duration = Duration::from_secs(10);
+/// How long a peer whose gossip address has not been heard from waits before it is asked
+/// again (direct contact usually follows within a few gossip rounds).
+const UNVERIFIED_RETRY: Duration = Duration::from_secs(1);
 
 /// What this proxy decided about a peer's published URL.
 #[derive(Debug, Clone, Copy)]
@@ -48,8 +52,8 @@ enum Verdict {
 
 /// Checks peers' published URLs before they are used as upstreams.
 pub struct PeerAdmission {
-    /// (node id, URL) -> verdict; one entry per node id.
-    verdicts: parking_lot::Mutex<HashMap<(String, String), Verdict>>,
+    /// (node id, URL, advertised gossip address) -> verdict; one entry per node id.
+    verdicts: parking_lot::Mutex<HashMap<(String, String, SocketAddr), Verdict>>,
     networks: Vec<ipnet::IpNet>,
     client: fleet::ProbeClient,
     timeout: Duration,
@@ -77,10 +81,11 @@ impl PeerAdmission {
         self: &Arc<Self>,
         node_id: &str,
         url: &str,
-        gossip_addr: SocketAddr,
+        origin: &PeerOrigin,
         via_peer: bool,
     ) -> Option<SocketAddr> {
-        let key = (node_id.to_string(), url.to_string());
+        let gossip_addr = origin.gossip_addr;
+        let key = (node_id.to_string(), url.to_string(), gossip_addr);
         let mut verdicts = self.verdicts.lock();
         match verdicts.get(&key) {
             Some(Verdict::Admitted(a)) => return Some(*a),
@@ -88,10 +93,16 @@ impl PeerAdmission {
             Some(Verdict::Refused(at)) if Instant::now() < *at => return None,
             _ => {}
         }
-        // A node publishes one URL: drop what we held for its previous one.
-        verdicts.retain(|(n, u), _| n != node_id || u == url);
+        // A node publishes one URL from one address: drop what we held for earlier ones.
+        verdicts.retain(|(n, u, g), _| n != node_id || (u == url && *g == gossip_addr));
         if verdicts.len() >= self.max_entries {
             self.refuse_count("over_cap");
+            return None;
+        }
+        if self.networks.is_empty() && !origin.heard_from && !gossip_addr.ip().is_loopback() {
+            // Its gossip address is only a claim until that host has gossiped with us.
+            verdicts.insert(key, Verdict::Refused(Instant::now() + UNVERIFIED_RETRY));
+            self.refuse_count("unverified");
             return None;
         }
         verdicts.insert(key.clone(), Verdict::Pending);
@@ -167,7 +178,15 @@ impl PeerAdmission {
     }
 
     fn forget(&self, node_id: &str) {
-        self.verdicts.lock().retain(|(n, _), _| n != node_id);
+        self.verdicts.lock().retain(|(n, _, _), _| n != node_id);
+    }
+
+    /// Drops verdicts of nodes no longer live (refused and pending ones included).
+    fn retain_live(&self, live: &[&str]) {
+        let live: std::collections::HashSet<&str> = live.iter().copied().collect();
+        self.verdicts
+            .lock()
+            .retain(|(n, _, _), _| live.contains(n.as_str()));
     }
 }
 
@@ -192,7 +211,7 @@ struct FleetMembership<'a> {
 }
 
 impl Membership for FleetMembership<'_> {
-    fn upsert(&self, r: &NodeRecord, gossip_addr: SocketAddr) -> Option<NodeId> {
+    fn upsert(&self, r: &NodeRecord, origin: &PeerOrigin) -> Option<NodeId> {
         let url = if self.via_peer {
             &r.proxy_url
         } else {
@@ -200,7 +219,7 @@ impl Membership for FleetMembership<'_> {
         };
         let Some(addr) = self
             .admission
-            .admitted(&r.node_id, url, gossip_addr, self.via_peer)
+            .admitted(&r.node_id, url, origin, self.via_peer)
         else {
             // Not (yet) checked: whatever we held for this node at another URL goes now.
             if self.fleet.has_peer_elsewhere(&r.node_id, url) {
@@ -218,6 +237,10 @@ impl Membership for FleetMembership<'_> {
             inflight: r.inflight,
             pending_prefill_bytes: r.pending_prefill_bytes,
         }))
+    }
+
+    fn live(&self, node_ids: &[&str]) {
+        self.admission.retain_live(node_ids);
     }
 
     fn remove(&self, node_id: &str, _node: NodeId) {
@@ -440,5 +463,95 @@ impl BackgroundService for ClusterService {
             }
         }
         cluster.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(max_peers: usize, networks: &[&str]) -> Arc<PeerAdmission> {
+        let mut cfg = ProxyConfig::default();
+        cfg.cluster.max_peers = max_peers;
+        cfg.cluster.peer_networks = networks.iter().map(|s| s.to_string()).collect();
+        PeerAdmission::new(&cfg, Arc::new(Metrics::new().expect("metrics")))
+    }
+
+    fn origin(ip: [u8; 4], heard_from: bool) -> PeerOrigin {
+        PeerOrigin {
+            gossip_addr: SocketAddr::from((ip, 7946)),
+            heard_from,
+        }
+    }
+
+    // Defect: verdicts of peers that left were never removed, so after 2 x max_peers refused
+    // or pending peers every new peer was refused as over_cap for good.
+    #[test]
+    fn verdicts_of_departed_peers_are_forgotten() {
+        let a = admission(2, &[]);
+        let unheard = origin([10, 0, 0, 9], false);
+        for i in 0..4 {
+            assert_eq!(
+                a.admitted(&format!("n{i}"), "http://10.0.0.9:1", &unheard, true),
+                None
+            );
+        }
+        assert_eq!(a.verdicts.lock().len(), 4);
+        // The table is full: a fifth is refused without a verdict.
+        assert_eq!(a.admitted("n5", "http://10.0.0.9:1", &unheard, true), None);
+        assert_eq!(a.verdicts.lock().len(), 4);
+        assert_eq!(
+            a.metrics
+                .gossip_peers_refused
+                .with_label_values(&["over_cap"])
+                .get(),
+            1
+        );
+        // They leave: their verdicts go, and a new peer gets a verdict again.
+        a.retain_live(&["n5"]);
+        assert!(a.verdicts.lock().is_empty());
+        assert_eq!(a.admitted("n5", "http://10.0.0.9:1", &unheard, true), None);
+        assert_eq!(a.verdicts.lock().len(), 1);
+    }
+
+    // A key holder may claim any gossip address: by default its URL is checked only once this
+    // node has heard authenticated gossip from that address itself.
+    #[test]
+    fn unverified_gossip_addresses_are_refused_by_default() {
+        let a = admission(8, &[]);
+        assert_eq!(
+            a.admitted(
+                "x",
+                "http://10.1.2.3:80",
+                &origin([10, 1, 2, 3], false),
+                true
+            ),
+            None
+        );
+        assert!(matches!(
+            a.verdicts.lock().values().next(),
+            Some(Verdict::Refused(_))
+        ));
+        assert_eq!(
+            a.metrics
+                .gossip_peers_refused
+                .with_label_values(&["unverified"])
+                .get(),
+            1
+        );
+    }
+
+    #[test]
+    fn network_rule() {
+        let same_host = admission(8, &[]);
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+        assert!(same_host.allowed(ip("10.0.0.5"), ip("10.0.0.5")));
+        assert!(!same_host.allowed(ip("10.0.0.6"), ip("10.0.0.5")));
+        assert!(same_host.allowed(ip("127.0.0.1"), ip("127.0.0.2")));
+        assert!(!same_host.allowed(ip("127.0.0.1"), ip("10.0.0.5")));
+        let listed = admission(8, &["10.0.0.0/24", "192.0.2.7"]);
+        assert!(listed.allowed(ip("10.0.0.200"), ip("172.16.0.1")));
+        assert!(listed.allowed(ip("192.0.2.7"), ip("172.16.0.1")));
+        assert!(!listed.allowed(ip("10.0.1.1"), ip("10.0.1.1")));
     }
 }

@@ -45,12 +45,16 @@ pub struct ProxyConfig {
     pub policy: Policy,
     /// Largest accepted request body, bytes; larger bodies get 413.
     pub max_body_bytes: usize,
+    /// Most seconds a client may take to send a request body, from the request head (or the
+    /// `100 Continue`) to its last byte; past it, 408 and the connection is closed.
+    pub body_read_timeout_secs: u64,
     /// Most requests in flight through this proxy, counted from admission (before the body is
     /// read) to the end of the response: a hard cap; past it, 429 with `Retry-After`.
     pub max_inflight: u64,
-    /// Most request-body bytes held by the proxy at once, over all requests: reserved from the
-    /// request head (`Content-Length`) or as chunks arrive, released once the body has been sent
-    /// and the engine has answered. A request that would pass it gets 503 with `Retry-After`.
+    /// Most request-body bytes held by the proxy at once, over all requests: reserved as they
+    /// arrive (a `Content-Length` only bounds the buffer, nothing is reserved for bytes not yet
+    /// received), released once the body has been sent and the engine has answered. A request
+    /// that would pass it gets 429 with `Retry-After`.
     pub body_budget_bytes: usize,
     /// Worker threads of the proxy (0: one per CPU).
     pub threads: usize,
@@ -139,8 +143,8 @@ pub struct ClusterToml {
     /// The most peers tracked; further nodes are ignored (and counted) until some leave.
     pub max_peers: usize,
     /// Networks (CIDR, or single IPs) a peer's published URL may point into. Empty (default):
-    /// the URL must resolve to the IP address the peer gossips from, so a peer can only
-    /// name itself.
+    /// the URL must resolve to the IP the peer advertises for gossip, and authenticated gossip
+    /// must have come from that IP (loopback to loopback allowed).
     pub peer_networks: Vec<String>,
 }
 
@@ -217,6 +221,7 @@ impl Default for ProxyConfig {
             mode: Mode::Gateway,
             policy: Policy::Prefix,
             max_body_bytes: 32 << 20,
+            body_read_timeout_secs: 30,
             max_inflight: 4096,
             body_budget_bytes: 256 << 20,
             threads: 0,
@@ -456,6 +461,9 @@ impl ProxyConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("`max_body_bytes` must be > 0".into());
+        }
+        if self.body_read_timeout_secs == 0 {
+            return bad("`body_read_timeout_secs` must be > 0".into());
         }
         if self.max_inflight == 0 {
             return bad("`max_inflight` must be > 0".into());
@@ -742,6 +750,7 @@ mod tests {
             (
                 c.listen.as_str(),
                 c.max_body_bytes,
+                c.body_read_timeout_secs,
                 c.max_inflight,
                 c.body_budget_bytes,
                 c.log.as_str()
@@ -749,6 +758,7 @@ mod tests {
             (
                 d.listen.as_str(),
                 d.max_body_bytes,
+                d.body_read_timeout_secs,
                 d.max_inflight,
                 d.body_budget_bytes,
                 d.log.as_str()
@@ -871,6 +881,7 @@ mod tests {
             ("max_body_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_body_bytes"),
             ("[routing]\nblock_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "block_bytes"),
             ("[routing]\nmax_prefix_blocks = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_prefix_blocks"),
+            ("body_read_timeout_secs = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_read_timeout_secs"),
             ("body_budget_bytes = 1000\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_budget_bytes"),
         ];
         for (text, needle) in cases {

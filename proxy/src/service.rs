@@ -2,9 +2,11 @@
 //!
 //! 1. `request_filter`: local endpoints; admission (a hard cap on requests in flight, taken
 //!    before the body is read); read and bound the body (its bytes reserved from a global body
-//!    budget); parse it in one streaming pass; hash the leading blocks of the canonical prompt
-//!    into the digest chain. Early refusals read and discard the rest of the body, bounded,
-//!    before closing (a lingering close), so that the client sees the error, not a reset.
+//!    budget as they arrive, the whole read under one deadline); parse it in one streaming
+//!    pass; hash the leading blocks of the canonical prompt into the digest chain. Early
+//!    refusals read and discard the rest of the body, bounded, before closing (a lingering
+//!    close), so that the client sees the error, not a reset; refusals for overload or a slow
+//!    client drain far less.
 //! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load;
 //!    in sidecar mode, keep the local engine unless a peer saves enough), then take the next
 //!    untried engine: the first call, and again after each failover. A peer's engine is reached
@@ -25,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header;
 use kvmesh_filters::chain::{text_chain_capped, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
@@ -56,6 +58,16 @@ pub const HOP_HEADER: &str = "x-kvmesh-hop";
 const LINGER_MAX_BYTES: usize = 64 << 20;
 /// ... and for at most this long, before the connection is closed.
 const LINGER_TIME: Duration = Duration::from_secs(5);
+/// The same after a refusal for overload (`max_inflight`, the body budget) or a body not sent
+/// in time: enough for a small body to be taken whole, never the cost of a large one.
+const SHORT_LINGER_MAX_BYTES: usize = 256 << 10;
+/// ... for at most this long.
+const SHORT_LINGER_TIME: Duration = Duration::from_secs(1);
+/// A body's buffer is first allocated this large (or as large as its `Content-Length`, if
+/// less), then at most doubled as bytes arrive.
+const MIN_BODY_ALLOC: usize = 64 << 10;
+/// Most bytes accepted after the JSON document of a chunked body; they must be whitespace.
+const MAX_TRAILING_BYTES: usize = 16 << 10;
 
 /// Proxy-wide hard limits: requests in flight and request-body bytes held.
 pub struct Limits {
@@ -181,6 +193,9 @@ pub struct Ctx {
     body_permit: Option<BodyPermit>,
     /// The client asked `Expect: 100-continue` and has not been told to send the body.
     awaiting_continue: bool,
+    /// A chunked body whose last chunks Pingora reads (after the JSON document): checked in
+    /// `request_body_filter`.
+    tail: Option<Tail>,
     body_sent: bool,
     plan: Option<Plan>,
     decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
@@ -209,6 +224,7 @@ impl Ctx {
             body: None,
             body_permit: None,
             awaiting_continue: false,
+            tail: None,
             body_sent: false,
             plan: None,
             decision: None,
@@ -250,22 +266,51 @@ async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
+/// What follows the JSON document of a chunked body that Pingora's own body loop reads.
+struct Tail {
+    /// Length of the body read so far.
+    body_len: usize,
+    /// Bytes offered after it in this attempt (a failover replays them).
+    seen: usize,
+    /// The body read deadline.
+    deadline: tokio::time::Instant,
+    /// Pingora's per-read timeout before it was shortened to the deadline, restored at the end.
+    read_timeout: Option<Duration>,
+}
+
 /// Lingering close: reads and discards what is left of the request body, at most
-/// [`LINGER_MAX_BYTES`] for at most [`LINGER_TIME`], so that a client that writes its whole body
-/// before reading gets the response rather than a connection reset. A client still waiting for
-/// `100 Continue` sends no body: nothing to drain.
-async fn linger(session: &mut Session, ctx: &Ctx) {
+/// [`LINGER_MAX_BYTES`] for at most [`LINGER_TIME`] ([`SHORT_LINGER_MAX_BYTES`] and
+/// [`SHORT_LINGER_TIME`] after `short` refusals: overload, slow clients), so that a client that
+/// writes its whole body before reading gets the response rather than a connection reset. A
+/// client still waiting for `100 Continue` sends no body: nothing to drain.
+async fn linger(session: &mut Session, ctx: &Ctx, short: bool) {
     if ctx.awaiting_continue {
         return;
     }
-    let deadline = tokio::time::Instant::now() + LINGER_TIME;
+    let (max_bytes, time) = if short {
+        (SHORT_LINGER_MAX_BYTES, SHORT_LINGER_TIME)
+    } else {
+        (LINGER_MAX_BYTES, LINGER_TIME)
+    };
+    let deadline = tokio::time::Instant::now() + time;
     let mut drained = 0usize;
-    while drained < LINGER_MAX_BYTES && !session.is_body_done() {
+    while drained < max_bytes && !session.is_body_done() {
         match tokio::time::timeout_at(deadline, session.read_request_body()).await {
             Ok(Ok(Some(chunk))) => drained += chunk.len(),
             _ => break,
         }
     }
+}
+
+/// The client did not send its body within `timeout`.
+fn body_timeout(timeout: Duration) -> ApiError {
+    ApiError::new(
+        ErrorKind::RequestTimeout,
+        format!(
+            "the request body was not received within {} s (`body_read_timeout_secs`)",
+            timeout.as_secs()
+        ),
+    )
 }
 
 async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
@@ -286,10 +331,13 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
         retry_after,
     )
     .await?;
+    // Overload and slow clients: a refused connection must not cost a long drain.
+    let short = matches!(e.kind, ErrorKind::Overloaded | ErrorKind::RequestTimeout);
     ctx.error = Some(e);
     ctx.body = None;
     ctx.body_permit = None;
-    linger(session, ctx).await;
+    ctx.tail = None;
+    linger(session, ctx, short).await;
     Ok(true)
 }
 
@@ -340,18 +388,24 @@ impl JsonEnd {
 impl Gateway {
     /// Reads the whole request body, bounded, arranging that Pingora can still send it upstream.
     ///
+    /// Bounds: `max_body_bytes` (413); the body budget, charged with the buffer as it grows with
+    /// the bytes received, never for bytes only declared (429); `body_read_timeout_secs` for the
+    /// whole read, however the client paces it (408).
+    ///
     /// Pingora sends a pre-read body upstream only from its 64 KiB replay buffer. So: with
     /// `Content-Length`, the replay buffer is armed once at most 64 KiB remain (it then holds
     /// the tail, and `request_body_filter` swaps in the whole body); with chunked framing, we stop
     /// reading once the JSON document is complete, before the terminating chunk, so that
-    /// Pingora's own body loop reads the end and calls `request_body_filter` where the whole
-    /// body is swapped in.
+    /// Pingora's own body loop reads the end and calls `request_body_filter`, which checks what
+    /// follows the document ([`Tail`]) and swaps in the whole body at the end.
     async fn read_body(
         &self,
         session: &mut Session,
         ctx: &mut Ctx,
     ) -> std::result::Result<Bytes, ApiError> {
         let limit = self.cfg.max_body_bytes;
+        let timeout = Duration::from_secs(self.cfg.body_read_timeout_secs);
+        let deadline = tokio::time::Instant::now() + timeout;
         let over_budget = || {
             self.metrics
                 .admission_rejections
@@ -361,6 +415,13 @@ impl Gateway {
                 ErrorKind::Overloaded,
                 "request bodies held by the proxy are at its budget (`body_budget_bytes`); retry shortly",
             )
+        };
+        let timed_out = || {
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["body_timeout"])
+                .inc();
+            body_timeout(timeout)
         };
         // Dropped (released) on any error; moved into the context with the body.
         let mut permit = BodyPermit::new(&self.limits);
@@ -397,12 +458,6 @@ impl Gateway {
         if content_length.is_some_and(|cl| cl > limit) {
             return Err(too_large());
         }
-        // Counted from the request head: a declared length is reserved before any byte is read.
-        if let Some(cl) = content_length {
-            if !permit.grow(cl) {
-                return Err(over_budget());
-            }
-        }
         let expects_continue = session
             .req_header()
             .headers
@@ -418,31 +473,56 @@ impl Gateway {
                 )
             })?;
         }
-        let mut buf = BytesMut::with_capacity(content_length.unwrap_or(16 * 1024).min(limit));
+        // A declared length only bounds the buffer: it grows (and is charged to the budget)
+        // with what arrives.
+        let ceiling = content_length.unwrap_or(limit);
+        let mut buf: Vec<u8> = Vec::new();
         let mut json_end = JsonEnd::default();
+        let mut tail_left = false;
         loop {
             if let Some(cl) = content_length {
                 if cl - buf.len().min(cl) <= REPLAY_TAIL {
                     session.as_mut().enable_retry_buffering();
                 }
             }
-            let chunk = session.read_request_body().await.map_err(|e| {
-                ApiError::new(
-                    ErrorKind::InvalidRequest,
-                    format!("failed to read the request body: {e}"),
-                )
-            })?;
+            let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
+                Err(_) => return Err(timed_out()),
+                Ok(read) => read.map_err(|e| {
+                    ApiError::new(
+                        ErrorKind::InvalidRequest,
+                        format!("failed to read the request body: {e}"),
+                    )
+                })?,
+            };
             let Some(chunk) = chunk else { break };
-            if buf.len() + chunk.len() > limit {
+            let need = buf.len() + chunk.len();
+            if need > limit {
                 return Err(too_large());
             }
-            if content_length.is_none() && !permit.grow(chunk.len()) {
-                return Err(over_budget());
+            if need > buf.capacity() {
+                // At most double what is held, never past the declared length (or the limit).
+                let target = need
+                    .max(buf.capacity().saturating_mul(2))
+                    .max(MIN_BODY_ALLOC)
+                    .min(ceiling.max(need));
+                let target = if permit.grow(target - permit.bytes) {
+                    target
+                } else if permit.grow(need.saturating_sub(permit.bytes)) {
+                    need
+                } else {
+                    return Err(over_budget());
+                };
+                buf.reserve_exact(target - buf.len());
+                // The allocation may round up: charge what is really held.
+                if buf.capacity() > permit.bytes && !permit.grow(buf.capacity() - permit.bytes) {
+                    return Err(over_budget());
+                }
             }
             buf.extend_from_slice(&chunk);
             if chunked {
                 json_end.feed(&chunk);
                 if json_end.complete && !session.is_body_done() {
+                    tail_left = true;
                     break;
                 }
             }
@@ -455,8 +535,56 @@ impl Gateway {
                 "request body could not be staged for forwarding",
             ));
         }
+        if tail_left {
+            // Pingora reads the rest: no single read may outlast the deadline, and
+            // `request_body_filter` checks the deadline, the bound and the bytes.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let read_timeout = session.get_read_timeout();
+            session.set_read_timeout(Some(left.max(Duration::from_millis(100))));
+            ctx.tail = Some(Tail {
+                body_len: buf.len(),
+                seen: 0,
+                deadline,
+                read_timeout,
+            });
+        }
         ctx.body_permit = Some(permit);
-        Ok(buf.freeze())
+        Ok(Bytes::from(buf))
+    }
+
+    /// Checks what Pingora read after the JSON document of a chunked body: whitespace only, at
+    /// most [`MAX_TRAILING_BYTES`] (and within `max_body_bytes`), before the deadline.
+    fn check_tail(&self, ctx: &mut Ctx, data: &[u8]) -> std::result::Result<(), ApiError> {
+        let Some(t) = ctx.tail.as_mut() else {
+            return Ok(());
+        };
+        t.seen = t.seen.saturating_add(data.len());
+        if !data.iter().all(u8::is_ascii_whitespace) {
+            return Err(ApiError::new(
+                ErrorKind::InvalidRequest,
+                "invalid JSON body: characters after the JSON document",
+            ));
+        }
+        let limit = self.cfg.max_body_bytes;
+        if t.seen > MAX_TRAILING_BYTES || t.body_len.saturating_add(t.seen) > limit {
+            return Err(ApiError::new(
+                ErrorKind::BodyTooLarge,
+                format!(
+                    "request body has more than {MAX_TRAILING_BYTES} bytes of whitespace after its \
+                     JSON document, or exceeds the limit of {limit} bytes"
+                ),
+            ));
+        }
+        if tokio::time::Instant::now() > t.deadline {
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["body_timeout"])
+                .inc();
+            return Err(body_timeout(Duration::from_secs(
+                self.cfg.body_read_timeout_secs,
+            )));
+        }
+        Ok(())
     }
 
     /// Local endpoints; `true` when answered.
@@ -841,6 +969,10 @@ impl ProxyHttp for Gateway {
         }
         ctx.attempts += 1;
         ctx.body_sent = false;
+        if let Some(t) = ctx.tail.as_mut() {
+            // A failover replays what was read of the tail.
+            t.seen = 0;
+        }
         if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
             let reason = if ctx.attempts > 1 {
                 "failover"
@@ -902,11 +1034,27 @@ impl ProxyHttp for Gateway {
 
     async fn request_body_filter(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if ctx.tail.is_some() {
+            // A chunked body's end: what follows the document is checked, and the engine gets
+            // the body only once the client's is complete (so nothing is answered before).
+            if let Err(e) = self.check_tail(ctx, body.as_deref().unwrap_or_default()) {
+                let err = pingora_error(e.kind, &e.message);
+                ctx.error = Some(e);
+                return Err(err);
+            }
+            if !end_of_stream {
+                *body = Some(Bytes::new());
+                return Ok(());
+            }
+            if let Some(t) = ctx.tail.as_ref() {
+                session.set_read_timeout(t.read_timeout);
+            }
+        }
         // Whatever Pingora offers (the replay tail, the chunked terminator, insignificant
         // whitespace after the JSON document), the engine gets the whole body once per attempt.
         *body = if ctx.body_sent {
@@ -1051,6 +1199,9 @@ impl ProxyHttp for Gateway {
                 ),
                 (ErrorSource::Upstream, _) => {
                     ApiError::new(ErrorKind::UpstreamFailed, format!("engine failed: {e}"))
+                }
+                (ErrorSource::Downstream, ErrorType::ReadTimedout) => {
+                    body_timeout(Duration::from_secs(self.cfg.body_read_timeout_secs))
                 }
                 (ErrorSource::Downstream, _) => {
                     ApiError::new(ErrorKind::InvalidRequest, format!("client error: {e}"))

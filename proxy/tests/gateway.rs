@@ -247,6 +247,18 @@ fn bad_input_gets_openai_style_errors() {
         ),
         ("non-UTF-8", CHAT, non_utf8, Framing::Length, 400, "invalid"),
         (
+            "tools nested too deep",
+            CHAT,
+            chat_body(
+                "sim-model",
+                "hi",
+                &format!(r#","tools":{}{}"#, "[".repeat(40), "]".repeat(40)),
+            ),
+            Framing::Length,
+            400,
+            "`tools` nests arrays and objects deeper than 32",
+        ),
+        (
             "empty body",
             CHAT,
             Vec::new(),

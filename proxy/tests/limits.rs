@@ -19,18 +19,45 @@ const CHAT: &str = "/v1/chat/completions";
 fn busy_listen_port_exits_nonzero_naming_the_address() {
     let taken = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap();
+    let (status, stderr) = run_until_exit(&format!(
+        "listen = \"{addr}\"\nlog = \"info\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n"
+    ));
+    assert!(!status.success(), "exit status {status}: {stderr}");
+    assert!(stderr.contains(&addr.to_string()), "{stderr}");
+    assert!(
+        !stderr.contains("kvmesh-proxy listening"),
+        "claimed to listen: {stderr}"
+    );
+    drop(taken);
+}
+
+#[test]
+fn busy_gossip_port_exits_nonzero_naming_the_address() {
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let gossip = taken.local_addr().unwrap();
+    let (status, stderr) = run_until_exit(&format!(
+        "listen = \"127.0.0.1:{}\"\nmode = \"sidecar\"\nlog = \"info\"\n\
+         [cluster]\nenabled = true\ninsecure_plaintext = true\ngossip_listen = \"{gossip}\"\n\
+         [[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n",
+        free_port()
+    ));
+    assert!(!status.success(), "exit status {status}: {stderr}");
+    assert!(stderr.contains(&gossip.to_string()), "{stderr}");
+    assert!(
+        !stderr.contains("kvmesh-proxy listening"),
+        "claimed to listen: {stderr}"
+    );
+    drop(taken);
+}
+
+/// Starts the proxy on `toml` and waits (bounded) for it to exit: status and stderr.
+fn run_until_exit(toml: &str) -> (std::process::ExitStatus, String) {
     let config = std::env::temp_dir().join(format!(
         "kvmesh-busy-{}-{}.toml",
         std::process::id(),
-        addr.port()
+        free_port()
     ));
-    std::fs::write(
-        &config,
-        format!(
-            "listen = \"{addr}\"\nlog = \"info\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n"
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, toml).unwrap();
     let mut child = Command::new(bin("kvmesh-proxy"))
         .arg("--config")
         .arg(&config)
@@ -54,18 +81,13 @@ fn busy_listen_port_exits_nonzero_naming_the_address() {
         .unwrap();
     let _ = std::fs::remove_file(&config);
     assert!(exited, "still running 20 s after failing to bind: {stderr}");
-    assert!(!status.success(), "exit status {status}: {stderr}");
-    assert!(stderr.contains(&addr.to_string()), "{stderr}");
-    assert!(
-        !stderr.contains("kvmesh-proxy listening"),
-        "claimed to listen: {stderr}"
-    );
-    drop(taken);
+    (status, stderr)
 }
 
-/// Body bytes are reserved from the request head on: while uploads hold the whole budget, new
-/// bodies are refused with 429 JSON and `Retry-After` (concurrently too), the proxy stays up,
-/// and once the uploads finish the budget is free again.
+/// Body bytes are reserved as they arrive (a buffer that at most doubles, never past the
+/// declared length): while uploads that have sent most of their bodies hold the whole budget,
+/// new bodies are refused with 429 JSON and `Retry-After` (concurrently too), the proxy stays
+/// up, and once the uploads finish the budget is free again.
 #[test]
 fn body_budget_refuses_bodies_past_it_and_recovers() {
     let sim = Sim::instant("e0");
@@ -74,13 +96,15 @@ fn body_budget_refuses_bodies_past_it_and_recovers() {
         &[&sim],
         true,
     );
-    let body = chat_body("sim-model", &text(7, 999_900), "");
+    let body = chat_body("sim-model", &text(7, 999_000), "");
     assert!(
-        body.len() <= 1_000_000,
-        "two fill the 2 MB budget, and no more fits"
+        (999_000..1_000_000).contains(&body.len()),
+        "two fill the 2 MB budget but for a small body's bytes"
     );
+    // All but the last 1000 bytes sent: each buffer has grown to its declared length.
+    let sent = body.len() - 1000;
     let uploads: Vec<TcpStream> = (0..2)
-        .map(|_| start_upload(proxy.addr, CHAT, &body, 1000))
+        .map(|_| start_upload(proxy.addr, CHAT, &body, sent))
         .collect();
     let held = (2 * body.len()) as f64;
     assert!(
@@ -127,7 +151,7 @@ fn body_budget_refuses_bodies_past_it_and_recovers() {
         String::from_utf8_lossy(&small.body)
     );
     for u in uploads {
-        let r = finish_upload(u, &body, 1000);
+        let r = finish_upload(u, &body, sent);
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     }
     assert!(
@@ -257,4 +281,214 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
         post(proxy.addr, CHAT, &chat_body("sim-model", "hi", "")).status,
         200
     );
+}
+
+/// Slowloris: clients that declare large bodies and then stall or trickle hold no more of the
+/// body budget than they have sent, so a normal request still gets through; each is answered
+/// 408 (OpenAI-style JSON) once `body_read_timeout_secs` has passed, however it paces its bytes,
+/// and its connection is closed.
+#[test]
+fn slow_uploads_cannot_hold_the_body_budget() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start(
+        "max_body_bytes = 1048576\nbody_budget_bytes = 2097152\nbody_read_timeout_secs = 2",
+        &[&sim],
+        true,
+    );
+    // Declared lengths: any two would fill the budget, were they reserved up front.
+    let declared = chat_body("sim-model", &text(21, 1_040_000), "");
+    let stalled: Vec<TcpStream> = (0..3)
+        .map(|_| start_upload(proxy.addr, CHAT, &declared, 20))
+        .collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickling: Vec<(TcpStream, std::thread::JoinHandle<()>)> = (0..3)
+        .map(|_| {
+            let s = start_upload(proxy.addr, CHAT, &declared, 20);
+            let mut w = s.try_clone().unwrap();
+            let (stop, body) = (stop.clone(), declared.clone());
+            let t = std::thread::spawn(move || {
+                for b in &body[20..] {
+                    std::thread::sleep(Duration::from_millis(100));
+                    if stop.load(std::sync::atomic::Ordering::Relaxed)
+                        || w.write_all(std::slice::from_ref(b)).is_err()
+                    {
+                        break;
+                    }
+                }
+            });
+            (s, t)
+        })
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || proxy
+            .metric("kvmesh_inflight_requests")
+            == 6.0),
+        "admitted {} of the 6 slow uploads",
+        proxy.metric("kvmesh_inflight_requests")
+    );
+    let held = proxy.metric("kvmesh_request_body_bytes");
+    assert!(
+        held <= (6 * 64 * 1024) as f64,
+        "6 slow uploads of a few bytes each hold {held} bytes of the budget"
+    );
+    let normal = post(
+        proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &text(22, 300_000), ""),
+    );
+    assert_eq!(
+        normal.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&normal.body)
+    );
+    let check_408 = |r: &Resp| {
+        assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        assert_eq!(v["error"]["code"], "request_timeout", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("body_read_timeout_secs"),
+            "{v}"
+        );
+    };
+    for s in stalled {
+        // Read to EOF: the proxy closes the connection after the 408.
+        check_408(&read_response(s).expect("a 408, then the connection closed"));
+    }
+    for (mut s, t) in trickling {
+        check_408(&read_framed_response(&mut s).expect("a 408"));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        t.join().unwrap();
+    }
+    assert_eq!(
+        proxy.metric("kvmesh_admission_rejections_total{reason=\"body_timeout\"}"),
+        6.0
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || proxy
+            .metric("kvmesh_inflight_requests")
+            == 0.0
+            && proxy.metric("kvmesh_request_body_bytes") == 0.0),
+        "slots or budget not released"
+    );
+    assert_eq!(
+        post(proxy.addr, CHAT, &chat_body("sim-model", "hi", "")).status,
+        200
+    );
+}
+
+/// Sends `head`, then `chunks` each as one HTTP chunk, then (when `terminate`) the last chunk.
+fn chunked_upload(
+    addr: std::net::SocketAddr,
+    chunks: &[&[u8]],
+    terminate: bool,
+) -> std::io::Result<TcpStream> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut wire = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    .into_bytes();
+    for c in chunks {
+        wire.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        wire.extend_from_slice(c);
+        wire.extend_from_slice(b"\r\n");
+    }
+    if terminate {
+        wire.extend_from_slice(b"0\r\n\r\n");
+    }
+    s.write_all(&wire)?;
+    s.flush()?;
+    Ok(s)
+}
+
+/// What follows the JSON document of a chunked body is bounded and checked: a little
+/// whitespace is fine (and not forwarded), more is 413, anything else 400, and a client that
+/// never sends the last chunk gets 408 at the body deadline. The engine never sees those bodies.
+#[test]
+fn chunked_body_after_the_json_document_is_bounded() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("body_read_timeout_secs = 2", &[&sim], true);
+    let doc = chat_body("sim-model", &text(31, 5000), "");
+    let served = || proxy.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}");
+    // A little whitespace after the document: served, the document forwarded as it is.
+    let r = read_response(chunked_upload(proxy.addr, &[&doc, b"\r\n  \n", b" "], true).unwrap())
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        r.header("x-sim-body-len"),
+        Some(doc.len().to_string().as_str())
+    );
+    // 256 KiB of whitespace after it: 413, the rest drained so the client sees it.
+    let spaces = vec![b' '; 4096];
+    let mut chunks: Vec<&[u8]> = vec![&doc];
+    chunks.extend(std::iter::repeat_n(&spaces[..], 64));
+    let r = read_response(chunked_upload(proxy.addr, &chunks, true).unwrap())
+        .expect("the client saw a reset");
+    assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "request_too_large");
+    // Not whitespace: 400.
+    let r =
+        read_response(chunked_upload(proxy.addr, &[&doc, b"\n", b"{\"more\":1}"], true).unwrap())
+            .unwrap();
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "invalid_request", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("after the JSON document"),
+        "{v}"
+    );
+    // The document, then nothing more (no last chunk): 408 at the deadline.
+    let r = read_response(chunked_upload(proxy.addr, &[&doc], false).unwrap())
+        .expect("a 408, then the connection closed");
+    assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "request_timeout");
+    assert_eq!(served(), 1.0, "the engine answered a refused body");
+    assert!(eventually(Duration::from_secs(10), || proxy
+        .metric("kvmesh_inflight_requests")
+        == 0.0));
+}
+
+/// A refusal for overload reads little of the body before closing: a small body written whole
+/// still gets its 429, a large one is cut off (the client's write fails) instead of being read
+/// and thrown away; the 413 of an over-limit body still drains (the test above).
+#[test]
+fn overload_refusals_drain_little_before_closing() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("max_inflight = 1", &[&sim], true);
+    let held_body = chat_body("sim-model", &text(41, 20_000), "");
+    let held = start_upload(proxy.addr, CHAT, &held_body, 100);
+    assert!(eventually(Duration::from_secs(10), || proxy
+        .metric("kvmesh_inflight_requests")
+        == 1.0));
+    let head = |len: usize| {
+        format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        )
+    };
+    let small = chat_body("sim-model", &text(42, 100_000), "");
+    let r = raw_upload(proxy.addr, &head(small.len()), &small).expect("the client saw a reset");
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "overloaded");
+    // 40 MiB: far more than the drain and the loopback socket buffers together.
+    let large = chat_body("sim-model", &text(43, 40 << 20), "");
+    let mut s = TcpStream::connect(proxy.addr).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(head(large.len()).as_bytes()).unwrap();
+    let written = s.write_all(&large);
+    assert!(
+        written.is_err(),
+        "the proxy read a 40 MiB body it had refused for overload"
+    );
+    assert_eq!(
+        proxy.metric("kvmesh_admission_rejections_total{reason=\"max_inflight\"}"),
+        2.0
+    );
+    assert_eq!(finish_upload(held, &held_body, 100).status, 200);
 }

@@ -160,10 +160,15 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
     let wrong_key =
         kvmesh_cluster::Keyring::from_base64(&[kvmesh_cluster::Keyring::generate_base64()])
             .unwrap();
-    let sealed_wrong = kvmesh_cluster::seal::Sealer::new(wrong_key, "test").seal(&forged);
+    let a_gossip: SocketAddr = format!("127.0.0.1:{}", a.gossip).parse().unwrap();
+    let sealed_wrong = kvmesh_cluster::seal::Sealer::new(wrong_key, "test").seal(&forged, a_gossip);
+    // Sealed with the cluster key, but for c (as a sniffer would capture it): refused by a.
+    let right_key = kvmesh_cluster::Keyring::from_base64(&[GOSSIP_KEY]).unwrap();
+    let captured_for_c =
+        kvmesh_cluster::seal::Sealer::new(right_key, "test").seal(&forged, c_gossip);
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     udp.send_to(&forged, ("127.0.0.1", a.gossip)).unwrap();
-    for f in &sealed_wrong {
+    for f in sealed_wrong.iter().chain(&captured_for_c) {
         udp.send_to(f, ("127.0.0.1", a.gossip)).unwrap();
     }
     wait_for("a counts the forged datagrams", 10, || {
@@ -172,6 +177,9 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
             >= 1.0
             && a.proxy
                 .metric("kvmesh_gossip_dropped_total{reason=\"forged\"}")
+                >= 1.0
+            && a.proxy
+                .metric("kvmesh_gossip_dropped_total{reason=\"misdirected\"}")
                 >= 1.0
     });
 

@@ -447,6 +447,45 @@ pub fn finish_upload(mut s: TcpStream, body: &[u8], sent: usize) -> Resp {
     read_response(s).unwrap()
 }
 
+/// Reads one response by its framing (`Content-Length`), not waiting for the connection to
+/// close: for clients still sending when the proxy answers.
+pub fn read_framed_response(s: &mut TcpStream) -> std::io::Result<Resp> {
+    let mut raw = Vec::new();
+    let mut byte = [0u8; 1];
+    while !raw.ends_with(b"\r\n\r\n") {
+        if s.read(&mut byte)? == 0 {
+            return Err(std::io::Error::other(format!(
+                "connection closed after {} bytes of response head",
+                raw.len()
+            )));
+        }
+        raw.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&raw).to_string();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let len = headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body)?;
+    Ok(Resp {
+        status,
+        headers,
+        body,
+    })
+}
+
 /// Reads one `Connection: close` response to EOF and parses it.
 pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
     let mut raw = Vec::new();
