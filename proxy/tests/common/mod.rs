@@ -461,17 +461,7 @@ pub fn read_framed_response(s: &mut TcpStream) -> std::io::Result<Resp> {
         }
         raw.push(byte[0]);
     }
-    let head = String::from_utf8_lossy(&raw).to_string();
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect();
+    let (status, headers) = parse_head(&raw);
     let len = headers
         .iter()
         .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
@@ -486,15 +476,9 @@ pub fn read_framed_response(s: &mut TcpStream) -> std::io::Result<Resp> {
     })
 }
 
-/// Reads one `Connection: close` response to EOF and parses it.
-pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other(format!("no response head in {} bytes", raw.len())))?;
-    let head = String::from_utf8_lossy(&raw[..end]).to_string();
+/// Status code and headers of a response head (0 when the status line is unreadable).
+fn parse_head(raw: &[u8]) -> (u16, Vec<(String, String)>) {
+    let head = String::from_utf8_lossy(raw);
     let mut lines = head.split("\r\n");
     let status = lines
         .next()
@@ -505,6 +489,18 @@ pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .collect();
+    (status, headers)
+}
+
+/// Reads one `Connection: close` response to EOF and parses it.
+pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other(format!("no response head in {} bytes", raw.len())))?;
+    let (status, headers) = parse_head(&raw[..end]);
     Ok(Resp {
         status,
         headers,
