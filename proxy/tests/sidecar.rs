@@ -290,10 +290,19 @@ fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
         );
         assert_ne!(r.header("x-kvmesh-peer"), Some("c"));
     }
+    let series = || String::from_utf8(get(nodes[0].proxy.addr, "/metrics").unwrap().body).unwrap();
+    assert!(
+        series().contains("kvmesh_forwards_total{peer=\"c\""),
+        "the attempts to reach c should have been counted under c"
+    );
     wait_for("a forgets c", 20, || {
         nodes[0].proxy.metric("kvmesh_gossip_peers") == 1.0 && nodes[0].residency_of("c") == 0.0
     });
     eprintln!("dead peer dropped after {:?}", started.elapsed());
+    // c's per-peer series go with it (they would pile up for every peer ever seen).
+    wait_for("a removes c's forward series", 10, || {
+        !series().contains("peer=\"c\"")
+    });
 
     // c comes back and serves a new prefix (a holds the old one now); a learns it.
     let c_engine = sims[2].addr;
