@@ -273,6 +273,14 @@ impl<'de> Visitor<'de> for Body {
 /// counting as level 1. Deeper values are refused (400): real tool schemas nest a few levels.
 pub const MAX_TOOLS_DEPTH: usize = 32;
 
+/// Most bytes of `tools` written as compact JSON (keys in input order, duplicates included);
+/// larger `tools` are refused (400): it bounds the canonicaliser's buffer and bookkeeping,
+/// which the body budget does not see. Real tool lists are a few KiB to a few hundred KiB.
+pub const MAX_TOOLS_BYTES: usize = 1 << 20;
+
+/// Most entries of one object inside `tools`; objects with more are refused (400).
+pub const MAX_TOOLS_ENTRIES: usize = 4096;
+
 /// `tools`: null, or an array, canonicalised as compact JSON with sorted object keys (exactly
 /// what `serde_json::to_vec(&Value)` writes, later duplicate keys replacing earlier ones), of
 /// which the first `cap` bytes are kept and all are counted.
@@ -374,6 +382,10 @@ struct ToolsArena {
     sorted: Vec<std::ops::Range<usize>>,
     /// Scratch space for sorting an object's entries.
     order: Vec<usize>,
+    /// Compact JSON bytes of the whole `tools` array so far (not reset between elements).
+    total: usize,
+    /// `total` passed [`MAX_TOOLS_BYTES`]: nothing more is stored, the parse fails.
+    over: bool,
 }
 
 impl ToolsArena {
@@ -391,7 +403,11 @@ impl ToolsArena {
     }
 
     fn write(&mut self, b: &[u8]) -> usize {
-        if self.store {
+        self.total = self.total.saturating_add(b.len());
+        if self.total > MAX_TOOLS_BYTES {
+            self.over = true;
+        }
+        if self.store && !self.over {
             count_work(b.len());
             self.raw.extend_from_slice(b);
         }
@@ -406,8 +422,27 @@ impl ToolsArena {
             arena: self,
             written: 0,
         };
-        serde_json::to_writer(&mut w, v).map_err(E::custom)?;
-        Ok(w.written)
+        let written = serde_json::to_writer(&mut w, v).map(|()| w.written);
+        self.check()?;
+        written.map_err(E::custom)
+    }
+
+    /// Takes back the comma just written before a container turned out to end.
+    fn unwrite_comma(&mut self) {
+        self.total = self.total.saturating_sub(1);
+        if self.store && !self.over {
+            self.raw.pop();
+        }
+    }
+
+    /// Fails once `tools` has passed [`MAX_TOOLS_BYTES`].
+    fn check<E: de::Error>(&self) -> Result<(), E> {
+        if self.over {
+            return Err(E::custom(format_args!(
+                "`tools` is larger than {MAX_TOOLS_BYTES} bytes as compact JSON"
+            )));
+        }
+        Ok(())
     }
 
     /// Appends the element's canonical form (`len` bytes) to `out`, keeping at most its room.
@@ -435,6 +470,10 @@ struct RawWriter<'a> {
 impl std::io::Write for RawWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.written += self.arena.write(buf);
+        if self.arena.over {
+            // Stop serialising a value past the cap.
+            return Err(std::io::Error::other("`tools` too large"));
+        }
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -528,7 +567,9 @@ impl<'de> Visitor<'de> for JsonValue<'_> {
         self.arena.write_json(v)
     }
     fn visit_unit<E: de::Error>(self) -> Result<usize, E> {
-        Ok(self.arena.write(b"null"))
+        let n = self.arena.write(b"null");
+        self.arena.check()?;
+        Ok(n)
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<usize, A::Error> {
         if self.depth > MAX_TOOLS_DEPTH {
@@ -546,15 +587,18 @@ impl<'de> Visitor<'de> for JsonValue<'_> {
             match seq.next_element_seed(item)? {
                 Some(n) => len += comma + n,
                 None => {
-                    if comma > 0 && arena.store {
-                        arena.raw.pop();
+                    if comma > 0 {
+                        arena.unwrite_comma();
                     }
                     break;
                 }
             }
             first = false;
+            arena.check()?;
         }
-        Ok(len + arena.write(b"]"))
+        let len = len + arena.write(b"]");
+        arena.check()?;
+        Ok(len)
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<usize, A::Error> {
         if self.depth > MAX_TOOLS_DEPTH {
@@ -566,17 +610,23 @@ impl<'de> Visitor<'de> for JsonValue<'_> {
         let key_base = arena.keys.len();
         let open_base = arena.open.len();
         loop {
+            arena.check()?;
             if arena.open.len() > open_base {
                 arena.write(b",");
             }
             let entry_start = arena.pos();
             let key_start = arena.keys.len();
             let Some(key_len) = map.next_key_seed(KeyInto(&mut *arena))? else {
-                if arena.open.len() > open_base && arena.store {
-                    arena.raw.pop();
+                if arena.open.len() > open_base {
+                    arena.unwrite_comma();
                 }
                 break;
             };
+            if arena.open.len() - open_base >= MAX_TOOLS_ENTRIES {
+                return Err(de::Error::custom(format_args!(
+                    "`tools` has an object with more than {MAX_TOOLS_ENTRIES} entries"
+                )));
+            }
             let key = key_start..arena.keys.len();
             arena.write(b":");
             let value = JsonValue {
@@ -592,6 +642,7 @@ impl<'de> Visitor<'de> for JsonValue<'_> {
             });
         }
         arena.write(b"}");
+        arena.check()?;
         let end = arena.pos();
         let keys = &arena.keys;
         let entries = &arena.open[open_base..];
@@ -654,8 +705,10 @@ impl<'de> Visitor<'de> for KeyInto<'_> {
         f.write_str("an object key")
     }
     fn visit_str<E: de::Error>(self, v: &str) -> Result<usize, E> {
+        // Written (and checked against the cap) before the key is kept.
+        let n = self.0.write_json(v)?;
         self.0.keys.extend_from_slice(v.as_bytes());
-        self.0.write_json(v)
+        Ok(n)
     }
 }
 
@@ -1471,5 +1524,55 @@ hi
         let work = TOOLS_WORK.with(|w| w.get());
         assert_eq!(r.canonical_len, want_canonical(&two, "x").len());
         assert!(work <= tools.len() + 1000 + 64, "{work}");
+    }
+
+    #[test]
+    fn tools_with_too_many_entries_are_refused_naming_tools() {
+        let object = |n: usize| {
+            let entries: Vec<String> = (0..n).map(|i| format!("\"k{i:05}\":0")).collect();
+            format!("[{{{}}}]", entries.join(","))
+        };
+        let ok = object(MAX_TOOLS_ENTRIES);
+        let r = chat(&tools_body(&ok, "x")).unwrap();
+        assert_eq!(r.canonical, want_canonical(&ok, "x"));
+        let e = chat(&tools_body(&object(MAX_TOOLS_ENTRIES + 1), "x")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidRequest);
+        assert!(e.message.contains("`tools`"), "{}", e.message);
+        assert!(e.message.contains("entries"), "{}", e.message);
+        // Duplicated keys count too: `{"a":0,"a":0,...}` canonicalises to `{"a":0}`, but each
+        // entry costs bookkeeping while it is read.
+        let dup = format!("[{{{}}}]", vec!["\"a\":0"; MAX_TOOLS_ENTRIES + 1].join(","));
+        let e = chat(&tools_body(&dup, "x")).unwrap_err();
+        assert!(e.message.contains("`tools`"), "{}", e.message);
+    }
+
+    #[test]
+    fn oversize_tools_are_refused_naming_tools() {
+        // Many small out-of-order objects, within the entry cap but past the size cap.
+        let one = r#"{"b":1,"a":[2,3]}"#;
+        let n = MAX_TOOLS_BYTES / one.len() + 1;
+        let many = format!("[{}]", vec![one; n].join(","));
+        let e = chat(&tools_body(&many, "x")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidRequest);
+        assert!(e.message.contains("`tools`"), "{}", e.message);
+        assert!(e.message.contains("larger than"), "{}", e.message);
+        // One element (a single string) larger than the cap: refused as well, and its bytes are
+        // not copied past the cap.
+        let big = format!(
+            "[{{\"description\":\"{}\"}}]",
+            "d".repeat(4 * MAX_TOOLS_BYTES)
+        );
+        TOOLS_WORK.with(|w| w.set(0));
+        let e = chat(&tools_body(&big, "x")).unwrap_err();
+        let work = TOOLS_WORK.with(|w| w.get());
+        assert!(e.message.contains("`tools`"), "{}", e.message);
+        assert!(work <= MAX_TOOLS_BYTES + 64, "{work} bytes copied");
+        // Just under the cap is fine, and canonical.
+        let fits = format!(
+            "[{}]",
+            vec![one; MAX_TOOLS_BYTES / (one.len() + 1) - 1].join(",")
+        );
+        let r = chat(&tools_body(&fits, "x")).unwrap();
+        assert_eq!(r.canonical, want_canonical(&fits, "x"));
     }
 }

@@ -32,6 +32,10 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// The largest `max_body_bytes` accepted (1 GiB): a proxy that buffers whole bodies has no use
+/// for more, and the body scanners count in `u32`.
+pub const MAX_BODY_BYTES_LIMIT: usize = 1 << 30;
+
 /// The whole `kvmesh-proxy` configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -43,7 +47,7 @@ pub struct ProxyConfig {
     pub mode: Mode,
     /// Routing policy: `prefix`, `round_robin`, `least_inflight`, `power_of_two`, `session`.
     pub policy: Policy,
-    /// Largest accepted request body, bytes; larger bodies get 413.
+    /// Largest accepted request body, bytes; larger bodies get 413. At most 1 GiB.
     pub max_body_bytes: usize,
     /// Most seconds a client may take to send a request body, from the request head (or the
     /// `100 Continue`) to its last byte; past it, 408 and the connection is closed.
@@ -462,6 +466,12 @@ impl ProxyConfig {
         if self.max_body_bytes == 0 {
             return bad("`max_body_bytes` must be > 0".into());
         }
+        if self.max_body_bytes > MAX_BODY_BYTES_LIMIT {
+            return bad(format!(
+                "`max_body_bytes` ({}) must be at most {MAX_BODY_BYTES_LIMIT} (1 GiB)",
+                self.max_body_bytes
+            ));
+        }
         if self.body_read_timeout_secs == 0 {
             return bad("`body_read_timeout_secs` must be > 0".into());
         }
@@ -879,6 +889,7 @@ mod tests {
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1/v1\"", "path"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:2\"", "twice"),
             ("max_body_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_body_bytes"),
+            ("max_body_bytes = 1073741825\nbody_budget_bytes = 2147483648\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "at most 1073741824"),
             ("[routing]\nblock_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "block_bytes"),
             ("[routing]\nmax_prefix_blocks = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_prefix_blocks"),
             ("body_read_timeout_secs = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_read_timeout_secs"),

@@ -42,7 +42,7 @@ use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
 use crate::config::{ColdPlacement, HopTrust, Mode, ProxyConfig};
-use crate::fleet::{Dispatch, Fleet, NoRoute};
+use crate::fleet::{Dispatch, Engine, Fleet, NoRoute};
 use crate::metrics::Metrics;
 
 /// Pingora's per-request body replay buffer (`BODY_BUF_LIMIT` in pingora-core): a body whose
@@ -63,9 +63,10 @@ const LINGER_TIME: Duration = Duration::from_secs(5);
 const SHORT_LINGER_MAX_BYTES: usize = 256 << 10;
 /// ... for at most this long.
 const SHORT_LINGER_TIME: Duration = Duration::from_secs(1);
-/// A body's buffer is first allocated this large (or as large as its `Content-Length`, if
-/// less), then at most doubled as bytes arrive.
-const MIN_BODY_ALLOC: usize = 64 << 10;
+/// A body's buffer is first allocated as large as the bytes received, and at least this large
+/// (never past its `Content-Length`), then at most doubled as bytes arrive: the budget is charged
+/// with at most twice what has arrived, plus this.
+const FIRST_BODY_ALLOC: usize = 4 << 10;
 /// Most bytes accepted after the JSON document of a chunked body; they must be whitespace.
 const MAX_TRAILING_BYTES: usize = 16 << 10;
 
@@ -197,6 +198,9 @@ pub struct Ctx {
     /// `request_body_filter`.
     tail: Option<Tail>,
     body_sent: bool,
+    /// The engine chosen while the client's body is still arriving (a chunked body read on by
+    /// Pingora): its load is counted only once the body is complete (`request_body_filter`).
+    pending_dispatch: Option<(Arc<Engine>, u64)>,
     plan: Option<Plan>,
     decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
     attempts: u32,
@@ -216,6 +220,14 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// The engine this attempt goes to, counted or not yet.
+    fn engine(&self) -> Option<&Arc<Engine>> {
+        self.dispatch
+            .as_ref()
+            .map(Dispatch::engine)
+            .or(self.pending_dispatch.as_ref().map(|(e, _)| e))
+    }
+
     fn new() -> Self {
         Ctx {
             started: Instant::now(),
@@ -226,6 +238,7 @@ impl Ctx {
             awaiting_continue: false,
             tail: None,
             body_sent: false,
+            pending_dispatch: None,
             plan: None,
             decision: None,
             attempts: 0,
@@ -270,6 +283,8 @@ async fn respond(
 struct Tail {
     /// Length of the body read so far.
     body_len: usize,
+    /// Bytes after it that the proxy read itself, before Pingora took over.
+    read_before: usize,
     /// Bytes offered after it in this attempt (a failover replays them).
     seen: usize,
     /// The body read deadline.
@@ -331,8 +346,16 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
         retry_after,
     )
     .await?;
-    // Overload and slow clients: a refused connection must not cost a long drain.
-    let short = matches!(e.kind, ErrorKind::Overloaded | ErrorKind::RequestTimeout);
+    // Overload, slow clients, and refusals before admission (which hold no `max_inflight`
+    // slot): a refused connection must not cost a long drain.
+    let short = matches!(
+        e.kind,
+        ErrorKind::Overloaded
+            | ErrorKind::RequestTimeout
+            | ErrorKind::NotFound
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::Forbidden
+    );
     ctx.error = Some(e);
     ctx.body = None;
     ctx.body_permit = None;
@@ -372,7 +395,7 @@ impl JsonEnd {
             }
             match c {
                 b'"' => self.in_string = true,
-                b'{' | b'[' => self.depth += 1,
+                b'{' | b'[' => self.depth = self.depth.saturating_add(1),
                 b'}' | b']' => {
                     self.depth = self.depth.saturating_sub(1);
                     if self.depth == 0 {
@@ -392,12 +415,19 @@ impl Gateway {
     /// the bytes received, never for bytes only declared (429); `body_read_timeout_secs` for the
     /// whole read, however the client paces it (408).
     ///
-    /// Pingora sends a pre-read body upstream only from its 64 KiB replay buffer. So: with
-    /// `Content-Length`, the replay buffer is armed once at most 64 KiB remain (it then holds
-    /// the tail, and `request_body_filter` swaps in the whole body); with chunked framing, we stop
-    /// reading once the JSON document is complete, before the terminating chunk, so that
-    /// Pingora's own body loop reads the end and calls `request_body_filter`, which checks what
-    /// follows the document ([`Tail`]) and swaps in the whole body at the end.
+    /// Pingora sends a pre-read body upstream only from its 64 KiB replay buffer, which stops
+    /// holding anything once more than 64 KiB have passed through it. So: with `Content-Length`,
+    /// the replay buffer is armed once at most 64 KiB remain (it then holds the tail, and
+    /// `request_body_filter` swaps in the whole body). With chunked framing it is armed before
+    /// the first read; once the JSON document is complete, what follows it (whitespace, at most
+    /// [`MAX_TRAILING_BYTES`]) and the terminating chunk are read here too, under the same
+    /// deadline, while the replay buffer still holds everything read (bodies of up to 64 KiB):
+    /// no engine is chosen, connected to or charged before the whole body is in hand. For a
+    /// larger chunked body the replay buffer cannot hold it, and Pingora must read the terminating
+    /// chunk itself (else it would send the engine nothing): reading stops at the end of the
+    /// document, [`Tail`] makes `request_body_filter` check the rest, and the engine's load is
+    /// counted only once the body is complete (`pending_dispatch`); the engine connection is
+    /// opened before that, for at most the deadline.
     async fn read_body(
         &self,
         session: &mut Session,
@@ -406,6 +436,8 @@ impl Gateway {
         let limit = self.cfg.max_body_bytes;
         let timeout = Duration::from_secs(self.cfg.body_read_timeout_secs);
         let deadline = tokio::time::Instant::now() + timeout;
+        // Pingora's per-read timeout, shortened to the deadline while the body is read.
+        let read_timeout = session.get_read_timeout();
         let over_budget = || {
             self.metrics
                 .admission_rejections
@@ -422,6 +454,15 @@ impl Gateway {
                 .with_label_values(&["body_timeout"])
                 .inc();
             body_timeout(timeout)
+        };
+        let read_error = |e: Box<Error>| {
+            if e.etype() == &ErrorType::ReadTimedout {
+                return timed_out();
+            }
+            ApiError::new(
+                ErrorKind::InvalidRequest,
+                format!("failed to read the request body: {e}"),
+            )
         };
         // Dropped (released) on any error; moved into the context with the body.
         let mut permit = BodyPermit::new(&self.limits);
@@ -473,26 +514,27 @@ impl Gateway {
                 )
             })?;
         }
+        if chunked {
+            // Holds every byte read while the body stays within 64 KiB.
+            session.as_mut().enable_retry_buffering();
+        }
         // A declared length only bounds the buffer: it grows (and is charged to the budget)
         // with what arrives.
         let ceiling = content_length.unwrap_or(limit);
         let mut buf: Vec<u8> = Vec::new();
         let mut json_end = JsonEnd::default();
-        let mut tail_left = false;
         loop {
             if let Some(cl) = content_length {
                 if cl - buf.len().min(cl) <= REPLAY_TAIL {
                     session.as_mut().enable_retry_buffering();
                 }
             }
+            // Pingora's own timeout is per read: never let one outlast the deadline.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            session.set_read_timeout(Some(left.max(Duration::from_millis(1))));
             let chunk = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
                 Err(_) => return Err(timed_out()),
-                Ok(read) => read.map_err(|e| {
-                    ApiError::new(
-                        ErrorKind::InvalidRequest,
-                        format!("failed to read the request body: {e}"),
-                    )
-                })?,
+                Ok(read) => read.map_err(read_error)?,
             };
             let Some(chunk) = chunk else { break };
             let need = buf.len() + chunk.len();
@@ -500,11 +542,14 @@ impl Gateway {
                 return Err(too_large());
             }
             if need > buf.capacity() {
-                // At most double what is held, never past the declared length (or the limit).
-                let target = need
-                    .max(buf.capacity().saturating_mul(2))
-                    .max(MIN_BODY_ALLOC)
-                    .min(ceiling.max(need));
+                // The first buffer holds what arrived (at least 4 KiB); later ones at most double
+                // what is held; never past the declared length (or the limit).
+                let grown = if buf.capacity() == 0 {
+                    need.max(FIRST_BODY_ALLOC)
+                } else {
+                    need.max(buf.capacity().saturating_mul(2))
+                };
+                let target = grown.min(ceiling.max(need));
                 let target = if permit.grow(target - permit.bytes) {
                     target
                 } else if permit.grow(need.saturating_sub(permit.bytes)) {
@@ -521,44 +566,90 @@ impl Gateway {
             buf.extend_from_slice(&chunk);
             if chunked {
                 json_end.feed(&chunk);
-                if json_end.complete && !session.is_body_done() {
-                    tail_left = true;
+                if json_end.complete {
+                    let tail = self
+                        .read_tail(session, buf.len(), deadline, &read_error)
+                        .await?;
+                    if let Some(read_before) = tail {
+                        ctx.tail = Some(Tail {
+                            body_len: buf.len(),
+                            read_before,
+                            seen: 0,
+                            deadline,
+                            read_timeout,
+                        });
+                    }
                     break;
                 }
             }
         }
-        if content_length.is_some_and(|cl| cl > 0) && session.as_ref().get_retry_buffer().is_none()
-        {
-            // Never hang an upstream waiting for bytes we cannot replay.
-            return Err(ApiError::new(
-                ErrorKind::Internal,
-                "request body could not be staged for forwarding",
-            ));
+        if ctx.tail.is_none() {
+            session.set_read_timeout(read_timeout);
         }
-        if tail_left {
-            // Pingora reads the rest: no single read may outlast the deadline, and
-            // `request_body_filter` checks the deadline, the bound and the bytes.
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let read_timeout = session.get_read_timeout();
-            session.set_read_timeout(Some(left.max(Duration::from_millis(100))));
-            ctx.tail = Some(Tail {
-                body_len: buf.len(),
-                seen: 0,
-                deadline,
-                read_timeout,
-            });
+        if ctx.tail.is_none() && !buf.is_empty() && session.as_ref().get_retry_buffer().is_none() {
+            // Never hang an upstream waiting for bytes we cannot replay. (A chunked body that
+            // ended without a complete JSON document is refused by the parser first.)
+            if content_length.is_some() || json_end.complete {
+                return Err(ApiError::new(
+                    ErrorKind::Internal,
+                    "request body could not be staged for forwarding",
+                ));
+            }
         }
         ctx.body_permit = Some(permit);
         Ok(Bytes::from(buf))
     }
 
-    /// Checks what Pingora read after the JSON document of a chunked body: whitespace only, at
-    /// most [`MAX_TRAILING_BYTES`] (and within `max_body_bytes`), before the deadline.
-    fn check_tail(&self, ctx: &mut Ctx, data: &[u8]) -> std::result::Result<(), ApiError> {
-        let Some(t) = ctx.tail.as_mut() else {
-            return Ok(());
-        };
-        t.seen = t.seen.saturating_add(data.len());
+    /// Reads what follows the JSON document of a chunked body (`body_len` bytes so far) while
+    /// the replay buffer still holds every byte read: `None` once the terminating chunk has
+    /// been read (the body is whole), or `Some(bytes read after the document)` when the replay
+    /// buffer overflowed and Pingora must read the rest (checked by [`Self::check_tail`]).
+    async fn read_tail(
+        &self,
+        session: &mut Session,
+        body_len: usize,
+        deadline: tokio::time::Instant,
+        read_error: &impl Fn(Box<Error>) -> ApiError,
+    ) -> std::result::Result<Option<usize>, ApiError> {
+        let mut seen = 0usize;
+        loop {
+            if session.is_body_done() {
+                return Ok(None);
+            }
+            if session.as_ref().get_retry_buffer().is_none() {
+                return Ok(Some(seen));
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            session.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+            let piece = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
+                Err(_) => {
+                    self.metrics
+                        .admission_rejections
+                        .with_label_values(&["body_timeout"])
+                        .inc();
+                    return Err(body_timeout(Duration::from_secs(
+                        self.cfg.body_read_timeout_secs,
+                    )));
+                }
+                Ok(read) => read.map_err(read_error)?,
+            };
+            let Some(piece) = piece else {
+                return Ok(None);
+            };
+            seen = seen.saturating_add(piece.len());
+            self.trailing_ok(body_len, seen, &piece)?;
+        }
+    }
+
+    /// What follows a chunked body's JSON document: whitespace only (else 400), at most
+    /// [`MAX_TRAILING_BYTES`] of it and within `max_body_bytes` (else 413). `seen` counts every
+    /// byte after the document so far, `data` included.
+    fn trailing_ok(
+        &self,
+        body_len: usize,
+        seen: usize,
+        data: &[u8],
+    ) -> std::result::Result<(), ApiError> {
         if !data.iter().all(u8::is_ascii_whitespace) {
             return Err(ApiError::new(
                 ErrorKind::InvalidRequest,
@@ -566,7 +657,7 @@ impl Gateway {
             ));
         }
         let limit = self.cfg.max_body_bytes;
-        if t.seen > MAX_TRAILING_BYTES || t.body_len.saturating_add(t.seen) > limit {
+        if seen > MAX_TRAILING_BYTES || body_len.saturating_add(seen) > limit {
             return Err(ApiError::new(
                 ErrorKind::BodyTooLarge,
                 format!(
@@ -575,7 +666,25 @@ impl Gateway {
                 ),
             ));
         }
-        if tokio::time::Instant::now() > t.deadline {
+        Ok(())
+    }
+
+    /// Checks what Pingora read after the JSON document of a chunked body: whitespace only, at
+    /// most [`MAX_TRAILING_BYTES`] (and within `max_body_bytes`), before the deadline; then
+    /// shortens Pingora's next read to what is left of the deadline.
+    fn check_tail(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        data: &[u8],
+    ) -> std::result::Result<(), ApiError> {
+        let Some(t) = ctx.tail.as_mut() else {
+            return Ok(());
+        };
+        t.seen = t.seen.saturating_add(data.len());
+        self.trailing_ok(t.body_len, t.read_before.saturating_add(t.seen), data)?;
+        let now = tokio::time::Instant::now();
+        if now > t.deadline {
             self.metrics
                 .admission_rejections
                 .with_label_values(&["body_timeout"])
@@ -584,6 +693,8 @@ impl Gateway {
                 self.cfg.body_read_timeout_secs,
             )));
         }
+        let left = t.deadline.saturating_duration_since(now);
+        session.set_read_timeout(Some(left.max(Duration::from_millis(1))));
         Ok(())
     }
 
@@ -993,8 +1104,14 @@ impl ProxyHttp for Gateway {
             .unwrap_or((&[], 0));
         let uncached =
             total.saturating_sub(cand.overlap_blocks * self.cfg.routing.block_bytes) as u64;
-        // Replacing the guard releases a failed attempt's counts.
-        ctx.dispatch = Some(self.fleet.dispatch(&engine, uncached));
+        // Replacing the guard releases a failed attempt's counts. A body still arriving (read
+        // on by Pingora) is not counted as the engine's load until it is complete.
+        if ctx.tail.is_some() {
+            ctx.dispatch = None;
+            ctx.pending_dispatch = Some((engine.clone(), uncached));
+        } else {
+            ctx.dispatch = Some(self.fleet.dispatch(&engine, uncached));
+        }
         self.index
             .record(engine.id, chain, Source::Optimistic, Instant::now());
         let mut peer = HttpPeer::new(engine.addr, false, String::new());
@@ -1019,7 +1136,7 @@ impl ProxyHttp for Gateway {
         // One hop at most: the peer serves it locally. A client's own hop header (trusted, or
         // the request was refused) never travels further.
         req.remove_header(HOP_HEADER);
-        if ctx.dispatch.as_ref().is_some_and(|d| d.engine().via_peer()) {
+        if ctx.engine().is_some_and(|e| e.via_peer()) {
             req.insert_header(HOP_HEADER, "1")?;
         }
         if let Some(plan) = ctx.plan.as_ref() {
@@ -1042,7 +1159,7 @@ impl ProxyHttp for Gateway {
         if ctx.tail.is_some() {
             // A chunked body's end: what follows the document is checked, and the engine gets
             // the body only once the client's is complete (so nothing is answered before).
-            if let Err(e) = self.check_tail(ctx, body.as_deref().unwrap_or_default()) {
+            if let Err(e) = self.check_tail(session, ctx, body.as_deref().unwrap_or_default()) {
                 let err = pingora_error(e.kind, &e.message);
                 ctx.error = Some(e);
                 return Err(err);
@@ -1053,6 +1170,10 @@ impl ProxyHttp for Gateway {
             }
             if let Some(t) = ctx.tail.as_ref() {
                 session.set_read_timeout(t.read_timeout);
+            }
+            // The body is complete: now it is the engine's load.
+            if let Some((engine, uncached)) = ctx.pending_dispatch.take() {
+                ctx.dispatch = Some(self.fleet.dispatch(&engine, uncached));
             }
         }
         // Whatever Pingora offers (the replay tail, the chunked terminator, insignificant
@@ -1095,11 +1216,11 @@ impl ProxyHttp for Gateway {
                 ctx.json = Some(Vec::new());
             }
         }
-        if let Some(d) = ctx.dispatch.as_ref() {
-            match d.engine().peer.as_ref().filter(|p| p.via_peer) {
+        if let Some(engine) = ctx.engine() {
+            match engine.peer.as_ref().filter(|p| p.via_peer) {
                 // The peer proxy named its engine already; say which peer served it.
                 Some(p) => resp.insert_header("x-kvmesh-peer", p.node_id.as_str())?,
-                None => resp.insert_header("x-kvmesh-engine", d.engine().name.as_str())?,
+                None => resp.insert_header("x-kvmesh-engine", engine.name.as_str())?,
             }
         }
         Ok(())
@@ -1148,9 +1269,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        if let Some(d) = ctx.dispatch.take() {
-            tracing::warn!(engine = %d.engine().name, error = %e, "cannot connect to engine");
-            self.fleet.mark_down(d.engine());
+        let pending = ctx.pending_dispatch.take().map(|(engine, _)| engine);
+        if let Some(engine) = ctx.dispatch.take().map(|d| d.engine().clone()).or(pending) {
+            tracing::warn!(engine = %engine.name, error = %e, "cannot connect to engine");
+            self.fleet.mark_down(&engine);
         }
         if self.can_retry(ctx) {
             self.metrics.retries.with_label_values(&["connect"]).inc();
@@ -1171,6 +1293,7 @@ impl ProxyHttp for Gateway {
         // Replayable: Pingora still holds the body's tail, or has not read its end yet.
         let replayable = session.as_ref().get_retry_buffer().is_some() || !session.is_body_done();
         if e.esource() == &ErrorSource::Upstream && replayable && self.can_retry(ctx) {
+            ctx.pending_dispatch = None;
             if let Some(d) = ctx.dispatch.take() {
                 tracing::warn!(engine = %d.engine().name, error = %e, "engine failed before answering; failing over");
             }
@@ -1201,6 +1324,11 @@ impl ProxyHttp for Gateway {
                     ApiError::new(ErrorKind::UpstreamFailed, format!("engine failed: {e}"))
                 }
                 (ErrorSource::Downstream, ErrorType::ReadTimedout) => {
+                    // Pingora's per-read timeout, shortened to the body deadline.
+                    self.metrics
+                        .admission_rejections
+                        .with_label_values(&["body_timeout"])
+                        .inc();
                     body_timeout(Duration::from_secs(self.cfg.body_read_timeout_secs))
                 }
                 (ErrorSource::Downstream, _) => {
@@ -1250,6 +1378,7 @@ impl ProxyHttp for Gateway {
         }
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
+        ctx.pending_dispatch = None;
         ctx.body = None;
         ctx.body_permit = None;
         ctx.admitted = None;

@@ -270,13 +270,30 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
     let r = raw_upload(proxy.addr, &head, &chunked).expect("the client saw a reset");
     assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["error"]["code"], "request_too_large");
-    // Refused before reading (unknown path): the body is drained as well.
+    // Refused before admission (unknown path, wrong method): a small body is drained, so the
+    // client sees the error; a large one is cut off (the short drain: such refusals hold no
+    // `max_inflight` slot, so they must cost little).
+    let small = chat_body("sim-model", &text(6, 100_000), "");
+    for (method, path, status) in [("POST", "/v1/nothing", 404), ("GET", CHAT, 405)] {
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            small.len()
+        );
+        let r = raw_upload(proxy.addr, &head, &small).expect("the client saw a reset");
+        assert_eq!(r.status, status, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let large = chat_body("sim-model", &text(7, 40 << 20), "");
+    let mut s = TcpStream::connect(proxy.addr).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(30))).unwrap();
     let head = format!(
         "POST /v1/nothing HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        body.len()
+        large.len()
     );
-    let r = raw_upload(proxy.addr, &head, &body).expect("the client saw a reset");
-    assert_eq!(r.status, 404, "{}", String::from_utf8_lossy(&r.body));
+    s.write_all(head.as_bytes()).unwrap();
+    assert!(
+        s.write_all(&large).is_err(),
+        "the proxy read a 40 MiB body it had refused with 404"
+    );
     assert_eq!(
         post(proxy.addr, CHAT, &chat_body("sim-model", "hi", "")).status,
         200
@@ -284,30 +301,34 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
 }
 
 /// Slowloris: clients that declare large bodies and then stall or trickle hold no more of the
-/// body budget than they have sent, so a normal request still gets through; each is answered
-/// 408 (OpenAI-style JSON) once `body_read_timeout_secs` has passed, however it paces its bytes,
-/// and its connection is closed.
+/// body budget than about what they have sent (a first buffer of 4 KiB), so many of them cannot
+/// fill it and a normal request still gets through; each is answered 408 (OpenAI-style JSON)
+/// once `body_read_timeout_secs` has passed, however it paces its bytes, and its connection is
+/// closed.
 #[test]
 fn slow_uploads_cannot_hold_the_body_budget() {
     let sim = Sim::instant("e0");
     let proxy = Proxy::start(
-        "max_body_bytes = 1048576\nbody_budget_bytes = 2097152\nbody_read_timeout_secs = 2",
+        "max_body_bytes = 1048576\nbody_budget_bytes = 2097152\nbody_read_timeout_secs = 8",
         &[&sim],
         true,
     );
-    // Declared lengths: any two would fill the budget, were they reserved up front.
+    // Declared lengths: any two would fill the budget, were they reserved up front; and 40
+    // uploads of one byte each would pass it, were each charged 64 KiB (40 x 64 KiB > 2 MiB).
     let declared = chat_body("sim-model", &text(21, 1_040_000), "");
-    let stalled: Vec<TcpStream> = (0..3)
-        .map(|_| start_upload(proxy.addr, CHAT, &declared, 20))
+    const STALLED: usize = 40;
+    const TRICKLING: usize = 3;
+    let stalled: Vec<TcpStream> = (0..STALLED)
+        .map(|_| start_upload(proxy.addr, CHAT, &declared, 1))
         .collect();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let trickling: Vec<(TcpStream, std::thread::JoinHandle<()>)> = (0..3)
+    let trickling: Vec<(TcpStream, std::thread::JoinHandle<()>)> = (0..TRICKLING)
         .map(|_| {
-            let s = start_upload(proxy.addr, CHAT, &declared, 20);
+            let s = start_upload(proxy.addr, CHAT, &declared, 1);
             let mut w = s.try_clone().unwrap();
             let (stop, body) = (stop.clone(), declared.clone());
             let t = std::thread::spawn(move || {
-                for b in &body[20..] {
+                for b in &body[1..] {
                     std::thread::sleep(Duration::from_millis(100));
                     if stop.load(std::sync::atomic::Ordering::Relaxed)
                         || w.write_all(std::slice::from_ref(b)).is_err()
@@ -319,17 +340,22 @@ fn slow_uploads_cannot_hold_the_body_budget() {
             (s, t)
         })
         .collect();
+    let n = STALLED + TRICKLING;
+    // Every upload admitted and its first bytes charged: 4 KiB each (the trickling ones send
+    // far fewer bytes than that before their deadline).
+    let want = (n * 4096) as f64;
     assert!(
-        eventually(Duration::from_secs(10), || proxy
+        eventually(Duration::from_secs(6), || proxy
             .metric("kvmesh_inflight_requests")
-            == 6.0),
-        "admitted {} of the 6 slow uploads",
-        proxy.metric("kvmesh_inflight_requests")
+            == n as f64
+            && proxy.metric("kvmesh_request_body_bytes") == want),
+        "{} uploads admitted, holding {} bytes (want {n}, {want})",
+        proxy.metric("kvmesh_inflight_requests"),
+        proxy.metric("kvmesh_request_body_bytes")
     );
-    let held = proxy.metric("kvmesh_request_body_bytes");
-    assert!(
-        held <= (6 * 64 * 1024) as f64,
-        "6 slow uploads of a few bytes each hold {held} bytes of the budget"
+    assert_eq!(
+        proxy.metric("kvmesh_admission_rejections_total{reason=\"body_budget\"}"),
+        0.0
     );
     let normal = post(
         proxy.addr,
@@ -341,6 +367,13 @@ fn slow_uploads_cannot_hold_the_body_budget() {
         200,
         "{}",
         String::from_utf8_lossy(&normal.body)
+    );
+    let small = post(proxy.addr, CHAT, &chat_body("sim-model", "hi", ""));
+    assert_eq!(
+        small.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&small.body)
     );
     let check_408 = |r: &Resp| {
         assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&r.body));
@@ -365,7 +398,7 @@ fn slow_uploads_cannot_hold_the_body_budget() {
     }
     assert_eq!(
         proxy.metric("kvmesh_admission_rejections_total{reason=\"body_timeout\"}"),
-        6.0
+        n as f64
     );
     assert!(
         eventually(Duration::from_secs(10), || proxy
@@ -491,4 +524,71 @@ fn overload_refusals_drain_little_before_closing() {
         2.0
     );
     assert_eq!(finish_upload(held, &held_body, 100).status, 200);
+}
+
+/// A chunked body whose JSON document is complete but whose last chunk never comes takes no
+/// engine: small bodies are read to their end by the proxy before any engine is chosen; for
+/// bodies too large for Pingora's replay buffer the engine's load is counted only once the body
+/// is complete. Each gets 408 at the body deadline (counted as `body_timeout`), and no engine
+/// answers any of them.
+#[test]
+fn chunked_json_without_its_last_chunk_takes_no_engine() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("body_read_timeout_secs = 3", &[&sim], true);
+    let small = chat_body("sim-model", &text(51, 5000), "");
+    let large = chat_body("sim-model", &text(52, 200_000), "");
+    let mut pending = Vec::new();
+    for _ in 0..6 {
+        pending.push(chunked_upload(proxy.addr, &[&small], false).unwrap());
+    }
+    for _ in 0..2 {
+        let pieces: Vec<&[u8]> = large.chunks(16 << 10).collect();
+        pending.push(chunked_upload(proxy.addr, &pieces, false).unwrap());
+    }
+    // All read by the proxy (their documents are complete) ...
+    let read = (6 * small.len() + 2 * large.len()) as f64;
+    assert!(
+        eventually(Duration::from_secs(10), || proxy
+            .metric("kvmesh_request_body_bytes")
+            >= read),
+        "the proxy holds {} of {read} body bytes",
+        proxy.metric("kvmesh_request_body_bytes")
+    );
+    // ... and none of them is any engine's load while its body is incomplete.
+    for _ in 0..10 {
+        assert_eq!(
+            proxy.metric("kvmesh_engine_inflight"),
+            0.0,
+            "an engine was charged with a request whose body has not ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for s in pending {
+        let r = read_response(s).expect("a 408, then the connection closed");
+        assert_eq!(r.status, 408, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["error"]["code"], "request_timeout");
+    }
+    assert_eq!(
+        proxy.metric("kvmesh_admission_rejections_total{reason=\"body_timeout\"}"),
+        8.0
+    );
+    assert_eq!(
+        proxy.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}"),
+        0.0,
+        "an engine answered a body that never ended"
+    );
+    assert!(eventually(Duration::from_secs(10), || proxy
+        .metric("kvmesh_inflight_requests")
+        == 0.0
+        && proxy.metric("kvmesh_engine_inflight") == 0.0));
+    // The same bodies, ended, are served whole.
+    for doc in [&small, &large] {
+        let pieces: Vec<&[u8]> = doc.chunks(16 << 10).collect();
+        let r = read_response(chunked_upload(proxy.addr, &pieces, true).unwrap()).unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.header("x-sim-body-len"),
+            Some(doc.len().to_string().as_str())
+        );
+    }
 }
