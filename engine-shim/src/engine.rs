@@ -138,8 +138,10 @@ pub struct Worker {
     prefill_chunk: usize,
     store: Option<Box<dyn BlockStore>>,
     stats: Arc<Stats>,
-    /// Blocks the current request used or added: dropped from the pool if it fails.
-    touched: Vec<Digest>,
+    /// Blocks the current request added to the pool (paged in or computed): dropped from it if
+    /// the request fails. Blocks it only read stay: they were copied into its own KV buffer,
+    /// never written, and other requests' prefixes depend on them.
+    created: Vec<Digest>,
 }
 
 impl Worker {
@@ -161,12 +163,12 @@ impl Worker {
             prefill_chunk: prefill_chunk.max(1),
             store,
             stats,
-            touched: Vec::new(),
+            created: Vec::new(),
         }
     }
 
     /// Serves jobs until the queue closes. A job that fails (or panics) inside the model gets
-    /// [`Event::Failed`]; the blocks it touched leave the pool and the next job is served.
+    /// [`Event::Failed`]; the blocks it added leave the pool and the next job is served.
     pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
         let _no_grad = tch::no_grad_guard();
         while let Ok(job) = jobs.recv() {
@@ -188,7 +190,7 @@ impl Worker {
     /// Serves one job, isolating its failure; returns the events still to send (the final text
     /// and `Done`, or `Failed`).
     fn serve_one(&mut self, job: &Job) -> Vec<Event> {
-        self.touched.clear();
+        self.created.clear();
         let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve(job)));
         let message = match outcome {
             Ok(Ok(last)) => return last,
@@ -204,8 +206,9 @@ impl Worker {
             }
         };
         self.stats.requests_failed.fetch_add(1, Ordering::Relaxed);
-        // Whatever the failed request put into (or read from) the pool is not trusted.
-        for d in self.touched.drain(..) {
+        // Whatever the failed request put into the pool is not trusted (what it only read is
+        // unchanged: blocks are copied out, never written in place).
+        for d in self.created.drain(..) {
             self.cache.remove(&d);
         }
         self.stats
@@ -218,7 +221,6 @@ impl Worker {
     /// in chunks; returns the last position's logits and the cached token count.
     fn prefill(&mut self, prompt: &[u32], kv: &mut KvCache) -> (Tensor, usize) {
         let chain = token_chain(&self.ns, prompt, BLOCK_TOKENS);
-        self.touched.extend_from_slice(&chain);
         // At least one prompt token is always computed: its logits start the answer.
         let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
         let mut local = self.cache.leading(&chain[..usable.min(chain.len())]);
@@ -231,6 +233,7 @@ impl Worker {
                     match KvBlock::from_bytes(&self.model.cfg, &bytes) {
                         Some(b) => {
                             self.cache.insert(*d, b);
+                            self.created.push(*d);
                             paged += 1;
                         }
                         None => break,
@@ -257,6 +260,7 @@ impl Worker {
                     fresh.push((*d, block.to_bytes()));
                 }
                 self.cache.insert(*d, block);
+                self.created.push(*d);
             }
         }
         if let (Some(store), false) = (self.store.as_mut(), fresh.is_empty()) {

@@ -15,8 +15,13 @@ use engine_shim::kvstore::{KvagentStore, Limits, MacKey};
 use engine_shim::model::{Llama, WeightType};
 use engine_shim::server::{self, App};
 use engine_shim::tokenizer::ModelTokenizer;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use kvmesh_filters::error::{ApiError, ErrorKind};
 use serde::Deserialize;
+use tokio::sync::Semaphore;
+
+/// Pause after a failed `accept` (EMFILE and the like): retrying at once would spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 #[derive(Parser)]
 #[command(
@@ -87,6 +92,16 @@ struct EngineConfig {
     max_queue: usize,
     /// Largest request body, bytes.
     max_body_bytes: usize,
+    /// Most bytes of request bodies being read (and held until tokenised) at once, over all
+    /// connections; a body that does not fit gets 429.
+    max_body_buffer_bytes: usize,
+    /// Most open HTTP connections; one more is answered 429 and closed at once.
+    max_connections: usize,
+    /// Longest wait for a request's head (also between requests on a kept-alive connection),
+    /// milliseconds; then the connection is closed.
+    header_read_timeout_ms: u64,
+    /// Longest wait for a request's whole body, milliseconds; then 408 and the connection closes.
+    body_read_timeout_ms: u64,
     /// libtorch intra-op threads (0: one per CPU).
     threads: usize,
     /// Matrix weights: `f32` (default: the reference precision) or `bf16` (faster decode, but
@@ -122,6 +137,10 @@ impl Default for EngineConfig {
             cache_blocks: 512,
             max_queue: 64,
             max_body_bytes: 4 << 20,
+            max_body_buffer_bytes: 64 << 20,
+            max_connections: 256,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
             threads: 0,
             weights: WeightType::F32,
             kvagent_url: String::new(),
@@ -181,6 +200,17 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
         cfg.kvagent_fetch_timeout_ms > 0 && cfg.kvagent_put_timeout_ms > 0,
         "kvagent_fetch_timeout_ms and kvagent_put_timeout_ms must be > 0"
     );
+    anyhow::ensure!(cfg.max_connections > 0, "max_connections must be > 0");
+    anyhow::ensure!(
+        cfg.header_read_timeout_ms > 0 && cfg.body_read_timeout_ms > 0,
+        "header_read_timeout_ms and body_read_timeout_ms must be > 0"
+    );
+    anyhow::ensure!(
+        cfg.max_body_buffer_bytes >= cfg.max_body_bytes,
+        "max_body_buffer_bytes ({}) must be at least max_body_bytes ({})",
+        cfg.max_body_buffer_bytes,
+        cfg.max_body_bytes
+    );
     anyhow::ensure!(
         cfg.kv_mac_key.is_empty() || cfg.kv_mac_key_file.as_os_str().is_empty(),
         "set kv_mac_key or kv_mac_key_file, not both"
@@ -218,7 +248,19 @@ fn inspect(model: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the context and every cause ("cannot listen on ADDR: Address already in
+            // use (os error 98)").
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Some(Command::Inspect { model }) = &cli.command {
         return inspect(model);
@@ -313,6 +355,11 @@ fn main() -> anyhow::Result<()> {
         max_model_len,
         default_max_tokens: cfg.default_max_tokens,
         max_body_bytes: cfg.max_body_bytes,
+        body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),
+        body_budget: Arc::new(Semaphore::new(
+            cfg.max_body_buffer_bytes.min(Semaphore::MAX_PERMITS),
+        )),
+        tokenizing: Arc::new(Semaphore::new(server::TOKENIZE_CONCURRENCY)),
         max_queue: cfg.max_queue as u64,
         cache_capacity: cfg.cache_blocks,
         kv_epoch: std::time::SystemTime::now()
@@ -325,7 +372,12 @@ fn main() -> anyhow::Result<()> {
         tokio::net::TcpListener::from_std(listener)
             .with_context(|| format!("cannot listen on {addr}"))?
     };
-    rt.spawn(serve(listener, app));
+    rt.spawn(serve(
+        listener,
+        app,
+        cfg.max_connections,
+        Duration::from_millis(cfg.header_read_timeout_ms),
+    ));
     rt.spawn(async {
         let _ = tokio::signal::ctrl_c().await;
         std::process::exit(0);
@@ -335,20 +387,65 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve(listener: tokio::net::TcpListener, app: Arc<App>) {
+/// Accepts connections, at most `max_connections` open at once: one more is answered 429 and
+/// closed at once (never queued, never spun on). Every connection has a timer, so a head that
+/// does not arrive within `header_read_timeout` (also between kept-alive requests) closes it.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<App>,
+    max_connections: usize,
+    header_read_timeout: Duration,
+) {
+    let open = Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS)));
+    let refusal = over_capacity_response(max_connections);
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE, ENFILE, ENOBUFS...: the listener stays readable, so retrying at once
+                // would spin; wait for descriptors to be released.
+                tracing::warn!(error = %e, "accept failed; retrying shortly");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            tracing::debug!(%peer, max_connections, "over max_connections: refused");
+            // Best effort (a fresh socket's send buffer is empty); then closed.
+            let _ = stream.try_write(&refusal);
+            drop(stream);
             continue;
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc = hyper::service::service_fn(move |req| server::handle(app.clone(), req));
             let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_read_timeout)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
     }
+}
+
+/// The raw HTTP answer to a connection over `max_connections`: 429 with an OpenAI error.
+fn over_capacity_response(max_connections: usize) -> Vec<u8> {
+    let body = ApiError::new(
+        ErrorKind::Overloaded,
+        format!(
+            "engine-shim has {max_connections} connections open (max_connections); retry shortly"
+        ),
+    )
+    .to_json();
+    let mut out = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
 }
 
 #[cfg(test)]

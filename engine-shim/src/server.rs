@@ -4,16 +4,16 @@
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::{Frame, Incoming};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body as _, Frame, Incoming};
 use hyper::{Method, Request, Response};
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::engine::{Event, Job, SamplingParams, Stats};
 use crate::kvstore::RejectReason;
@@ -24,6 +24,10 @@ pub const MAX_STOP_BYTES: usize = 1024;
 
 /// Most `stop` strings.
 pub const MAX_STOPS: usize = 4;
+
+/// Requests parsed, rendered and tokenised at once (each on a blocking thread, off the HTTP
+/// runtime); more wait their turn.
+pub const TOKENIZE_CONCURRENCY: usize = 2;
 
 /// Response body type.
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -44,6 +48,13 @@ pub struct App {
     pub default_max_tokens: usize,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
+    /// Longest wait for a request's whole body; then 408.
+    pub body_read_timeout: Duration,
+    /// Bytes of request bodies being read or held until tokenised, over all connections (one
+    /// permit per byte); a body that does not fit gets 429.
+    pub body_budget: Arc<Semaphore>,
+    /// Permits to parse and tokenise ([`TOKENIZE_CONCURRENCY`]).
+    pub tokenizing: Arc<Semaphore>,
     /// Most requests waiting.
     pub max_queue: u64,
     /// Prefix cache capacity, blocks (for the KV usage gauge).
@@ -347,44 +358,127 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
     })
 }
 
-async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response<Body> {
-    let body = match Limited::new(req.into_body(), app.max_body_bytes)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(_) => {
-            return error_response(&ApiError::new(
-                ErrorKind::BodyTooLarge,
-                format!("request body exceeds {} bytes", app.max_body_bytes),
-            ))
+/// Reads a request body within `max_body_bytes`, `body_read_timeout` and the global body budget;
+/// the permit returned holds the body's bytes in the budget until it is dropped.
+async fn read_body(
+    app: &App,
+    mut body: Incoming,
+) -> Result<(Bytes, Option<OwnedSemaphorePermit>), ApiError> {
+    let too_large = || {
+        ApiError::new(
+            ErrorKind::BodyTooLarge,
+            format!("request body exceeds {} bytes", app.max_body_bytes),
+        )
+    };
+    // A declared length over the limit is refused before a byte is read.
+    if body.size_hint().lower() > app.max_body_bytes as u64 {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut buf = BytesMut::new();
+        let mut held: Option<OwnedSemaphorePermit> = None;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| bad(format!("could not read the request body: {e}")))?;
+            let Ok(data) = frame.into_data() else {
+                continue; // trailers
+            };
+            if buf.len().saturating_add(data.len()) > app.max_body_bytes {
+                return Err(too_large());
+            }
+            let n = u32::try_from(data.len()).map_err(|_| too_large())?;
+            let permit = app
+                .body_budget
+                .clone()
+                .try_acquire_many_owned(n)
+                .map_err(|_| {
+                    ApiError::new(
+                        ErrorKind::Overloaded,
+                        "too many request bodies are being read at once (max_body_buffer_bytes); retry shortly",
+                    )
+                })?;
+            match held.as_mut() {
+                Some(h) => h.merge(permit),
+                None => held = Some(permit),
+            }
+            buf.extend_from_slice(&data);
         }
+        Ok((buf.freeze(), held))
     };
-    let parsed = match parse(&app, &body, chat) {
-        Ok(p) => p,
-        Err(e) => return error_response(&e),
-    };
-    let ids = match app.tokenizer.encode(&parsed.prompt) {
-        Ok(ids) => ids,
-        Err(e) => return error_response(&bad(e.to_string())),
-    };
+    match tokio::time::timeout(app.body_read_timeout, read).await {
+        Ok(r) => r,
+        Err(_) => Err(ApiError::new(
+            ErrorKind::RequestTimeout,
+            format!(
+                "the request body did not arrive within {} ms (body_read_timeout_ms)",
+                app.body_read_timeout.as_millis()
+            ),
+        )),
+    }
+}
+
+/// Parses, renders and tokenises a request body (CPU work: run off the HTTP runtime) and checks
+/// the prompt against the context.
+fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>), ApiError> {
+    let parsed = parse(app, body, chat)?;
+    let ids = app
+        .tokenizer
+        .encode(&parsed.prompt)
+        .map_err(|e| bad(e.to_string()))?;
     if ids.is_empty() {
-        return error_response(&bad("the prompt has no tokens").with_param("prompt"));
+        return Err(bad("the prompt has no tokens").with_param("prompt"));
     }
     let requested = ids.len().checked_add(parsed.params.max_tokens);
     if requested.is_none_or(|n| n > app.max_model_len) {
         // u128: the sum of two usizes never overflows it.
         let total = ids.len() as u128 + parsed.params.max_tokens as u128;
-        return error_response(
-            &bad(format!(
-                "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
-                app.max_model_len,
-                ids.len(),
-                parsed.params.max_tokens
-            ))
-            .with_param(if chat { "messages" } else { "prompt" }),
-        );
+        return Err(bad(format!(
+            "This model's maximum context length is {} tokens. However, you requested {total} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+            app.max_model_len,
+            ids.len(),
+            parsed.params.max_tokens
+        ))
+        .with_param(if chat { "messages" } else { "prompt" }));
     }
+    Ok((parsed, ids))
+}
+
+async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response<Body> {
+    let (body, body_permit) = match read_body(&app, req.into_body()).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut resp = error_response(&e);
+            // The rest of the body is not read: the connection cannot be reused.
+            resp.headers_mut().insert(
+                hyper::header::CONNECTION,
+                hyper::header::HeaderValue::from_static("close"),
+            );
+            return resp;
+        }
+    };
+    let Ok(permit) = app.tokenizing.clone().acquire_owned().await else {
+        return error_response(&ApiError::new(
+            ErrorKind::Internal,
+            "the engine is shutting down",
+        ));
+    };
+    let job_app = app.clone();
+    let prepared = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let _body_permit = body_permit;
+        prepare(&job_app, &body, chat)
+    })
+    .await;
+    let (parsed, ids) = match prepared {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return error_response(&e),
+        Err(e) => {
+            tracing::error!(error = %e, "preparing a request failed");
+            return error_response(&ApiError::new(
+                ErrorKind::Internal,
+                "the engine failed while tokenising this request",
+            ));
+        }
+    };
     if app.stats.waiting.load(Ordering::Relaxed) >= app.max_queue {
         return error_response(&ApiError::new(
             ErrorKind::Overloaded,

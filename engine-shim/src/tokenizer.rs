@@ -102,10 +102,11 @@ impl ModelTokenizer {
             .get("tokenizer.ggml.token_type")?
             .as_array()
             .ok_or_else(|| GgufError::Metadata("tokenizer.ggml.token_type".into()))?;
+        let is_control = |t: &Value| matches!(t, Value::I64(CONTROL) | Value::U64(3));
         let specials: Vec<AddedToken> = types
             .iter()
             .zip(&tokens)
-            .filter(|(t, _)| matches!(t, Value::I64(CONTROL) | Value::U64(3)))
+            .filter(|(t, _)| is_control(t))
             .map(|(_, tok)| AddedToken::from(tok.to_string(), true))
             .collect();
         tokenizer.add_special_tokens(&specials);
@@ -117,9 +118,28 @@ impl ModelTokenizer {
                 .map(|s| s.to_string())
                 .unwrap_or_default()
         };
-        // A byte-level token stands for one byte per character of its vocabulary entry, a special
-        // token for its literal text: neither exceeds the entry's UTF-8 length.
-        let max_token_bytes = tokens.iter().map(|t| t.len()).max().unwrap_or(1).max(1);
+        // The bytes of text each entry stands for: a control token its literal text; a BPE entry
+        // one byte per character of the byte-level alphabet (whose characters above U+007F take
+        // two bytes in UTF-8 but stand for one); an entry with a character outside the alphabet
+        // (BPE never produces one from text) is counted at its UTF-8 length, to stay an upper bound.
+        let alphabet = ByteLevel::alphabet();
+        let mut is_special = vec![false; tokens.len()];
+        for (flag, t) in is_special.iter_mut().zip(types) {
+            *flag = is_control(t);
+        }
+        let max_token_bytes = tokens
+            .iter()
+            .zip(&is_special)
+            .map(|(t, &special)| {
+                if !special && t.chars().all(|c| alphabet.contains(&c)) {
+                    t.chars().count()
+                } else {
+                    t.len()
+                }
+            })
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(ModelTokenizer {
             max_token_bytes,
             bos_text: text_of(bos),

@@ -29,7 +29,12 @@ impl Drop for Proc {
 }
 
 fn engine(extra: &[&str]) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
+    start(Command::new(env!("CARGO_BIN_EXE_engine-shim")), extra)
+}
+
+/// Starts `cmd` (engine-shim, or a shell that execs it) with the test's arguments and `extra`.
+fn start(mut cmd: Command, extra: &[&str]) -> Proc {
+    let mut child = cmd
         .current_dir(root())
         .args(["--listen", "127.0.0.1:0", "--cache-blocks", "256"])
         .args(extra)
@@ -317,7 +322,27 @@ fn blocks_paged_in_from_kvagent_give_the_recomputed_answer() {
     {
         let a = engine(&keyed);
         chat(a.addr, &q1, json!({}));
-        std::thread::sleep(Duration::from_millis(500));
+        // Write-through runs in the background: wait (bounded) until kvagent holds every full
+        // block of q1's prompt.
+        let g =
+            engine_shim::gguf::Gguf::open(&root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+                .unwrap();
+        let tok = engine_shim::tokenizer::ModelTokenizer::from_gguf(&g).unwrap();
+        let rendered = tok.render_chat(&[("user".into(), q1.clone())]).unwrap();
+        let blocks = (tok.encode(&rendered).unwrap().len() / 16) as u64;
+        assert!(blocks >= 40, "{blocks} blocks");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let stored = kvagent_stored_blocks(agent.addr);
+            if stored >= blocks {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kvagent holds {stored} of {blocks} blocks"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
     // Engine B starts empty, with the same key, and pages the document in.
     let b = engine(&keyed);
@@ -342,6 +367,22 @@ fn blocks_paged_in_from_kvagent_give_the_recomputed_answer() {
         );
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Blocks kvagent holds (RAM and SSD), from its Stats RPC.
+fn kvagent_stored_blocks(agent: SocketAddr) -> u64 {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c = kvagent::connect(format!("http://{agent}"), 64 << 20)
+            .await
+            .unwrap();
+        let s = c
+            .stats(kvagent::pb::StatsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        s.ram_blocks + s.ssd_blocks
+    })
 }
 
 #[test]
@@ -577,6 +618,14 @@ fn a_busy_listen_port_fails_naming_the_address() {
     let (ok, out, err) = run_to_exit(&["--listen", &addr]);
     assert!(!ok, "exited successfully with {addr} busy");
     assert!(err.contains(&addr), "stderr does not name {addr}: {err}");
+    // One line, as docs/engine-shim.md quotes it: the context and the OS's reason.
+    assert!(
+        err.lines().any(
+            |l| l.starts_with(&format!("Error: cannot listen on {addr}: "))
+                && l.contains("Address already in use")
+        ),
+        "{err}"
+    );
     assert!(!out.contains("listening"), "announced listening: {out}");
     // The socket is bound first: the address is reported even before a model is looked at.
     let (ok, out, err) = run_to_exit(&["--listen", &addr, "--model", "models/absent.gguf"]);
@@ -820,4 +869,204 @@ mod forged {
         }
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+/// The longest vocabulary entry in bytes of text: a byte-level entry stands for one byte per
+/// character (SmolLM2's control tokens are ASCII, one byte per character too).
+fn longest_entry_bytes() -> (usize, engine_shim::tokenizer::ModelTokenizer) {
+    let g = engine_shim::gguf::Gguf::open(&root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .unwrap();
+    let longest = g
+        .get_strings("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .map(|t| t.chars().count())
+        .max()
+        .unwrap();
+    let tok = engine_shim::tokenizer::ModelTokenizer::from_gguf(&g).unwrap();
+    (longest, tok)
+}
+
+#[test]
+fn a_prompt_just_over_the_decoded_byte_bound_is_rejected_before_it_is_tokenised() {
+    let (longest, tok) = longest_entry_bytes();
+    assert_eq!(
+        tok.max_token_bytes(),
+        longest,
+        "the bound is the decoded length"
+    );
+    let bos = usize::from(tok.add_bos);
+    // One byte more than (context - max_tokens) tokens of the longest entry can hold.
+    let bytes = (8192 - 4 - bos) * longest + 1;
+    let prompt = "a".repeat(bytes);
+    let e = engine(&[]);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 4}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}),
+        ),
+    ] {
+        let (s, b) = post(e.addr, path, &serde_json::to_vec(&body).unwrap());
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        assert_eq!(s, 400, "{path}");
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("maximum context length is 8192"), "{msg}");
+        assert!(
+            msg.contains(&format!("the prompt is {bytes} bytes")),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn health_answers_while_large_prompts_are_tokenised() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let (longest, tok) = longest_entry_bytes();
+    // Exactly at the byte bound: allowed through to the tokeniser (which finds far too many
+    // tokens: "a" merges into short entries).
+    let bytes = (8192 - 4 - usize::from(tok.add_bos)) * longest;
+    let body =
+        serde_json::to_vec(&json!({"model": MODEL, "prompt": "a".repeat(bytes), "max_tokens": 4}))
+            .unwrap();
+    let e = engine(&[]);
+    let big = 4;
+    let (sent, done) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let clients: Vec<_> = (0..big)
+        .map(|_| {
+            let (addr, body, sent, done) = (e.addr, body.clone(), sent.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+                write!(
+                    s,
+                    "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                )
+                .unwrap();
+                s.write_all(&body).unwrap();
+                sent.fetch_add(1, Ordering::SeqCst);
+                let mut raw = Vec::new();
+                s.read_to_end(&mut raw).unwrap();
+                done.fetch_add(1, Ordering::SeqCst);
+                String::from_utf8_lossy(&raw).to_string()
+            })
+        })
+        .collect();
+    while sent.load(Ordering::SeqCst) < big {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Every prompt is with the engine: /health is asked (and must be answered) while none of
+    // them has been answered yet.
+    let mut answered_while_busy = 0;
+    while done.load(Ordering::SeqCst) == 0 {
+        let h = get(e.addr, "/health");
+        if h.starts_with("HTTP/1.1 200") && done.load(Ordering::SeqCst) == 0 {
+            answered_while_busy += 1;
+        }
+    }
+    for c in clients {
+        let raw = c.join().unwrap();
+        assert!(raw.starts_with("HTTP/1.1 400"), "{:.300}", raw);
+        // Refused on its token count: it was tokenised.
+        assert!(raw.contains("you requested"), "{:.500}", raw);
+    }
+    assert!(
+        answered_while_busy >= 1,
+        "/health was not answered while the prompts were being tokenised"
+    );
+}
+
+#[test]
+fn idle_and_slow_connections_are_capped_and_closed() {
+    let config = temp_file(
+        "conns.toml",
+        "max_connections = 16\nheader_read_timeout_ms = 1000\nbody_read_timeout_ms = 1000\n",
+    );
+    // A descriptor limit the connections below would exhaust without the cap (engine-shim holds
+    // about a dozen descriptors when idle).
+    let mut sh = Command::new("sh");
+    sh.args([
+        "-c",
+        "ulimit -n 64 && exec \"$0\" \"$@\"",
+        env!("CARGO_BIN_EXE_engine-shim"),
+    ]);
+    let e = start(sh, &["--config", config.to_str().unwrap()]);
+    assert_eq!(
+        get(e.addr, "/health").lines().next(),
+        Some("HTTP/1.1 200 OK")
+    );
+    let open = |first: &[u8]| {
+        let mut s = TcpStream::connect(e.addr).unwrap();
+        s.write_all(first).unwrap();
+        s
+    };
+    // First slow bodies: a head announcing 4 MB, then one byte, then nothing.
+    let slow_head: &[u8] =
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n{";
+    let mut slow: Vec<TcpStream> = (0..40).map(|_| open(slow_head)).collect();
+    // Then connections that send nothing, and some that send half a head.
+    let mut idle: Vec<TcpStream> = (0..20).map(|_| open(b"")).collect();
+    idle.extend((0..20).map(|_| open(b"GET /health HTTP/1.1\r\nHo")));
+    // /health is answered (the cap holds descriptors back, timeouts free the slots).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let answered = TcpStream::connect(e.addr).ok().and_then(|mut s| {
+            s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            Some(out)
+        });
+        if answered
+            .as_deref()
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200") && a.ends_with("ok\n"))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/health never answered: {answered:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Every held connection is closed by the engine (EOF or reset), none left hanging; the slow
+    // bodies inside the cap get a 408 first.
+    let mut timed_out_bodies = 0;
+    for (i, s) in slow.iter_mut().chain(idle.iter_mut()).enumerate() {
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut got = Vec::new();
+        match s.read_to_end(&mut got) {
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                panic!("connection {i} was left open: {e}")
+            }
+            Err(_) => {} // reset: closed
+        }
+        let text = String::from_utf8_lossy(&got);
+        if text.starts_with("HTTP/1.1 408") {
+            assert!(text.contains("body_read_timeout_ms"), "{text}");
+            assert!(
+                text.contains("\"code\":\"request_timeout\"") || text.contains("\"error\""),
+                "{text}"
+            );
+            timed_out_bodies += 1;
+        }
+    }
+    assert!(timed_out_bodies >= 1, "no slow body was answered 408");
+    // And the engine still does its job.
+    assert_eq!(
+        answer(&chat(e.addr, "What is the capital of France?", json!({}))),
+        "The capital of France is Paris."
+    );
 }

@@ -1,17 +1,31 @@
 //! The engine worker driven directly (the real model, no HTTP): a job that fails inside the
-//! model is answered with `Failed`, what it touched leaves the prefix cache, and the worker goes
-//! on serving; the load gauges are clear before `Done` is sent. Needs `scripts/setup.sh`.
+//! model is answered with `Failed`, the blocks it added leave the prefix cache (the shared
+//! prefix it only read stays), and the worker goes on serving; the load gauges are clear before `Done` is sent. Needs `scripts/setup.sh`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use engine_shim::engine::{Event, Job, SamplingParams, Stats, Worker};
+use engine_shim::cache::KvBlock;
+use engine_shim::engine::{BlockStore, Event, Job, SamplingParams, Stats, Worker};
 use engine_shim::gguf::Gguf;
 use engine_shim::model::{Llama, WeightType};
 use engine_shim::tokenizer::ModelTokenizer;
+use kvmesh_filters::chain::Digest;
 use tokio::sync::mpsc;
+
+/// A block store that pages in whatever payloads the test queued (and stores nothing).
+struct QueuedStore(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl BlockStore for QueuedStore {
+    fn put(&mut self, _blocks: Vec<(Digest, Vec<u8>)>) {}
+    fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
+        let mut q = self.0.lock().unwrap();
+        let n = digests.len().min(q.len());
+        q.drain(..n).collect()
+    }
+}
 
 fn model_path() -> PathBuf {
     let p =
@@ -85,15 +99,17 @@ fn a_failing_job_is_answered_and_the_worker_keeps_serving() {
     let tok = Arc::new(ModelTokenizer::from_gguf(&g).unwrap());
     let model = Llama::load(&g, WeightType::F32).unwrap();
     let vocab = model.cfg.vocab as u32;
+    let block_bytes = KvBlock::bytes(&model.cfg);
     drop(g);
     let stats = Arc::new(Stats::default());
+    let queued = Arc::new(Mutex::new(Vec::new()));
     let worker = Worker::new(
         model,
         tok.clone(),
         "SmolLM2-135M-Instruct",
         64,
         256,
-        None,
+        Some(Box::new(QueuedStore(queued.clone()))),
         stats.clone(),
     );
     let (jobs, queue) = std::sync::mpsc::sync_channel(8);
@@ -119,19 +135,34 @@ fn a_failing_job_is_answered_and_the_worker_keeps_serving() {
     );
     assert_eq!(running, 0);
 
-    // A token id outside the vocabulary makes libtorch fail inside the forward pass (after the
-    // cached blocks were read): the job fails, and the blocks it touched leave the pool.
+    // The France prompt's two blocks, then two more blocks paged in from the store, then a token
+    // id outside the vocabulary: libtorch fails inside the forward pass after the cached blocks
+    // were read and the paged-in ones added. The job fails; the two blocks it added leave the
+    // pool, the shared prefix it only read stays.
     let mut poisoned = france.clone();
+    let filler = tok.encode(" and then").unwrap();
+    while poisoned.len() < 4 * 16 + 1 {
+        poisoned.extend_from_slice(&filler[usize::from(tok.add_bos)..]);
+    }
+    poisoned.truncate(4 * 16 + 1);
     poisoned.push(vocab + 7);
+    queued
+        .lock()
+        .unwrap()
+        .extend([vec![0u8; block_bytes], vec![0u8; block_bytes]]);
     let (ev, running) = run_job(&jobs, &stats, poisoned, greedy(4));
     assert!(matches!(ev.last(), Some(Event::Failed { .. })), "{ev:?}");
+    assert!(
+        queued.lock().unwrap().is_empty(),
+        "the blocks were not paged in"
+    );
     assert_eq!(running, 0);
     assert_eq!(stats.requests_failed.load(Ordering::Relaxed), 2);
-    assert_eq!(stats.cache_blocks.load(Ordering::Relaxed), 0);
+    assert_eq!(stats.cache_blocks.load(Ordering::Relaxed), 2);
 
-    // Still serving, from a clean cache, with the same answer.
+    // Still serving, from the shared prefix, with the same answer.
     let (ev, running) = run_job(&jobs, &stats, france, greedy(24));
-    assert_eq!(cached(&ev), Some(0));
+    assert_eq!(cached(&ev), Some(32));
     assert_eq!(text(&ev), "The capital of France is Paris.");
     assert_eq!(running, 0);
     drop(jobs);
