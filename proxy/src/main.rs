@@ -1,11 +1,5 @@
 //! `kvmesh-proxy`: the KV-cache-aware gateway in front of OpenAI-compatible engines.
 
-mod cluster;
-mod config;
-mod fleet;
-mod metrics;
-mod service;
-
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,10 +13,11 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
-use crate::config::ProxyConfig;
-use crate::fleet::Fleet;
-use crate::metrics::Metrics;
-use crate::service::{Gateway, Limits};
+use kvmesh_proxy::cluster;
+use kvmesh_proxy::config::ProxyConfig;
+use kvmesh_proxy::fleet::{self, Fleet};
+use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::service::{Gateway, Limits};
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here
