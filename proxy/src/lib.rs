@@ -2,8 +2,14 @@
 //! in front of OpenAI-compatible engines. The `kvmesh-proxy` binary (`main.rs`) assembles a
 //! server from these modules.
 
+pub mod admin;
+pub mod body;
 pub mod cluster;
 pub mod config;
+pub mod feedback;
 pub mod fleet;
 pub mod metrics;
+pub mod placement;
+pub mod plan;
 pub mod service;
+pub mod trust;

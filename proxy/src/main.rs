@@ -13,11 +13,12 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
+use kvmesh_proxy::body::Limits;
 use kvmesh_proxy::cluster;
 use kvmesh_proxy::config::ProxyConfig;
 use kvmesh_proxy::fleet::{self, Fleet};
 use kvmesh_proxy::metrics::Metrics;
-use kvmesh_proxy::service::{Gateway, Limits};
+use kvmesh_proxy::service::Gateway;
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here

@@ -1,0 +1,65 @@
+//! Local answers: `/health`, `/ready`, `/metrics` and `/v1/models`, served by the proxy itself.
+
+use bytes::Bytes;
+use pingora::prelude::*;
+use pingora::proxy::Session;
+
+use crate::service::{respond, Ctx, Gateway};
+
+impl Gateway {
+    /// Local endpoints; `true` when answered.
+    pub(crate) async fn local(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        path: &str,
+    ) -> Result<bool> {
+        let get = session.req_header().method == http::Method::GET;
+        let answer = match (get, path) {
+            (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
+            (true, "/ready") => {
+                if self.fleet.ready() {
+                    (200, "text/plain", Bytes::from_static(b"ready\n"))
+                } else {
+                    (
+                        503,
+                        "text/plain",
+                        Bytes::from_static(b"no healthy engine\n"),
+                    )
+                }
+            }
+            (true, "/metrics") => (200, "text/plain; version=0.0.4", {
+                self.metrics
+                    .inflight_requests
+                    .set(self.limits.inflight() as i64);
+                self.metrics.body_bytes.set(self.limits.body_bytes() as i64);
+                Bytes::from(self.metrics.render(&self.fleet, &self.index))
+            }),
+            (true, "/v1/models") => {
+                let mut ids: Vec<String> = Vec::new();
+                for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
+                    for m in e.models().iter().flat_map(|m| m.iter()) {
+                        if !ids.contains(m) {
+                            ids.push(m.clone());
+                        }
+                    }
+                }
+                let data: Vec<serde_json::Value> = ids
+                    .iter()
+                    .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvmesh"}))
+                    .collect();
+                let body = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+                    .unwrap_or_default();
+                (200, "application/json", Bytes::from(body))
+            }
+            _ => return Ok(false),
+        };
+        ctx.route = match path {
+            "/v1/models" => "models",
+            _ => "admin",
+        };
+        ctx.status = answer.0;
+        respond(session, answer.0, answer.1, answer.2, &[]).await?;
+        Ok(true)
+    }
+}

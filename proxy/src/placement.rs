@@ -1,0 +1,90 @@
+//! Sidecar placement: keep the local engine unless a peer saves enough, and the rendezvous
+//! home of a cold prefix (`sidecar.cold_placement = "home"`).
+
+use kvmesh_filters::chain::Digest;
+use kvmesh_filters::route::Decision;
+
+use crate::config::ColdPlacement;
+use crate::plan::Plan;
+use crate::service::Gateway;
+
+impl Gateway {
+    /// Sidecar rule: serve on the local engine unless the best peer saves at least
+    /// `sidecar.forward_min_saving` of the `prefix` cost against it (other policies: the rank
+    /// decides). Reorders `decision` so the local engine comes first when it keeps the request;
+    /// returns why a peer comes first otherwise.
+    pub(crate) fn prefer_local(
+        &self,
+        cands: &[kvmesh_filters::route::Candidate],
+        decision: &mut Decision,
+        plan: &Plan,
+    ) -> &'static str {
+        let total_bytes = plan.total_bytes;
+        let is_local = |i: usize| {
+            self.fleet
+                .get(cands[i].node)
+                .is_some_and(|e| e.peer.is_none())
+        };
+        let cold = cands.iter().all(|c| c.overlap_blocks == 0);
+        if let (true, ColdPlacement::Home, Some(first)) =
+            (cold, self.cfg.sidecar.cold_placement, plan.chain.first())
+        {
+            if let Some(home) = self.cold_home(cands, first) {
+                if let Some(pos) = decision.order.iter().position(|&i| i == home) {
+                    decision.order[..=pos].rotate_right(1);
+                }
+                return if is_local(home) { "local" } else { "home" };
+            }
+        }
+        let Some(&first) = decision.order.first() else {
+            return "rank";
+        };
+        if is_local(first) {
+            return "local";
+        }
+        let Some(pos) = decision.order.iter().position(|&i| is_local(i)) else {
+            return "local_down";
+        };
+        if self.router.policy() != kvmesh_filters::route::Policy::Prefix {
+            return "rank";
+        }
+        let p = self.router.params();
+        let local_cost =
+            kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], total_bytes, p);
+        let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], total_bytes, p);
+        if local_cost.saturating_sub(peer_cost) >= self.cfg.sidecar.forward_min_saving {
+            return "prefix_saving";
+        }
+        decision.order[..=pos].rotate_right(1);
+        "local"
+    }
+
+    /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising
+    /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees.
+    pub(crate) fn cold_home(
+        &self,
+        cands: &[kvmesh_filters::route::Candidate],
+        first: &Digest,
+    ) -> Option<usize> {
+        let own = self.cfg.node_id();
+        let weight = |c: &kvmesh_filters::route::Candidate| {
+            let engine = self.fleet.get(c.node)?;
+            let id = engine
+                .peer
+                .as_ref()
+                .map_or(own.as_str(), |p| p.node_id.as_str());
+            let mut h = blake3::Hasher::new();
+            h.update(&first.0);
+            h.update(id.as_bytes());
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h.finalize().as_bytes()[..8]);
+            Some(u64::from_le_bytes(b))
+        };
+        cands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, weight(c)?)))
+            .max_by_key(|(_, w)| *w)
+            .map(|(i, _)| i)
+    }
+}
