@@ -23,16 +23,17 @@ impl Gateway {
             return;
         };
         self.metrics.cached_tokens.inc_by(cached);
-        if u.prompt_tokens == 0 || plan.chain.is_empty() {
+        if u.prompt_tokens == 0 || plan.facts.chain.is_empty() {
             return;
         }
         // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
         let cached_bytes =
-            (plan.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
-        let cached_blocks = (cached_bytes / self.cfg.routing.block_bytes).min(plan.chain.len());
+            (plan.facts.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
+        let cached_blocks =
+            (cached_bytes / self.cfg.routing.block_bytes).min(plan.facts.chain.len());
         let verdict = self.index.confirm(
             d.engine().id,
-            &plan.chain,
+            &plan.facts.chain,
             ctx.predicted_overlap,
             cached_blocks,
             ctx.prediction_settled,

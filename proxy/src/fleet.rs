@@ -97,6 +97,12 @@ impl Engine {
         self.healthy.store(false, Ordering::Relaxed);
     }
 
+    /// Marks the engine healthy, as a successful probe would (unit tests of the decision).
+    #[cfg(test)]
+    pub(crate) fn mark_up(&self) {
+        self.healthy.store(true, Ordering::Relaxed);
+    }
+
     /// The models it serves, if known.
     pub fn models(&self) -> Option<Arc<Vec<String>>> {
         self.models_known

@@ -5,7 +5,7 @@ use kvmesh_filters::chain::Digest;
 use kvmesh_filters::route::Decision;
 
 use crate::config::ColdPlacement;
-use crate::plan::Plan;
+use crate::plan::RequestFacts;
 use crate::service::Gateway;
 
 impl Gateway {
@@ -17,9 +17,9 @@ impl Gateway {
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         decision: &mut Decision,
-        plan: &Plan,
+        facts: &RequestFacts,
     ) -> &'static str {
-        let total_bytes = plan.total_bytes;
+        let total_bytes = facts.total_bytes;
         let is_local = |i: usize| {
             self.fleet
                 .get(cands[i].node)
@@ -27,7 +27,7 @@ impl Gateway {
         };
         let cold = cands.iter().all(|c| c.overlap_blocks == 0);
         if let (true, ColdPlacement::Home, Some(first)) =
-            (cold, self.cfg.sidecar.cold_placement, plan.chain.first())
+            (cold, self.cfg.sidecar.cold_placement, facts.chain.first())
         {
             if let Some(home) = self.cold_home(cands, first) {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {

@@ -1,28 +1,65 @@
 //! Planning and the decision: what the router knows of a parsed request (its digest chain,
 //! size and session key), and the ranking of the engines that can serve it.
+//!
+//! The decision itself ([`Gateway::rank`]) takes plain [`RequestFacts`], not a Pingora
+//! session: the Pingora path builds them from the parsed body and its headers
+//! ([`Gateway::plan`]), and another front end (an external picker) can build them its own way.
 
 use std::time::Instant;
 
 use kvmesh_filters::chain::{text_chain_capped, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::{Endpoint, ParsedRequest};
+use kvmesh_filters::route::{Candidate, Decision};
 use pingora::proxy::Session;
 
 use crate::config::Mode;
 use crate::fleet::NoRoute;
 use crate::service::{Ctx, Gateway};
 
+/// The facts about one request that the routing decision needs, free of any transport.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// The model asked for.
+    pub model: String,
+    /// Digests of the leading blocks of the canonical prompt, first block first.
+    pub chain: Vec<Digest>,
+    /// Length of the canonical prompt, in bytes.
+    pub total_bytes: usize,
+    /// Session affinity key: the session header, else the body's `user`.
+    pub session_key: Option<String>,
+    /// Forwarded by a trusted peer proxy (the hop header): only local engines may serve it.
+    pub hop: bool,
+}
+
+/// The engines that can serve a request, ranked.
+#[derive(Debug, Clone)]
+pub struct Ranking {
+    /// Healthy engines serving the model, with the prefix overlap the residency index predicts.
+    pub candidates: Vec<Candidate>,
+    /// Indices into `candidates`, most preferred first, and why the first was chosen.
+    pub decision: Decision,
+    /// In sidecar mode, why the first choice is the local engine or a peer (the forward
+    /// metrics' `reason`); `"rank"` otherwise.
+    pub forward_reason: &'static str,
+}
+
+impl Ranking {
+    /// The candidates in ranked order, most preferred first.
+    pub fn ordered(&self) -> impl Iterator<Item = &Candidate> + '_ {
+        self.decision.order.iter().map(|&i| &self.candidates[i])
+    }
+}
+
 /// What the router knows of a parsed request.
 pub struct Plan {
     pub(crate) endpoint: Endpoint,
-    pub(crate) model: String,
-    pub(crate) chain: Vec<Digest>,
-    pub(crate) total_bytes: usize,
-    pub(crate) session_key: Option<String>,
+    /// The routing facts.
+    pub(crate) facts: RequestFacts,
 }
 
 impl Gateway {
-    pub(crate) fn plan(&self, session: &Session, parsed: ParsedRequest) -> Plan {
+    pub(crate) fn plan(&self, session: &Session, parsed: ParsedRequest, hop: bool) -> Plan {
         let ns = Namespace::new(
             &parsed.model,
             parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
@@ -42,10 +79,13 @@ impl Gateway {
             .or(parsed.user);
         Plan {
             endpoint: parsed.endpoint,
-            model: parsed.model,
-            chain,
-            total_bytes: parsed.canonical_len,
-            session_key,
+            facts: RequestFacts {
+                model: parsed.model,
+                chain,
+                total_bytes: parsed.canonical_len,
+                session_key,
+                hop,
+            },
         }
     }
 
@@ -53,42 +93,163 @@ impl Gateway {
         let Some(plan) = ctx.plan.as_ref() else {
             return Err(ApiError::new(ErrorKind::Internal, "no request plan"));
         };
-        let mut cands =
-            self.fleet
-                .candidates(&plan.model, ctx.local_only)
-                .map_err(|e| match e {
-                    NoRoute::UnknownModel => ApiError::new(
-                        ErrorKind::ModelNotFound,
-                        format!(
-                            "the model `{}` does not exist or is not served by any engine",
-                            plan.model
-                        ),
-                    )
-                    .with_param("model"),
-                    NoRoute::NoneHealthy => ApiError::new(
-                        ErrorKind::NoEngine,
-                        format!("no healthy engine serves `{}`", plan.model),
+        let ranking = self.rank(&plan.facts)?;
+        ctx.forward_reason = ranking.forward_reason;
+        ctx.decision = Some((ranking.candidates, ranking.decision));
+        Ok(())
+    }
+
+    /// Ranks the engines for a request: the policy over the residency index and live load, and
+    /// in sidecar mode the sidecar rule. Counts the decision in the metrics. The error is the
+    /// answer the proxy gives: an unknown model (404), or no healthy engine serving it (503).
+    pub fn rank(&self, facts: &RequestFacts) -> std::result::Result<Ranking, ApiError> {
+        let mut cands = self
+            .fleet
+            .candidates(&facts.model, facts.hop)
+            .map_err(|e| match e {
+                NoRoute::UnknownModel => ApiError::new(
+                    ErrorKind::ModelNotFound,
+                    format!(
+                        "the model `{}` does not exist or is not served by any engine",
+                        facts.model
                     ),
-                })?;
-        for (node, blocks) in self.index.overlap(&plan.chain, Instant::now()) {
+                )
+                .with_param("model"),
+                NoRoute::NoneHealthy => ApiError::new(
+                    ErrorKind::NoEngine,
+                    format!("no healthy engine serves `{}`", facts.model),
+                ),
+            })?;
+        for (node, blocks) in self.index.overlap(&facts.chain, Instant::now()) {
             if let Some(c) = cands.iter_mut().find(|c| c.node == node) {
                 c.overlap_blocks = blocks;
             }
         }
         let mut decision = self.router.rank(
             &cands,
-            plan.total_bytes,
-            plan.session_key.as_deref(),
+            facts.total_bytes,
+            facts.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
-        if self.cfg.mode == Mode::Sidecar && !ctx.local_only {
-            ctx.forward_reason = self.prefer_local(&cands, &mut decision, plan);
+        let mut forward_reason = "rank";
+        if self.cfg.mode == Mode::Sidecar && !facts.hop {
+            forward_reason = self.prefer_local(&cands, &mut decision, facts);
         }
         self.metrics
             .decisions
             .with_label_values(&[self.router.policy().label(), decision.reason.label()])
             .inc();
-        ctx.decision = Some((cands, decision));
-        Ok(())
+        Ok(Ranking {
+            candidates: cands,
+            decision,
+            forward_reason,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use kvmesh_filters::chain::{text_chain_capped, Namespace};
+    use kvmesh_filters::error::ErrorKind;
+    use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
+    use kvmesh_filters::route::Router;
+
+    use super::RequestFacts;
+    use crate::body::Limits;
+    use crate::config::{EngineAddr, ProxyConfig};
+    use crate::fleet::Fleet;
+    use crate::metrics::Metrics;
+    use crate::service::Gateway;
+
+    /// A gateway over three healthy engines serving `m`, with the default configuration.
+    fn gateway() -> Gateway {
+        let cfg = ProxyConfig::default();
+        let addrs = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(i, name)| EngineAddr {
+                name: name.to_string(),
+                url: format!("http://127.0.0.1:{}", i + 1),
+                addr: format!("127.0.0.1:{}", i + 1).parse().unwrap(),
+                models: vec!["m".into()],
+            })
+            .collect();
+        let fleet = Fleet::new(addrs, Duration::from_secs(5));
+        for e in fleet.engines().iter() {
+            e.mark_up();
+        }
+        Gateway {
+            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
+            index: Arc::new(ResidencyIndex::new(cfg.residency_config())),
+            metrics: Arc::new(Metrics::new().unwrap()),
+            fleet,
+            cfg,
+        }
+    }
+
+    /// Facts for a long shared prompt to `model`.
+    fn facts(gw: &Gateway, model: &str) -> RequestFacts {
+        let prompt = "You are a helpful assistant. Answer briefly. ".repeat(100);
+        let chain = text_chain_capped(
+            &Namespace::new(model, b""),
+            prompt.as_bytes(),
+            gw.cfg.routing.block_bytes,
+            gw.cfg.routing.max_prefix_blocks,
+        );
+        RequestFacts {
+            model: model.into(),
+            chain,
+            total_bytes: prompt.len(),
+            session_key: None,
+            hop: false,
+        }
+    }
+
+    #[test]
+    fn the_engine_holding_the_prefix_ranks_first() {
+        let gw = gateway();
+        let facts = facts(&gw, "m");
+        assert!(facts.chain.len() > 1);
+        let b = gw.fleet.engines()[1].id;
+        assert_eq!(b, NodeId(1));
+        gw.index
+            .record(b, &facts.chain, Source::Optimistic, Instant::now());
+        let ranking = gw.rank(&facts).unwrap();
+        assert_eq!(ranking.candidates.len(), 3);
+        let ordered: Vec<_> = ranking.ordered().collect();
+        assert_eq!(ordered.len(), 3);
+        assert_eq!(ordered[0].node, b);
+        assert_eq!(ordered[0].overlap_blocks, facts.chain.len());
+        assert!(ordered[1..].iter().all(|c| c.overlap_blocks == 0));
+        assert_eq!(ranking.decision.reason.label(), "prefix_hit");
+        assert_eq!(ranking.forward_reason, "rank");
+    }
+
+    #[test]
+    fn an_unknown_model_is_no_route() {
+        let gw = gateway();
+        let e = gw.rank(&facts(&gw, "nope")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ModelNotFound);
+        assert_eq!(e.status(), 404);
+        assert_eq!(
+            e.message,
+            "the model `nope` does not exist or is not served by any engine"
+        );
+        assert_eq!(e.param.as_deref(), Some("model"));
+    }
+
+    #[test]
+    fn no_healthy_engine_is_no_engine() {
+        let gw = gateway();
+        for e in gw.fleet.engines().iter() {
+            e.mark_down();
+        }
+        let e = gw.rank(&facts(&gw, "m")).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::NoEngine);
+        assert_eq!(e.message, "no healthy engine serves `m`");
     }
 }

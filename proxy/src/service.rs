@@ -299,7 +299,7 @@ impl ProxyHttp for Gateway {
             Err(e) => return respond_error(session, ctx, e).await,
         };
         ctx.body = Some(body);
-        ctx.plan = Some(self.plan(session, parsed));
+        ctx.plan = Some(self.plan(session, parsed, ctx.local_only));
         if let Err(e) = self.decide(ctx) {
             return respond_error(session, ctx, e).await;
         }
@@ -358,7 +358,7 @@ impl ProxyHttp for Gateway {
         let (chain, total) = ctx
             .plan
             .as_ref()
-            .map(|p| (p.chain.as_slice(), p.total_bytes))
+            .map(|p| (p.facts.chain.as_slice(), p.facts.total_bytes))
             .unwrap_or((&[], 0));
         let uncached =
             total.saturating_sub(cand.overlap_blocks * self.cfg.routing.block_bytes) as u64;
@@ -398,9 +398,9 @@ impl ProxyHttp for Gateway {
             req.insert_header(HOP_HEADER, "1")?;
         }
         if let Some(plan) = ctx.plan.as_ref() {
-            let n = self.cfg.routing.forward_digests.min(plan.chain.len());
+            let n = self.cfg.routing.forward_digests.min(plan.facts.chain.len());
             if n > 0 {
-                let hex: Vec<String> = plan.chain[..n].iter().map(Digest::to_hex).collect();
+                let hex: Vec<String> = plan.facts.chain[..n].iter().map(Digest::to_hex).collect();
                 req.insert_header("x-kvmesh-prefix-digests", hex.join(","))?;
             }
         }
@@ -631,7 +631,7 @@ impl ProxyHttp for Gateway {
             .with_label_values(&[ctx.route])
             .observe(ctx.started.elapsed().as_secs_f64());
         if let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) {
-            tracing::debug!(engine = %d.engine().name, endpoint = plan.endpoint.label(), status, blocks = plan.chain.len(),
+            tracing::debug!(engine = %d.engine().name, endpoint = plan.endpoint.label(), status, blocks = plan.facts.chain.len(),
                 predicted = ctx.predicted_overlap, "request done");
         }
         // Release the engine's load counts now rather than when Pingora drops the context.
