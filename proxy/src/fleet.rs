@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use async_trait::async_trait;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -364,16 +365,16 @@ impl Fleet {
         }
     }
 
-    /// Probes every configured engine once, concurrently: `GET /v1/models`. (Peers' engines
-    /// are known through gossip.)
-    pub async fn probe_all(&self, client: &ProbeClient, timeout: Duration) {
+    /// Probes every configured engine once, concurrently, with `health` (in the proxy,
+    /// [`ModelsProbe`]: `GET /v1/models`). (Peers' engines are known through gossip.)
+    pub async fn probe_all(&self, health: &Arc<dyn HealthCheck>) {
         let mut probes = tokio::task::JoinSet::new();
         for e in self.engines.load().iter().filter(|e| e.peer.is_none()) {
-            let (e, client) = (e.clone(), client.clone());
+            let (e, health) = (e.clone(), health.clone());
             probes.spawn(async move {
-                let result = tokio::time::timeout(timeout, fetch_models(&client, &e.url)).await;
+                let result = health.check(&e).await;
                 match result {
-                    Ok(Some(models)) => {
+                    Some(models) => {
                         if !e.static_models {
                             e.models.store(Arc::new(models));
                             e.models_known.store(true, Ordering::Relaxed);
@@ -391,6 +392,32 @@ impl Fleet {
             });
         }
         while probes.join_next().await.is_some() {}
+    }
+}
+
+/// One health check of an engine (the shape of pingora-load-balancing's `HealthCheck`):
+/// `Some` with the model ids it serves when it is up, `None` when it is down.
+#[async_trait]
+pub trait HealthCheck: Send + Sync + 'static {
+    /// Checks `engine` once.
+    async fn check(&self, engine: &Engine) -> Option<Vec<String>>;
+}
+
+/// The health check of configured engines: `GET {url}/v1/models` answered 2xx within `timeout`.
+pub struct ModelsProbe {
+    /// The HTTP client.
+    pub client: ProbeClient,
+    /// How long one probe may take.
+    pub timeout: Duration,
+}
+
+#[async_trait]
+impl HealthCheck for ModelsProbe {
+    async fn check(&self, engine: &Engine) -> Option<Vec<String>> {
+        tokio::time::timeout(self.timeout, fetch_models(&self.client, &engine.url))
+            .await
+            .ok()
+            .flatten()
     }
 }
 
@@ -513,6 +540,45 @@ mod tests {
         let c = f.candidates("m", false).unwrap();
         assert_eq!(c.len(), 1);
         assert_eq!(c[0].node, NodeId(1));
+    }
+
+    /// Up with `["x"]` on port 1, down elsewhere.
+    struct FakeHealth;
+
+    #[async_trait]
+    impl HealthCheck for FakeHealth {
+        async fn check(&self, engine: &Engine) -> Option<Vec<String>> {
+            (engine.addr.port() == 1).then(|| vec!["x".to_string()])
+        }
+    }
+
+    #[tokio::test]
+    async fn probes_apply_the_health_check() {
+        let f = Fleet::new(
+            vec![
+                EngineAddr {
+                    name: "a".into(),
+                    url: "http://127.0.0.1:1".into(),
+                    addr: "127.0.0.1:1".parse().unwrap(),
+                    models: vec![],
+                },
+                EngineAddr {
+                    name: "b".into(),
+                    url: "http://127.0.0.1:2".into(),
+                    addr: "127.0.0.1:2".parse().unwrap(),
+                    models: vec![],
+                },
+            ],
+            Duration::from_secs(5),
+        );
+        f.engines()[1].healthy.store(true, Ordering::Relaxed);
+        let health: Arc<dyn HealthCheck> = Arc::new(FakeHealth);
+        f.probe_all(&health).await;
+        let e = f.engines();
+        assert!(e[0].healthy() && !e[1].healthy());
+        assert_eq!(e[0].models().as_deref(), Some(&vec!["x".to_string()]));
+        assert_eq!(e[1].models(), None);
+        assert_eq!(f.candidates("x", false).unwrap()[0].node, NodeId(0));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use pingora::services::background::{background_service, BackgroundService};
 use kvmesh_proxy::body::Limits;
 use kvmesh_proxy::cluster;
 use kvmesh_proxy::config::ProxyConfig;
-use kvmesh_proxy::fleet::{self, Fleet};
+use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::service::Gateway;
 
@@ -62,12 +62,15 @@ struct Housekeeping {
 #[async_trait]
 impl BackgroundService for Housekeeping {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = fleet::probe_client();
+        let health: Arc<dyn HealthCheck> = Arc::new(ModelsProbe {
+            client: fleet::probe_client(),
+            timeout: self.timeout,
+        });
         let mut tick = tokio::time::interval(self.interval);
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    self.fleet.probe_all(&client, self.timeout).await;
+                    self.fleet.probe_all(&health).await;
                     self.index.sweep(Instant::now(), 10_000);
                 }
                 _ = shutdown.changed() => return,
