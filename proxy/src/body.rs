@@ -124,13 +124,13 @@ impl Drop for BodyPermit {
 /// What follows the JSON document of a chunked body that Pingora's own body loop reads.
 pub(crate) struct Tail {
     /// Length of the body read so far.
-    pub(crate) body_len: usize,
+    body_len: usize,
     /// Bytes after it that the proxy read itself, before Pingora took over.
-    pub(crate) read_before: usize,
+    read_before: usize,
     /// Bytes offered after it in this attempt (a failover replays them).
     pub(crate) seen: usize,
     /// The body read deadline.
-    pub(crate) deadline: tokio::time::Instant,
+    deadline: tokio::time::Instant,
     /// Pingora's per-read timeout before it was shortened to the deadline, restored at the end.
     pub(crate) read_timeout: Option<Duration>,
 }
@@ -172,7 +172,7 @@ pub(crate) fn body_timeout(timeout: Duration) -> ApiError {
 
 /// Tracks whether a JSON text's top-level object or array has closed, across chunks.
 #[derive(Default)]
-pub(crate) struct JsonEnd {
+struct JsonEnd {
     depth: u32,
     in_string: bool,
     escaped: bool,

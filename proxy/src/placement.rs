@@ -61,7 +61,7 @@ impl Gateway {
 
     /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising
     /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees.
-    pub(crate) fn cold_home(
+    fn cold_home(
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         first: &Digest,

@@ -3,7 +3,7 @@
 //!
 //! The decision itself ([`Gateway::rank`]) takes plain [`RequestFacts`], not a Pingora
 //! session: the Pingora path builds them from the parsed body and its headers
-//! ([`Gateway::plan`]), and another front end (an external picker) can build them its own way.
+//! (`Gateway::plan`), and another front end (an external picker) can build them its own way.
 
 use std::time::Instant;
 

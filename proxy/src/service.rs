@@ -76,11 +76,11 @@ pub struct Gateway {
 
 /// Per-request state.
 pub struct Ctx {
-    pub(crate) started: Instant,
+    started: Instant,
     pub(crate) route: &'static str,
     /// The admission slot, held from admission to `logging`.
-    pub(crate) admitted: Option<Admitted>,
-    pub(crate) body: Option<Bytes>,
+    admitted: Option<Admitted>,
+    body: Option<Bytes>,
     /// The body's reservation, released with the body.
     pub(crate) body_permit: Option<BodyPermit>,
     /// The client asked `Expect: 100-continue` and has not been told to send the body.
@@ -88,31 +88,31 @@ pub struct Ctx {
     /// A chunked body whose last chunks Pingora reads (after the JSON document): checked in
     /// `request_body_filter`.
     pub(crate) tail: Option<Tail>,
-    pub(crate) body_sent: bool,
+    body_sent: bool,
     /// The engine chosen while the client's body is still arriving (a chunked body read on by
     /// Pingora): its load is counted only once the body is complete (`request_body_filter`).
-    pub(crate) pending_dispatch: Option<(Arc<Engine>, u64)>,
+    pending_dispatch: Option<(Arc<Engine>, u64)>,
     pub(crate) plan: Option<Plan>,
     pub(crate) decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
-    pub(crate) attempts: u32,
+    attempts: u32,
     pub(crate) dispatch: Option<Dispatch>,
     /// Forwarded by a peer: only local engines may serve it.
-    pub(crate) local_only: bool,
+    local_only: bool,
     /// Why the first choice is a peer (sidecar mode), for the forward metrics.
     pub(crate) forward_reason: &'static str,
     pub(crate) predicted_overlap: usize,
     pub(crate) prediction_settled: bool,
-    pub(crate) response_started: bool,
-    pub(crate) first_byte: bool,
+    response_started: bool,
+    first_byte: bool,
     pub(crate) status: u16,
     pub(crate) sse: Option<SseUsageScanner>,
     pub(crate) json: Option<Vec<u8>>,
-    pub(crate) error: Option<ApiError>,
+    error: Option<ApiError>,
 }
 
 impl Ctx {
     /// The engine this attempt goes to, counted or not yet.
-    pub(crate) fn engine(&self) -> Option<&Arc<Engine>> {
+    fn engine(&self) -> Option<&Arc<Engine>> {
         self.dispatch
             .as_ref()
             .map(Dispatch::engine)
@@ -148,7 +148,7 @@ impl Ctx {
     }
 }
 
-pub(crate) fn pingora_error(kind: ErrorKind, message: &str) -> Box<Error> {
+fn pingora_error(kind: ErrorKind, message: &str) -> Box<Error> {
     Error::explain(ErrorType::HTTPStatus(kind.status()), message.to_string())
 }
 
@@ -170,11 +170,7 @@ pub(crate) async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
-pub(crate) async fn respond_error(
-    session: &mut Session,
-    ctx: &mut Ctx,
-    e: ApiError,
-) -> Result<bool> {
+async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
     ctx.status = e.status();
     let retry_after: &[(&str, &str)] =
         if matches!(e.kind, ErrorKind::Overloaded | ErrorKind::NoEngine) {
@@ -211,7 +207,7 @@ pub(crate) async fn respond_error(
 }
 
 impl Gateway {
-    pub(crate) fn can_retry(&self, ctx: &Ctx) -> bool {
+    fn can_retry(&self, ctx: &Ctx) -> bool {
         let remaining = ctx.decision.as_ref().map_or(0, |(_, d)| {
             d.order.len().saturating_sub(ctx.attempts as usize)
         });
