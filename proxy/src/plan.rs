@@ -160,7 +160,7 @@ mod tests {
     use super::RequestFacts;
     use crate::body::Limits;
     use crate::config::{EngineAddr, ProxyConfig};
-    use crate::fleet::Fleet;
+    use crate::fleet::{Fleet, PeerEngine};
     use crate::metrics::Metrics;
     use crate::service::Gateway;
 
@@ -227,6 +227,32 @@ mod tests {
         assert!(ordered[1..].iter().all(|c| c.overlap_blocks == 0));
         assert_eq!(ranking.decision.reason.label(), "prefix_hit");
         assert_eq!(ranking.forward_reason, "rank");
+    }
+
+    #[test]
+    fn a_hop_is_ranked_over_local_engines_only() {
+        let gw = gateway();
+        let peer = gw.fleet.upsert_peer(&PeerEngine {
+            node_id: "peer".into(),
+            addr: "127.0.0.1:9".parse().unwrap(),
+            url: "http://127.0.0.1:9".into(),
+            via_peer: true,
+            models: vec!["m".into()],
+            ready: true,
+            inflight: 0,
+            pending_prefill_bytes: 0,
+        });
+        let mut facts = facts(&gw, "m");
+        gw.index
+            .record(peer, &facts.chain, Source::Optimistic, Instant::now());
+        assert_eq!(
+            gw.rank(&facts).unwrap().ordered().next().unwrap().node,
+            peer
+        );
+        facts.hop = true;
+        let ranking = gw.rank(&facts).unwrap();
+        assert_eq!(ranking.candidates.len(), 3);
+        assert!(ranking.ordered().all(|c| c.node != peer));
     }
 
     #[test]
