@@ -215,6 +215,15 @@ impl JsonEnd {
 }
 
 impl Gateway {
+    /// The body did not arrive within `body_read_timeout_secs`: counted, and the 408 to send.
+    pub(crate) fn body_timed_out(&self) -> ApiError {
+        self.metrics
+            .admission_rejections
+            .with_label_values(&["body_timeout"])
+            .inc();
+        body_timeout(Duration::from_secs(self.cfg.body_read_timeout_secs))
+    }
+
     /// Reads the whole request body, bounded, arranging that Pingora can still send it upstream.
     ///
     /// Bounds: `max_body_bytes` (413); the body budget, charged with the buffer as it grows with
@@ -254,13 +263,7 @@ impl Gateway {
                 "request bodies held by the proxy are at its budget (`body_budget_bytes`); retry shortly",
             )
         };
-        let timed_out = || {
-            self.metrics
-                .admission_rejections
-                .with_label_values(&["body_timeout"])
-                .inc();
-            body_timeout(timeout)
-        };
+        let timed_out = || self.body_timed_out();
         let read_error = |e: Box<Error>| {
             if e.etype() == &ErrorType::ReadTimedout {
                 return timed_out();
@@ -428,15 +431,7 @@ impl Gateway {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             session.set_read_timeout(Some(left.max(Duration::from_millis(1))));
             let piece = match tokio::time::timeout_at(deadline, session.read_request_body()).await {
-                Err(_) => {
-                    self.metrics
-                        .admission_rejections
-                        .with_label_values(&["body_timeout"])
-                        .inc();
-                    return Err(body_timeout(Duration::from_secs(
-                        self.cfg.body_read_timeout_secs,
-                    )));
-                }
+                Err(_) => return Err(self.body_timed_out()),
                 Ok(read) => read.map_err(read_error)?,
             };
             let Some(piece) = piece else {
@@ -491,13 +486,7 @@ impl Gateway {
         self.trailing_ok(t.body_len, t.read_before.saturating_add(t.seen), data)?;
         let now = tokio::time::Instant::now();
         if now > t.deadline {
-            self.metrics
-                .admission_rejections
-                .with_label_values(&["body_timeout"])
-                .inc();
-            return Err(body_timeout(Duration::from_secs(
-                self.cfg.body_read_timeout_secs,
-            )));
+            return Err(self.body_timed_out());
         }
         let left = t.deadline.saturating_duration_since(now);
         session.set_read_timeout(Some(left.max(Duration::from_millis(1))));

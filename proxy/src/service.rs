@@ -46,7 +46,7 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
-use crate::body::{body_timeout, linger, Admitted, BodyPermit, Limits, Tail};
+use crate::body::{linger, Admitted, BodyPermit, Limits, Tail};
 use crate::config::ProxyConfig;
 use crate::fleet::{Dispatch, Engine, Fleet};
 use crate::metrics::Metrics;
@@ -579,11 +579,7 @@ impl ProxyHttp for Gateway {
                 }
                 (ErrorSource::Downstream, ErrorType::ReadTimedout) => {
                     // Pingora's per-read timeout, shortened to the body deadline.
-                    self.metrics
-                        .admission_rejections
-                        .with_label_values(&["body_timeout"])
-                        .inc();
-                    body_timeout(Duration::from_secs(self.cfg.body_read_timeout_secs))
+                    self.body_timed_out()
                 }
                 (ErrorSource::Downstream, _) => {
                     ApiError::new(ErrorKind::InvalidRequest, format!("client error: {e}"))
