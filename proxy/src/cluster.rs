@@ -23,16 +23,6 @@ use crate::config::{engine_url_host, Mode, ProxyConfig};
 use crate::fleet::{self, Engine, Fleet, PeerEngine};
 use crate::metrics::Metrics;
 
-/// Forward reasons (`kvmesh_forwards_total{reason}`), to remove a departed peer's series.
-const FORWARD_REASONS: [&str; 6] = [
-    "rank",
-    "home",
-    "local",
-    "local_down",
-    "prefix_saving",
-    "failover",
-];
-
 /// How long a refused peer URL waits before it is checked again.
 const REFUSED_RETRY: Duration = Duration::from_secs(10);
 /// How long a peer whose gossip address has not been heard from waits before it is asked
@@ -246,7 +236,7 @@ impl Membership for FleetMembership<'_> {
     fn remove(&self, node_id: &str, _node: NodeId) {
         self.fleet.remove_peer(node_id);
         self.admission.forget(node_id);
-        for reason in FORWARD_REASONS {
+        for reason in crate::placement::reason::ALL {
             let _ = self
                 .metrics
                 .forwards

@@ -8,6 +8,24 @@ use crate::config::ColdPlacement;
 use crate::plan::RequestFacts;
 use crate::service::Gateway;
 
+/// Why a request went where it went: the `reason` of `kvmesh_forwards_total`.
+pub(crate) mod reason {
+    /// The policy's ranking decided (not sidecar mode, or a non-`prefix` policy).
+    pub(crate) const RANK: &str = "rank";
+    /// A cold prefix sent to its rendezvous home on a peer.
+    pub(crate) const HOME: &str = "home";
+    /// Kept on the local engine.
+    pub(crate) const LOCAL: &str = "local";
+    /// The local engine is down: the best peer takes it.
+    pub(crate) const LOCAL_DOWN: &str = "local_down";
+    /// A peer saves at least `sidecar.forward_min_saving`.
+    pub(crate) const PREFIX_SAVING: &str = "prefix_saving";
+    /// A retry to another engine after the first attempt failed.
+    pub(crate) const FAILOVER: &str = "failover";
+    /// Every reason, to remove a departed peer's series.
+    pub(crate) const ALL: [&str; 6] = [RANK, HOME, LOCAL, LOCAL_DOWN, PREFIX_SAVING, FAILOVER];
+}
+
 impl Gateway {
     /// Sidecar rule: serve on the local engine unless the best peer saves at least
     /// `sidecar.forward_min_saving` of the `prefix` cost against it (other policies: the rank
@@ -33,30 +51,34 @@ impl Gateway {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {
                     decision.order[..=pos].rotate_right(1);
                 }
-                return if is_local(home) { "local" } else { "home" };
+                return if is_local(home) {
+                    reason::LOCAL
+                } else {
+                    reason::HOME
+                };
             }
         }
         let Some(&first) = decision.order.first() else {
-            return "rank";
+            return reason::RANK;
         };
         if is_local(first) {
-            return "local";
+            return reason::LOCAL;
         }
         let Some(pos) = decision.order.iter().position(|&i| is_local(i)) else {
-            return "local_down";
+            return reason::LOCAL_DOWN;
         };
         if self.router.policy() != kvmesh_filters::route::Policy::Prefix {
-            return "rank";
+            return reason::RANK;
         }
         let p = self.router.params();
         let local_cost =
             kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], total_bytes, p);
         let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], total_bytes, p);
         if local_cost.saturating_sub(peer_cost) >= self.cfg.sidecar.forward_min_saving {
-            return "prefix_saving";
+            return reason::PREFIX_SAVING;
         }
         decision.order[..=pos].rotate_right(1);
-        "local"
+        reason::LOCAL
     }
 
     /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising

@@ -131,7 +131,7 @@ impl Gateway {
             facts.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
-        let mut forward_reason = "rank";
+        let mut forward_reason = crate::placement::reason::RANK;
         if self.cfg.mode == Mode::Sidecar && !facts.hop {
             forward_reason = self.prefer_local(&cands, &mut decision, facts);
         }

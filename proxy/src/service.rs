@@ -135,7 +135,7 @@ impl Ctx {
             attempts: 0,
             dispatch: None,
             local_only: false,
-            forward_reason: "rank",
+            forward_reason: crate::placement::reason::RANK,
             predicted_overlap: 0,
             prediction_settled: false,
             response_started: false,
@@ -340,7 +340,7 @@ impl ProxyHttp for Gateway {
         }
         if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
             let reason = if ctx.attempts > 1 {
-                "failover"
+                crate::placement::reason::FAILOVER
             } else {
                 ctx.forward_reason
             };
