@@ -78,7 +78,6 @@ pub struct GossipStats {
     sent: AtomicU64,
     received: AtomicU64,
     rejected: [AtomicU64; Rejection::ALL.len()],
-    relays_evicted: AtomicU64,
     /// Source IPs of datagrams that opened (or were accepted as plaintext), last time seen.
     senders: Mutex<HashMap<IpAddr, Instant>>,
 }
@@ -100,11 +99,6 @@ impl GossipStats {
     /// Datagrams dropped for `reason`.
     pub fn rejected(&self, reason: Rejection) -> u64 {
         self.rejected[reason as usize].load(Ordering::Relaxed)
-    }
-
-    /// Peer relays evicted because the table was full.
-    pub fn relays_evicted(&self) -> u64 {
-        self.relays_evicted.load(Ordering::Relaxed)
     }
 
     /// Whether a datagram from `ip` has passed authentication (the host really gossips with
@@ -199,7 +193,6 @@ impl Shared {
                         relays.by_relay.remove(&a);
                     }
                 }
-                self.stats.relays_evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
         let std_socket = std::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
