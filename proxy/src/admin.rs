@@ -7,6 +7,15 @@ use pingora::proxy::Session;
 use crate::service::{respond, Ctx, Gateway};
 
 impl Gateway {
+    /// The Prometheus text exposition of every metric, gauges refreshed.
+    pub fn metrics_text(&self) -> Bytes {
+        self.metrics
+            .inflight_requests
+            .set(self.limits.inflight() as i64);
+        self.metrics.body_bytes.set(self.limits.body_bytes() as i64);
+        Bytes::from(self.metrics.render(&self.fleet, &self.index))
+    }
+
     /// Local endpoints; `true` when answered.
     pub(crate) async fn local(
         &self,
@@ -28,13 +37,7 @@ impl Gateway {
                     )
                 }
             }
-            (true, "/metrics") => (200, "text/plain; version=0.0.4", {
-                self.metrics
-                    .inflight_requests
-                    .set(self.limits.inflight() as i64);
-                self.metrics.body_bytes.set(self.limits.body_bytes() as i64);
-                Bytes::from(self.metrics.render(&self.fleet, &self.index))
-            }),
+            (true, "/metrics") => (200, "text/plain; version=0.0.4", self.metrics_text()),
             (true, "/v1/models") => {
                 let mut ids: Vec<String> = Vec::new();
                 for e in self.fleet.engines().iter().filter(|e| e.healthy()) {

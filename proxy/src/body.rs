@@ -89,7 +89,7 @@ pub(crate) struct BodyPermit {
 }
 
 impl BodyPermit {
-    fn new(limits: &Arc<Limits>) -> Self {
+    pub(crate) fn new(limits: &Arc<Limits>) -> Self {
         BodyPermit {
             limits: limits.clone(),
             bytes: 0,
@@ -97,7 +97,7 @@ impl BodyPermit {
     }
 
     /// Reserves `n` more bytes; `false` (and nothing reserved) past the budget.
-    fn grow(&mut self, n: usize) -> bool {
+    pub(crate) fn grow(&mut self, n: usize) -> bool {
         let budget = self.limits.body_budget;
         let ok = self
             .limits
@@ -214,7 +214,46 @@ impl JsonEnd {
     }
 }
 
+/// The 413 for a body over `max_body_bytes`.
+pub(crate) fn body_too_large(limit: usize) -> ApiError {
+    ApiError::new(
+        ErrorKind::BodyTooLarge,
+        format!("request body exceeds the limit of {limit} bytes"),
+    )
+}
+
 impl Gateway {
+    /// Takes an admission slot (`max_inflight`), or the counted 429 to send.
+    pub(crate) fn admit(&self) -> std::result::Result<Admitted, ApiError> {
+        self.limits.admit().ok_or_else(|| {
+            tracing::debug!(
+                admitted = self.limits.inflight(),
+                at_engines = self.fleet.total_inflight(),
+                "max_inflight reached"
+            );
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["max_inflight"])
+                .inc();
+            ApiError::new(
+                ErrorKind::Overloaded,
+                "too many requests in flight; retry shortly",
+            )
+        })
+    }
+
+    /// The body budget is spent: counted, and the 429 to send.
+    pub(crate) fn over_body_budget(&self) -> ApiError {
+        self.metrics
+            .admission_rejections
+            .with_label_values(&["body_budget"])
+            .inc();
+        ApiError::new(
+            ErrorKind::Overloaded,
+            "request bodies held by the proxy are at its budget (`body_budget_bytes`); retry shortly",
+        )
+    }
+
     /// The body did not arrive within `body_read_timeout_secs`: counted, and the 408 to send.
     pub(crate) fn body_timed_out(&self) -> ApiError {
         self.metrics
@@ -253,16 +292,7 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + timeout;
         // Pingora's per-read timeout, shortened to the deadline while the body is read.
         let read_timeout = session.get_read_timeout();
-        let over_budget = || {
-            self.metrics
-                .admission_rejections
-                .with_label_values(&["body_budget"])
-                .inc();
-            ApiError::new(
-                ErrorKind::Overloaded,
-                "request bodies held by the proxy are at its budget (`body_budget_bytes`); retry shortly",
-            )
-        };
+        let over_budget = || self.over_body_budget();
         let timed_out = || self.body_timed_out();
         let read_error = |e: Box<Error>| {
             if e.etype() == &ErrorType::ReadTimedout {
@@ -275,12 +305,7 @@ impl Gateway {
         };
         // Dropped (released) on any error; moved into the context with the body.
         let mut permit = BodyPermit::new(&self.limits);
-        let too_large = || {
-            ApiError::new(
-                ErrorKind::BodyTooLarge,
-                format!("request body exceeds the limit of {limit} bytes"),
-            )
-        };
+        let too_large = || body_too_large(limit);
         let chunked = session
             .req_header()
             .headers

@@ -41,9 +41,11 @@ pub const MAX_BODY_BYTES_LIMIT: usize = 1 << 30;
 #[serde(deny_unknown_fields, default)]
 pub struct ProxyConfig {
     /// Address the OpenAI API (and /metrics, /health, /ready) listens on. Env: `KVMESH_LISTEN`.
+    /// Not used in `picker` mode, which listens on the `[picker]` addresses.
     pub listen: String,
-    /// `gateway` (in front of the configured engines) or `sidecar` (beside one engine, forwarding
-    /// to a better peer found by gossip; needs `[cluster]`).
+    /// `gateway` (in front of the configured engines), `sidecar` (beside one engine, forwarding
+    /// to a better peer found by gossip; needs `[cluster]`) or `picker` (an Envoy ext_proc
+    /// endpoint picker; see `[picker]`).
     pub mode: Mode,
     /// Routing policy: `prefix`, `round_robin`, `least_inflight`, `power_of_two`, `session`.
     pub policy: Policy,
@@ -80,6 +82,35 @@ pub struct ProxyConfig {
     pub cluster: ClusterToml,
     /// Sidecar-mode forwarding knobs.
     pub sidecar: SidecarConfig,
+    /// Picker-mode listeners and knobs.
+    pub picker: PickerConfig,
+}
+
+/// The `[picker]` table: the Envoy ext_proc endpoint picker (`mode = "picker"`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PickerConfig {
+    /// gRPC address of the `envoy.service.ext_proc.v3.ExternalProcessor` service (HTTP/2).
+    pub listen: String,
+    /// gRPC health address (`grpc.health.v1.Health`: `liveness`, `readiness`, and the ext_proc
+    /// service name).
+    pub health_listen: String,
+    /// HTTP address of `/metrics`, `/health` and `/ready`.
+    pub metrics_listen: String,
+    /// Fallback endpoints listed after the choice in the `envoy.lb` dynamic metadata (the
+    /// destination header always names one endpoint).
+    pub fallbacks: usize,
+}
+
+impl Default for PickerConfig {
+    fn default() -> Self {
+        PickerConfig {
+            listen: "127.0.0.1:9002".into(),
+            health_listen: "127.0.0.1:9003".into(),
+            metrics_listen: "127.0.0.1:9090".into(),
+            fallbacks: 2,
+        }
+    }
 }
 
 /// How the proxy is deployed.
@@ -91,6 +122,9 @@ pub enum Mode {
     Gateway,
     /// Beside one engine; other engines are reached through their own sidecars.
     Sidecar,
+    /// An Envoy ext_proc endpoint picker (Gateway API Inference Extension protocol): Envoy
+    /// carries the traffic, kvmesh names the engine (see `[picker]`, docs/envoy.md).
+    Picker,
 }
 
 /// Who may send a request carrying `x-kvmesh-hop` (which is always served locally).
@@ -238,6 +272,7 @@ impl Default for ProxyConfig {
             shutdown: ShutdownConfig::default(),
             cluster: ClusterToml::default(),
             sidecar: SidecarConfig::default(),
+            picker: PickerConfig::default(),
         }
     }
 }
@@ -450,7 +485,7 @@ impl ProxyConfig {
                 self.listen
             ));
         }
-        if self.engines.is_empty() && !(self.cluster.enabled && self.mode == Mode::Gateway) {
+        if self.engines.is_empty() && !(self.cluster.enabled && self.mode != Mode::Sidecar) {
             return bad(
                 "`engines` is empty: list at least one [[engines]] with a name and url".into(),
             );
@@ -517,6 +552,24 @@ impl ProxyConfig {
             }
             if !self.cluster.enabled {
                 return bad("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
+            }
+        }
+        if self.mode == Mode::Picker {
+            let p = &self.picker;
+            let mut seen = std::collections::HashSet::new();
+            for (key, value) in [
+                ("picker.listen", &p.listen),
+                ("picker.health_listen", &p.health_listen),
+                ("picker.metrics_listen", &p.metrics_listen),
+            ] {
+                let Ok(addr) = value.parse::<SocketAddr>() else {
+                    return bad(format!("`{key}` = {value:?} is not an IP:port address"));
+                };
+                if addr.port() != 0 && !seen.insert(addr) {
+                    return bad(format!(
+                        "`{key}` = {value:?} is used by another picker listener"
+                    ));
+                }
             }
         }
         if self.cluster.enabled {
@@ -799,6 +852,25 @@ mod tests {
             toml::to_string(&d.sidecar).unwrap(),
             toml::to_string(&c.sidecar).unwrap()
         );
+    }
+
+    #[test]
+    fn shipped_picker_example_is_valid_and_spells_out_the_picker_defaults() {
+        let c = ProxyConfig::from_toml(include_str!("../../examples/envoy/picker.toml")).unwrap();
+        c.validate().unwrap();
+        assert_eq!((c.mode, c.engines.len()), (Mode::Picker, 3));
+        assert_eq!(
+            toml::to_string(&PickerConfig::default()).unwrap(),
+            toml::to_string(&c.picker).unwrap()
+        );
+        let mut clash = c.clone();
+        clash.picker.metrics_listen = clash.picker.listen.clone();
+        let e = clash.validate().unwrap_err().to_string();
+        assert!(e.contains("`picker.metrics_listen`"), "{e}");
+        let mut bad = c;
+        bad.picker.health_listen = "localhost".into();
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("`picker.health_listen` = \"localhost\" is not an IP:port"), "{e}");
     }
 
     #[test]

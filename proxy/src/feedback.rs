@@ -3,9 +3,24 @@
 
 use std::time::Instant;
 
-use kvmesh_filters::usage;
+use kvmesh_filters::usage::{self, Usage};
+use kvmesh_filters::NodeId;
 
+use crate::plan::RequestFacts;
 use crate::service::{Ctx, Gateway};
+
+/// The prediction a response settles: where the request went and what the index expected.
+pub(crate) struct Prediction<'a> {
+    /// The request's routing facts.
+    pub facts: &'a RequestFacts,
+    /// The engine that served it.
+    pub engine: NodeId,
+    /// Leading blocks the index predicted that engine held.
+    pub overlap_blocks: usize,
+    /// The engine had no prefill queued when chosen, so the prediction was not a guess about
+    /// work still in flight.
+    pub settled: bool,
+}
 
 impl Gateway {
     /// The response is complete: confirm or refute the residency prediction from `usage`.
@@ -15,7 +30,23 @@ impl Gateway {
             (None, Some(body)) => usage::from_json(body),
             _ => None,
         };
-        let (Some(u), Some(plan), Some(d)) = (u, ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
+        let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
+            return;
+        };
+        self.settle(
+            u,
+            &Prediction {
+                facts: &plan.facts,
+                engine: d.engine().id,
+                overlap_blocks: ctx.predicted_overlap,
+                settled: ctx.prediction_settled,
+            },
+        );
+    }
+
+    /// Counts the tokens `u` reports and confirms or refutes `p` in the residency index.
+    pub(crate) fn settle(&self, u: Option<Usage>, p: &Prediction<'_>) {
+        let Some(u) = u else {
             return;
         };
         self.metrics.prompt_tokens.inc_by(u.prompt_tokens);
@@ -23,20 +54,19 @@ impl Gateway {
             return;
         };
         self.metrics.cached_tokens.inc_by(cached);
-        if u.prompt_tokens == 0 || plan.facts.chain.is_empty() {
+        if u.prompt_tokens == 0 || p.facts.chain.is_empty() {
             return;
         }
         // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
         let cached_bytes =
-            (plan.facts.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
-        let cached_blocks =
-            (cached_bytes / self.cfg.routing.block_bytes).min(plan.facts.chain.len());
+            (p.facts.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
+        let cached_blocks = (cached_bytes / self.cfg.routing.block_bytes).min(p.facts.chain.len());
         let verdict = self.index.confirm(
-            d.engine().id,
-            &plan.facts.chain,
-            ctx.predicted_overlap,
+            p.engine,
+            &p.facts.chain,
+            p.overlap_blocks,
             cached_blocks,
-            ctx.prediction_settled,
+            p.settled,
             Instant::now(),
         );
         self.metrics

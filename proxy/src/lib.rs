@@ -1,6 +1,7 @@
 //! `kvmesh_proxy`: the routing core and the Pingora request path of the KV-cache-aware gateway
-//! in front of OpenAI-compatible engines. The `kvmesh-proxy` binary (`main.rs`) assembles a
-//! server from these modules.
+//! in front of OpenAI-compatible engines, and the Envoy ext_proc endpoint picker that shares
+//! its routing core ([`picker`]). The `kvmesh-proxy` binary (`main.rs`) assembles a server from
+//! these modules.
 
 pub mod admin;
 pub mod body;
@@ -9,6 +10,7 @@ pub mod config;
 pub mod feedback;
 pub mod fleet;
 pub mod metrics;
+pub mod picker;
 pub mod placement;
 pub mod plan;
 pub mod service;

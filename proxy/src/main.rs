@@ -15,9 +15,10 @@ use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::body::Limits;
 use kvmesh_proxy::cluster;
-use kvmesh_proxy::config::ProxyConfig;
+use kvmesh_proxy::config::{Mode, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::picker;
 use kvmesh_proxy::service::Gateway;
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
@@ -93,10 +94,15 @@ fn main() -> anyhow::Result<()> {
             )
         })?;
         cfg.engine_addrs()?;
+        let listen = if cfg.mode == Mode::Picker {
+            format!("ext_proc {}", cfg.picker.listen)
+        } else {
+            cfg.listen.clone()
+        };
         println!(
             "{}: ok (listen {}, mode {:?}, policy {}, {} engines, cluster {})",
             file.display(),
-            cfg.listen,
+            listen,
             cfg.mode,
             cfg.policy.label(),
             cfg.engines.len(),
@@ -120,11 +126,14 @@ fn main() -> anyhow::Result<()> {
         std::net::UdpSocket::bind(gossip.listen)
             .with_context(|| format!("cannot bind the gossip address {}", gossip.listen))?;
     }
+    let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
+    let metrics = Arc::new(Metrics::new().context("metrics registry")?);
+    if cfg.mode == Mode::Picker {
+        return run_picker(cfg, fleet, index, metrics);
+    }
     // Pingora binds inside its worker threads, retries a busy address for half a minute and
     // then panics there, leaving a process that serves nothing. Bind first and fail clearly.
     probe_listen(&cfg.listen)?;
-    let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
-    let metrics = Arc::new(Metrics::new().context("metrics registry")?);
 
     let conf = ServerConf {
         threads: if cfg.threads == 0 {
@@ -170,6 +179,83 @@ fn main() -> anyhow::Result<()> {
     // The address was bindable a moment ago (probe_listen); Pingora binds it as it starts.
     tracing::info!(%listen, "kvmesh-proxy listening");
     server.run_forever()
+}
+
+/// Picker mode: no Pingora server; the ext_proc, health and metrics listeners, the health
+/// probes and (with `[cluster]`) gossip on one Tokio runtime, until SIGINT or SIGTERM.
+fn run_picker(
+    cfg: ProxyConfig,
+    fleet: Arc<Fleet>,
+    index: Arc<ResidencyIndex>,
+    metrics: Arc<Metrics>,
+) -> anyhow::Result<()> {
+    let threads = if cfg.threads == 0 {
+        std::thread::available_parallelism().map_or(2, |n| n.get())
+    } else {
+        cfg.threads
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("cannot start the runtime")?;
+    rt.block_on(async move {
+        let listeners = picker::Listeners::bind(&cfg.picker).await?;
+        let (stop, shutdown) = tokio::sync::watch::channel(false);
+        let housekeeping = Housekeeping {
+            fleet: fleet.clone(),
+            index: index.clone(),
+            interval: Duration::from_millis(cfg.health.interval_ms),
+            timeout: Duration::from_millis(cfg.health.timeout_ms),
+        };
+        let rx = shutdown.clone();
+        tokio::spawn(async move { housekeeping.start(rx).await });
+        if cfg.cluster.enabled {
+            let gossip = cluster::ClusterService {
+                cfg: cfg.clone(),
+                fleet: fleet.clone(),
+                index: index.clone(),
+                metrics: metrics.clone(),
+            };
+            let rx = shutdown.clone();
+            tokio::spawn(async move { gossip.start(rx).await });
+        }
+        let [ext_proc, health, metrics_addr] = listeners.addrs().map(|a| {
+            a.map_or_else(|| "?".to_string(), |a| a.to_string())
+        });
+        let gateway = Arc::new(Gateway {
+            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
+            cfg,
+            fleet,
+            index,
+            metrics,
+        });
+        tokio::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!("shutting down");
+            let _ = stop.send(true);
+        });
+        tracing::info!(%ext_proc, %health, metrics = %metrics_addr, "kvmesh-proxy picker listening");
+        picker::serve(gateway, listeners, shutdown).await?;
+        Ok(())
+    })
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn wait_for_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
 }
 
 /// Binds `listen` once (with `SO_REUSEADDR`, as Pingora does) and releases it: an address in

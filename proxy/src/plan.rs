@@ -60,6 +60,26 @@ pub struct Plan {
 
 impl Gateway {
     pub(crate) fn plan(&self, session: &Session, parsed: ParsedRequest, hop: bool) -> Plan {
+        let session_header = session
+            .req_header()
+            .headers
+            .get(self.cfg.routing.session_header.as_str())
+            .and_then(|v| v.to_str().ok());
+        Plan {
+            endpoint: parsed.endpoint,
+            facts: self.facts(parsed, session_header, hop),
+        }
+    }
+
+    /// The routing facts of a parsed request: the digest chain of its canonical prompt's
+    /// leading blocks (at most `routing.max_prefix_blocks`), its size, and its session key (the
+    /// value of the `routing.session_header` header, else the body's `user`).
+    pub fn facts(
+        &self,
+        parsed: ParsedRequest,
+        session_header: Option<&str>,
+        hop: bool,
+    ) -> RequestFacts {
         let ns = Namespace::new(
             &parsed.model,
             parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
@@ -70,22 +90,12 @@ impl Gateway {
             self.cfg.routing.block_bytes,
             self.cfg.routing.max_prefix_blocks,
         );
-        let session_key = session
-            .req_header()
-            .headers
-            .get(self.cfg.routing.session_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            .map(String::from)
-            .or(parsed.user);
-        Plan {
-            endpoint: parsed.endpoint,
-            facts: RequestFacts {
-                model: parsed.model,
-                chain,
-                total_bytes: parsed.canonical_len,
-                session_key,
-                hop,
-            },
+        RequestFacts {
+            model: parsed.model,
+            chain,
+            total_bytes: parsed.canonical_len,
+            session_key: session_header.map(String::from).or(parsed.user),
+            hop,
         }
     }
 

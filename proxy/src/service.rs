@@ -54,9 +54,9 @@ use crate::plan::Plan;
 use crate::trust::HOP_HEADER;
 
 /// Most bytes of a non-streamed response kept to read its `usage`.
-const MAX_USAGE_BODY: usize = 4 << 20;
+pub(crate) const MAX_USAGE_BODY: usize = 4 << 20;
 /// Longest SSE line kept while looking for `usage`.
-const MAX_SSE_LINE: usize = 1 << 20;
+pub(crate) const MAX_SSE_LINE: usize = 1 << 20;
 
 /// The gateway: shared, immutable-after-start state of the proxy.
 pub struct Gateway {
@@ -263,22 +263,9 @@ impl ProxyHttp for Gateway {
             }
             ctx.local_only = true;
         }
-        ctx.admitted = self.limits.admit();
-        if ctx.admitted.is_none() {
-            tracing::debug!(
-                admitted = self.limits.inflight(),
-                at_engines = self.fleet.total_inflight(),
-                "max_inflight reached"
-            );
-            self.metrics
-                .admission_rejections
-                .with_label_values(&["max_inflight"])
-                .inc();
-            let e = ApiError::new(
-                ErrorKind::Overloaded,
-                "too many requests in flight; retry shortly",
-            );
-            return respond_error(session, ctx, e).await;
+        match self.admit() {
+            Ok(a) => ctx.admitted = Some(a),
+            Err(e) => return respond_error(session, ctx, e).await,
         }
         let body = match self.read_body(session, ctx).await {
             Ok(b) => b,

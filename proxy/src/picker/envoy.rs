@@ -1,0 +1,349 @@
+//! The Envoy side of the picker: reading ext_proc requests (headers, the subset hint, the
+//! processing mode) and building its replies (header mutations, the destination metadata,
+//! streamed body chunks, immediate responses).
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation, processing_response::Response as Reply, BodyMutation, BodyResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+use kvmesh_filters::ApiError;
+
+/// The request header that names the chosen endpoint (`ip:port`); Envoy's `ORIGINAL_DST`
+/// cluster routes on it. The picker always overwrites it: a client must not choose it.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The dynamic-metadata namespace of the result (the GIE protocol's `envoy.lb`).
+pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
+/// The metadata namespace in which Envoy may offer the endpoints to pick from.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The key of that subset: a list of `ip:port` strings.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// Largest body chunk sent back to Envoy (the protocol caps chunks at 64 KiB).
+pub const MAX_CHUNK: usize = 64 << 10;
+
+/// The value of header `name` (lower case) in `map`: Envoy sends `raw_value`, older builds
+/// `value`. Values that are not UTF-8 are treated as absent.
+pub fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
+    let h = map?.headers.iter().find(|h| h.key == name)?;
+    if h.raw_value.is_empty() {
+        Some(h.value.as_str())
+    } else {
+        std::str::from_utf8(&h.raw_value).ok()
+    }
+}
+
+/// The endpoints Envoy allows, if it sent a subset hint: `None` when there is no hint,
+/// `Some(empty)` when the hint is there but lists nothing usable.
+pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
+    let ns = req
+        .metadata_context
+        .as_ref()?
+        .filter_metadata
+        .get(SUBSET_NAMESPACE)?;
+    let value = ns.fields.get(SUBSET_KEY)?;
+    let mut out = Vec::new();
+    match value.kind.as_ref() {
+        Some(Kind::ListValue(list)) => {
+            for v in &list.values {
+                if let Some(Kind::StringValue(s)) = v.kind.as_ref() {
+                    out.push(s.trim().to_string());
+                }
+            }
+        }
+        // A single string, possibly a comma list.
+        Some(Kind::StringValue(s)) => {
+            out.extend(s.split(',').map(|x| x.trim().to_string()));
+        }
+        _ => {}
+    }
+    out.retain(|s| !s.is_empty());
+    Some(out)
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            value: String::new(),
+            raw_value: value.as_bytes().to_vec(),
+        }),
+        // The default action appends to a client's own value; the destination must be ours.
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn string_value(s: String) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s)),
+    }
+}
+
+/// The reply to the request headers once the endpoint is chosen: the destination header (and
+/// `content-length` of the body streamed back), a route-cache clear so Envoy routes on it, and
+/// the `envoy.lb` metadata listing the choice then its fallbacks.
+pub fn routed_headers(endpoints: &[String], body_len: Option<usize>) -> ProcessingResponse {
+    let first = endpoints.first().cloned().unwrap_or_default();
+    let mut set_headers = vec![set_header(DESTINATION_HEADER, &first)];
+    if let Some(n) = body_len {
+        set_headers.push(set_header("content-length", &n.to_string()));
+    }
+    let inner = Struct {
+        fields: [(
+            DESTINATION_HEADER.to_string(),
+            string_value(endpoints.join(",")),
+        )]
+        .into(),
+    };
+    let metadata = Struct {
+        fields: [(
+            DESTINATION_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]
+        .into(),
+    };
+    ProcessingResponse {
+        response: Some(Reply::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers,
+                    remove_headers: Vec::new(),
+                }),
+                clear_route_cache: true,
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(metadata),
+        ..Default::default()
+    }
+}
+
+/// The reply to the response headers, adding `extra` headers (e.g. which engine served).
+pub fn response_headers(extra: &[(&str, &str)]) -> ProcessingResponse {
+    let header_mutation = (!extra.is_empty()).then(|| HeaderMutation {
+        set_headers: extra.iter().map(|(k, v)| set_header(k, v)).collect(),
+        remove_headers: Vec::new(),
+    });
+    ProcessingResponse {
+        response: Some(Reply::ResponseHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation,
+                ..Default::default()
+            }),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Which direction a body or trailers reply belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Towards the engine.
+    Request,
+    /// Towards the client.
+    Response,
+}
+
+/// `body` streamed back in chunks of at most [`MAX_CHUNK`] bytes; the last one carries
+/// `end_of_stream`. An empty body is one empty chunk (Envoy needs the end of stream).
+pub fn body_chunks(dir: Direction, body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let mut chunks: Vec<&[u8]> = body.chunks(MAX_CHUNK).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let r = BodyResponse {
+                response: Some(CommonResponse {
+                    body_mutation: Some(BodyMutation {
+                        mutation: Some(body_mutation::Mutation::StreamedResponse(
+                            StreamedBodyResponse {
+                                body: c.to_vec(),
+                                end_of_stream: end_of_stream && i == last,
+                                ..Default::default()
+                            },
+                        )),
+                    }),
+                    ..Default::default()
+                }),
+            };
+            ProcessingResponse {
+                response: Some(match dir {
+                    Direction::Request => Reply::RequestBody(r),
+                    Direction::Response => Reply::ResponseBody(r),
+                }),
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+/// The reply to trailers: pass them on unchanged.
+pub fn trailers(dir: Direction) -> ProcessingResponse {
+    let r = TrailersResponse::default();
+    ProcessingResponse {
+        response: Some(match dir {
+            Direction::Request => Reply::RequestTrailers(r),
+            Direction::Response => Reply::ResponseTrailers(r),
+        }),
+        ..Default::default()
+    }
+}
+
+/// A local answer Envoy sends to the client instead of routing: `e` as OpenAI-style JSON.
+pub fn immediate(e: &ApiError) -> ProcessingResponse {
+    let mut headers = vec![set_header("content-type", "application/json")];
+    if e.status() == 429 || e.status() == 503 {
+        headers.push(set_header("retry-after", "1"));
+    }
+    ProcessingResponse {
+        response: Some(Reply::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                // Envoy's StatusCode values are the HTTP codes themselves.
+                code: i32::from(e.status()),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: headers,
+                remove_headers: Vec::new(),
+            }),
+            body: e.to_json(),
+            details: format!("kvmesh_picker_{}", e.kind.code()),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::ListValue;
+    use kvmesh_filters::ErrorKind;
+
+    use super::*;
+
+    fn with_hint(value: Value) -> ProcessingRequest {
+        let ns = Struct {
+            fields: [(SUBSET_KEY.to_string(), value)].into(),
+        };
+        ProcessingRequest {
+            metadata_context: Some(Metadata {
+                filter_metadata: [(SUBSET_NAMESPACE.to_string(), ns)].into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_subset_hint_is_read_as_a_list_or_a_comma_string() {
+        assert_eq!(subset_hint(&ProcessingRequest::default()), None);
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![
+                    string_value("10.0.0.1:8000".into()),
+                    string_value(" ".into()),
+                    string_value("10.0.0.2:8000".into()),
+                ],
+            })),
+        };
+        assert_eq!(
+            subset_hint(&with_hint(list)).unwrap(),
+            ["10.0.0.1:8000", "10.0.0.2:8000"]
+        );
+        let s = string_value("10.0.0.3:1, 10.0.0.4:2".into());
+        assert_eq!(
+            subset_hint(&with_hint(s)).unwrap(),
+            ["10.0.0.3:1", "10.0.0.4:2"]
+        );
+        // Present but empty: the caller answers 503.
+        assert_eq!(
+            subset_hint(&with_hint(string_value(String::new()))),
+            Some(vec![])
+        );
+    }
+
+    #[test]
+    fn the_destination_overwrites_and_lists_fallbacks_in_metadata() {
+        let eps = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
+        let r = routed_headers(&eps, Some(42));
+        let Some(Reply::RequestHeaders(h)) = r.response else {
+            panic!("not a headers reply")
+        };
+        let common = h.response.unwrap();
+        assert!(common.clear_route_cache);
+        let set = common.header_mutation.unwrap().set_headers;
+        let dest = set[0].header.as_ref().unwrap();
+        assert_eq!(dest.key, DESTINATION_HEADER);
+        assert_eq!(dest.raw_value, b"127.0.0.1:1");
+        assert_eq!(
+            set[0].append_action,
+            HeaderAppendAction::OverwriteIfExistsOrAdd as i32
+        );
+        assert_eq!(set[1].header.as_ref().unwrap().raw_value, b"42");
+        let md = r.dynamic_metadata.unwrap();
+        let Some(Kind::StructValue(lb)) = md.fields[DESTINATION_NAMESPACE].kind.as_ref() else {
+            panic!("no envoy.lb struct")
+        };
+        assert_eq!(
+            lb.fields[DESTINATION_HEADER].kind,
+            Some(Kind::StringValue("127.0.0.1:1,127.0.0.1:2".into()))
+        );
+    }
+
+    #[test]
+    fn bodies_go_back_in_chunks_of_at_most_64_kib() {
+        let body = vec![7u8; 2 * MAX_CHUNK + 5];
+        let chunks = body_chunks(Direction::Request, &body, true);
+        assert_eq!(chunks.len(), 3);
+        let mut total = Vec::new();
+        for (i, c) in chunks.iter().enumerate() {
+            let Some(Reply::RequestBody(b)) = c.response.as_ref() else {
+                panic!("not a request body reply")
+            };
+            let Some(body_mutation::Mutation::StreamedResponse(s)) = b
+                .response
+                .as_ref()
+                .and_then(|r| r.body_mutation.as_ref())
+                .and_then(|m| m.mutation.as_ref())
+            else {
+                panic!("not streamed")
+            };
+            assert!(s.body.len() <= MAX_CHUNK);
+            assert_eq!(s.end_of_stream, i == 2);
+            total.extend_from_slice(&s.body);
+        }
+        assert_eq!(total, body);
+        assert_eq!(body_chunks(Direction::Response, &[], true).len(), 1);
+    }
+
+    #[test]
+    fn an_immediate_response_carries_the_status_and_openai_json() {
+        let e = ApiError::new(ErrorKind::Overloaded, "busy");
+        let Some(Reply::ImmediateResponse(r)) = immediate(&e).response else {
+            panic!("not immediate")
+        };
+        assert_eq!(r.status.unwrap().code, 429);
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(v["error"]["message"], "busy");
+        let keys: Vec<_> = r
+            .headers
+            .unwrap()
+            .set_headers
+            .into_iter()
+            .map(|h| h.header.unwrap().key)
+            .collect();
+        assert_eq!(keys, ["content-type", "retry-after"]);
+    }
+}

@@ -1,0 +1,330 @@
+//! Picker mode: kvmesh as an Envoy ext_proc endpoint picker, following the Gateway API
+//! Inference Extension's endpoint-picker protocol (GIE v1.0.0,
+//! `docs/proposals/004-endpoint-picker-protocol`).
+//!
+//! Envoy carries the traffic and calls `envoy.service.ext_proc.v3.ExternalProcessor/Process`
+//! once per request, with `FULL_DUPLEX_STREAMED` bodies. The picker buffers the request body,
+//! ranks the engines with the gateway's own decision ([`Gateway::rank`]: the same digest chain,
+//! residency index, policy and metrics), and answers the request headers with the chosen
+//! `ip:port` in the `x-gateway-destination-endpoint` header (always overwritten) and in the
+//! `envoy.lb` dynamic metadata (the choice, then fallbacks), then streams the body back. It
+//! reads each response's `usage` on the way back to settle the residency prediction, and
+//! counts each engine's requests in flight from the choice to the end of the response.
+//!
+//! Three listeners: ext_proc (gRPC, [`PickerConfig::listen`]), gRPC health
+//! ([`PickerConfig::health_listen`]: `liveness`, `readiness` and the ext_proc service name) and
+//! HTTP `/metrics`, `/health`, `/ready` ([`PickerConfig::metrics_listen`]).
+
+pub mod envoy;
+mod exchange;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use http_body_util::Full;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tonic_health::ServingStatus;
+
+use crate::config::PickerConfig;
+use crate::service::Gateway;
+use exchange::{Exchange, Step};
+
+/// The gRPC service name Envoy's health check and the GIE protocol use for the picker.
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+/// Largest ext_proc message accepted from Envoy (a body chunk is at most Envoy's buffer).
+const MAX_MESSAGE_BYTES: usize = 8 << 20;
+/// Replies queued per stream before the stream waits for Envoy to take them.
+const REPLY_QUEUE: usize = 32;
+/// How often the `readiness` health status is brought up to date.
+const READINESS_POLL: Duration = Duration::from_millis(50);
+/// Most concurrent connections to the metrics listener.
+const MAX_METRICS_CONNECTIONS: usize = 64;
+
+/// Errors starting the picker.
+#[derive(Debug, thiserror::Error)]
+pub enum PickerError {
+    /// A listener address could not be bound.
+    #[error("cannot listen on {addr} (`{key}`): {source}")]
+    Bind {
+        /// The config key.
+        key: &'static str,
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A gRPC server failed.
+    #[error("gRPC server on {0} failed: {1}")]
+    Serve(SocketAddr, tonic::transport::Error),
+}
+
+/// The ext_proc service.
+struct Picker {
+    gw: Arc<Gateway>,
+    fallbacks: usize,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Picker {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(REPLY_QUEUE);
+        let exchange = Exchange::new(self.gw.clone(), self.fallbacks);
+        let body_timeout = Duration::from_secs(self.gw.cfg.body_read_timeout_secs);
+        tokio::spawn(run_stream(exchange, inbound, tx, body_timeout));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Drives one stream: each message from Envoy through the exchange, its replies back in order.
+async fn run_stream(
+    mut ex: Exchange,
+    mut inbound: Streaming<ProcessingRequest>,
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    body_timeout: Duration,
+) {
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        let next = if ex.buffering() {
+            // The whole body must arrive within `body_read_timeout_secs` of its start.
+            let at = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + body_timeout);
+            match tokio::time::timeout_at(at, inbound.message()).await {
+                Ok(m) => m,
+                Err(_) => {
+                    if let Step::Close(replies) = ex.body_timed_out() {
+                        send_all(&tx, replies).await;
+                    }
+                    break;
+                }
+            }
+        } else {
+            inbound.message().await
+        };
+        let msg = match next {
+            Ok(Some(m)) => m,
+            Ok(None) => break,
+            Err(status) => {
+                // Envoy resets each stream once the response is through; only an earlier
+                // reset is worth a line.
+                if !ex.done() {
+                    tracing::debug!(%status, "ext_proc stream reset before the response ended");
+                }
+                break;
+            }
+        };
+        match ex.on_message(msg) {
+            Ok(Step::Continue(replies)) => {
+                if !send_all(&tx, replies).await {
+                    break;
+                }
+            }
+            Ok(Step::Close(replies)) => {
+                send_all(&tx, replies).await;
+                break;
+            }
+            Err(status) => {
+                tracing::warn!(%status, "ext_proc protocol error; ending the stream");
+                let _ = tx.send(Err(status)).await;
+                break;
+            }
+        }
+    }
+    ex.finish();
+}
+
+/// Sends `replies` in order; `false` when Envoy has gone.
+async fn send_all(
+    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
+    replies: Vec<ProcessingResponse>,
+) -> bool {
+    for r in replies {
+        if tx.send(Ok(r)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// The three bound listeners, bound before anything starts so that a busy address fails
+/// clearly.
+pub struct Listeners {
+    ext_proc: tokio::net::TcpListener,
+    health: tokio::net::TcpListener,
+    metrics: tokio::net::TcpListener,
+}
+
+impl Listeners {
+    /// Binds the `[picker]` addresses.
+    pub async fn bind(cfg: &PickerConfig) -> Result<Self, PickerError> {
+        async fn one(
+            key: &'static str,
+            addr: &str,
+        ) -> Result<tokio::net::TcpListener, PickerError> {
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| PickerError::Bind {
+                    key,
+                    addr: addr.to_string(),
+                    source,
+                })
+        }
+        Ok(Listeners {
+            ext_proc: one("picker.listen", &cfg.listen).await?,
+            health: one("picker.health_listen", &cfg.health_listen).await?,
+            metrics: one("picker.metrics_listen", &cfg.metrics_listen).await?,
+        })
+    }
+
+    /// The bound ext_proc, health and metrics addresses.
+    pub fn addrs(&self) -> [Option<SocketAddr>; 3] {
+        [
+            self.ext_proc.local_addr().ok(),
+            self.health.local_addr().ok(),
+            self.metrics.local_addr().ok(),
+        ]
+    }
+}
+
+/// Serves the picker on `listeners` until `shutdown` turns true.
+pub async fn serve(
+    gw: Arc<Gateway>,
+    listeners: Listeners,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), PickerError> {
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    reporter
+        .set_service_status(EXT_PROC_SERVICE, ServingStatus::Serving)
+        .await;
+    let fleet = gw.fleet.clone();
+    let mut ready_stop = shutdown.clone();
+    tokio::spawn(async move {
+        // Readiness follows the engines (ready while at least one is healthy); checked often,
+        // since the check is two loads, and published on change.
+        let mut tick = tokio::time::interval(READINESS_POLL);
+        let mut last = None;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = ready_stop.changed() => return,
+            }
+            let ready = fleet.ready();
+            if last != Some(ready) {
+                last = Some(ready);
+                let status = if ready {
+                    ServingStatus::Serving
+                } else {
+                    ServingStatus::NotServing
+                };
+                reporter.set_service_status("readiness", status).await;
+            }
+        }
+    });
+
+    let ext_addr = listeners.ext_proc.local_addr().ok();
+    let health_addr = listeners.health.local_addr().ok();
+    let picker = ExternalProcessorServer::new(Picker {
+        gw: gw.clone(),
+        fallbacks: gw.cfg.picker.fallbacks,
+    })
+    .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let max_streams = u32::try_from(gw.cfg.max_inflight.saturating_add(64)).unwrap_or(u32::MAX);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let ext_proc = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(max_streams))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(picker)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listeners.ext_proc)
+                .with_nodelay(Some(true)),
+            stopped(shutdown.clone()),
+        );
+    let health = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listeners.health),
+            stopped(shutdown.clone()),
+        );
+    let metrics = serve_metrics(gw, listeners.metrics, shutdown);
+    let unspecified = || SocketAddr::from(([0, 0, 0, 0], 0));
+    let (a, b, ()) = tokio::join!(ext_proc, health, metrics);
+    a.map_err(|e| PickerError::Serve(ext_addr.unwrap_or_else(unspecified), e))?;
+    b.map_err(|e| PickerError::Serve(health_addr.unwrap_or_else(unspecified), e))?;
+    Ok(())
+}
+
+/// `/metrics`, `/health` and `/ready` over HTTP/1.1.
+async fn serve_metrics(
+    gw: Arc<Gateway>,
+    listener: tokio::net::TcpListener,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_CONNECTIONS));
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(error = %e, "metrics accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => return,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // At the cap: close it rather than queue scrapers without bound.
+            continue;
+        };
+        let gw = gw.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let gw = gw.clone();
+                async move { Ok::<_, Infallible>(admin_answer(&gw, &req)) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            // Scrapes are small: a connection that lingers is closed.
+            let _ = tokio::time::timeout(Duration::from_secs(30), conn).await;
+            drop(slot);
+        });
+    }
+}
+
+fn admin_answer<B>(gw: &Gateway, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
+    let (status, ctype, body) = match (req.method() == hyper::Method::GET, req.uri().path()) {
+        (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
+        (true, "/ready") if gw.fleet.ready() => (200, "text/plain", Bytes::from_static(b"ready\n")),
+        (true, "/ready") => (
+            503,
+            "text/plain",
+            Bytes::from_static(b"no healthy engine\n"),
+        ),
+        (true, "/metrics") => (200, "text/plain; version=0.0.4", gw.metrics_text()),
+        _ => (404, "text/plain", Bytes::from_static(b"not found\n")),
+    };
+    let mut resp = hyper::Response::new(Full::new(body));
+    *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+    if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
+        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    resp
+}

