@@ -870,7 +870,10 @@ mod tests {
         let mut bad = c;
         bad.picker.health_listen = "localhost".into();
         let e = bad.validate().unwrap_err().to_string();
-        assert!(e.contains("`picker.health_listen` = \"localhost\" is not an IP:port"), "{e}");
+        assert!(
+            e.contains("`picker.health_listen` = \"localhost\" is not an IP:port"),
+            "{e}"
+        );
     }
 
     #[test]
