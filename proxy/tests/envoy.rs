@@ -36,72 +36,6 @@ fn python() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/bin/python")
 }
 
-/// A running picker (`mode = "picker"`); killed on drop.
-struct Picker {
-    child: Child,
-    ext_proc: u16,
-    health: u16,
-    metrics: SocketAddr,
-    config: PathBuf,
-}
-
-impl Picker {
-    fn start(sims: &[&Sim], extra: &str) -> Picker {
-        let (ext_proc, health, metrics) = (free_port(), free_port(), free_port());
-        let toml = format!(
-            "mode = \"picker\"\nthreads = 2\nlog = \"warn\"\n{extra}\n\
-             [picker]\nlisten = \"127.0.0.1:{ext_proc}\"\nhealth_listen = \"127.0.0.1:{health}\"\n\
-             metrics_listen = \"127.0.0.1:{metrics}\"\n\n[health]\ninterval_ms = 200\n\n{}",
-            engines_toml(sims)
-        );
-        let config = std::env::temp_dir().join(format!(
-            "kvmesh-picker-{}-{ext_proc}.toml",
-            std::process::id()
-        ));
-        std::fs::write(&config, toml).unwrap();
-        let child = Command::new(bin("kvmesh-proxy"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn picker");
-        let p = Picker {
-            child,
-            ext_proc,
-            health,
-            metrics: format!("127.0.0.1:{metrics}").parse().unwrap(),
-            config,
-        };
-        assert!(
-            eventually(Duration::from_secs(20), || get(p.metrics, "/ready")
-                .is_ok_and(|r| r.status == 200)),
-            "picker did not become ready"
-        );
-        p
-    }
-
-    fn metric(&self, prefix: &str) -> f64 {
-        let body = String::from_utf8(get(self.metrics, "/metrics").unwrap().body).unwrap();
-        body.lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Picker {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_file(&self.config);
-    }
-}
-
 /// A running Envoy on the shipped example config (ports rewritten); killed on drop.
 struct Envoy {
     child: Child,
@@ -412,57 +346,15 @@ fn with_the_picker_down_envoy_fails_closed_or_open_and_a_second_picker_takes_ove
 
 /// The picker spoken to directly over gRPC, as Envoy would.
 mod grpc {
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
-    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    };
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
 
     use super::*;
-
-    fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: pairs
-                        .iter()
-                        .map(|(k, v)| HeaderValue {
-                            key: k.to_string(),
-                            raw_value: v.as_bytes().to_vec(),
-                            ..Default::default()
-                        })
-                        .collect(),
-                }),
-                end_of_stream,
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
-
-    fn chat_headers() -> ProcessingRequest {
-        headers(
-            &[(":method", "POST"), (":path", "/v1/chat/completions")],
-            false,
-        )
-    }
-
-    fn body(b: &[u8], end_of_stream: bool) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestBody(HttpBody {
-                body: b.to_vec(),
-                end_of_stream,
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
+    use common::extproc::*;
 
     fn with_subset(mut req: ProcessingRequest, subset: &[String]) -> ProcessingRequest {
         let list = Value {
@@ -486,80 +378,6 @@ mod grpc {
             ..Default::default()
         });
         req
-    }
-
-    /// Sends `msgs` on one stream and collects every reply until the picker ends it (or a
-    /// gRPC error, returned as `Err`).
-    async fn exchange(
-        port: u16,
-        msgs: Vec<ProcessingRequest>,
-    ) -> Result<Vec<ProcessingResponse>, tonic::Status> {
-        let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
-            .await
-            .unwrap();
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
-        for m in msgs {
-            tx.send(m).await.unwrap();
-        }
-        let mut replies = Vec::new();
-        let mut stream = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        loop {
-            // The picker keeps the stream open for the response side: stop once the request
-            // side is answered (or it closes).
-            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
-                Ok(Ok(Some(r))) => {
-                    let last = matches!(
-                        r.response,
-                        Some(Reply::ImmediateResponse(_)) | Some(Reply::RequestBody(_))
-                    );
-                    replies.push(r);
-                    if last {
-                        break;
-                    }
-                }
-                Ok(Ok(None)) => break,
-                Ok(Err(status)) => return Err(status),
-                Err(_) => panic!("no reply within 5 s; got {replies:?}"),
-            }
-        }
-        drop(tx);
-        Ok(replies)
-    }
-
-    fn destination(r: &ProcessingResponse) -> String {
-        let Some(Reply::RequestHeaders(h)) = r.response.as_ref() else {
-            panic!("not a headers reply: {r:?}")
-        };
-        let set = &h
-            .response
-            .as_ref()
-            .unwrap()
-            .header_mutation
-            .as_ref()
-            .unwrap()
-            .set_headers;
-        let dest = set
-            .iter()
-            .find(|o| o.header.as_ref().unwrap().key == "x-gateway-destination-endpoint")
-            .unwrap();
-        String::from_utf8(dest.header.as_ref().unwrap().raw_value.clone()).unwrap()
-    }
-
-    fn immediate_status(r: &ProcessingResponse) -> i32 {
-        let Some(Reply::ImmediateResponse(i)) = r.response.as_ref() else {
-            panic!("not an immediate response: {r:?}")
-        };
-        i.status.as_ref().unwrap().code
-    }
-
-    fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
     }
 
     #[test]

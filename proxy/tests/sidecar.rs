@@ -455,6 +455,44 @@ gossip_keys = ["{GOSSIP_KEY}"]
     }
 }
 
+#[test]
+fn a_picker_joining_the_cluster_names_the_engine_holding_the_prefix() {
+    let (sims, nodes) = cluster(&[&["--instant"], &["--instant"], &["--instant"]], "local");
+    // An Envoy picker with no engines of its own learns them, and their residency, by gossip.
+    let gossip = udp_port();
+    let picker = Picker::start_unready(&format!(
+        r#"[cluster]
+enabled = true
+cluster_id = "test"
+node_id = "picker"
+gossip_listen = "127.0.0.1:{gossip}"
+seeds = ["127.0.0.1:{}"]
+gossip_interval_ms = 100
+gossip_keys = ["{GOSSIP_KEY}"]
+"#,
+        nodes[0].gossip
+    ));
+    wait_for("the picker learns 3 engines", 20, || {
+        picker.metric("kvmesh_engine_healthy") == 3.0
+    });
+    let prefix = text(11, 8000);
+    let r = post(
+        nodes[2].proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} x"), ""),
+    );
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    wait_for("the picker learns c's residency", 20, || {
+        picker.metric("kvmesh_engine_residency_digests{engine=\"c\"}") > 0.0
+    });
+    // It names c's engine itself (Envoy goes there directly, not through c's sidecar).
+    let doc = chat_body("sim-model", &format!("{prefix} y"), "");
+    assert_eq!(
+        common::extproc::pick_chat(picker.ext_proc, &doc),
+        sims[2].addr.to_string()
+    );
+}
+
 /// A gossip node run by the test itself (a key holder: an insider, or a buggy peer) that
 /// publishes whatever node record it is given.
 fn insider(

