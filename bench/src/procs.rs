@@ -482,14 +482,27 @@ pub async fn kvmesh_picker(
     Ok(p)
 }
 
-/// Starts Envoy (from `venv`) in front of `engines`: with `picker`, the shipped
-/// examples/envoy/envoy.yaml pointed at it (the picker is stopped with Envoy); without, plain
-/// round robin over the engines. `concurrency` is Envoy's worker threads. Waits until a real
-/// request goes through.
+/// How Envoy picks the engine.
+pub enum EnvoyRouting {
+    /// Plain round robin over the engines.
+    RoundRobin,
+    /// The shipped examples/envoy/envoy.yaml pointed at this picker (stopped with Envoy).
+    Picker {
+        /// The running picker.
+        picker: Proc,
+        /// Response bodies go through the picker (the example's `FULL_DUPLEX_STREAMED`);
+        /// `false` sets `response_body_mode: NONE` (no `usage` learning, in-flight counted only
+        /// to the response headers).
+        response_bodies: bool,
+    },
+}
+
+/// Starts Envoy (from `venv`) in front of `engines`, routing as `routing` says.
+/// `concurrency` is Envoy's worker threads. Waits until a real request goes through.
 pub async fn envoy(
     venv: &std::path::Path,
     engines: &[SocketAddr],
-    picker: Option<Proc>,
+    routing: EnvoyRouting,
     concurrency: usize,
 ) -> anyhow::Result<Proc> {
     let exe = envoy_bin(venv)?;
@@ -506,8 +519,11 @@ pub async fn envoy(
             })
             .collect()
     };
-    let yaml = match picker.as_ref() {
-        Some(pk) => {
+    let (yaml, picker) = match routing {
+        EnvoyRouting::Picker {
+            picker: pk,
+            response_bodies,
+        } => {
             let mut y = include_str!("../../examples/envoy/envoy.yaml").to_string();
             for (from, to) in [
                 ("port_value: 8081", format!("port_value: {port}")),
@@ -526,9 +542,17 @@ pub async fn envoy(
                 .find("  # The picker speaks gRPC")
                 .context("examples/envoy/envoy.yaml lost its picker cluster")?;
             y.replace_range(first..first + end, &endpoints("        "));
-            y
+            if !response_bodies {
+                y = y
+                    .replace(
+                        "response_body_mode: FULL_DUPLEX_STREAMED",
+                        "response_body_mode: NONE",
+                    )
+                    .replace("response_trailer_mode: SEND", "response_trailer_mode: SKIP");
+            }
+            (y, Some(pk))
         }
-        None => format!(
+        EnvoyRouting::RoundRobin => (format!(
             "admin:\n  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}\n\
              static_resources:\n  listeners:\n  - name: rr\n    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}\n\
              \x20   filter_chains:\n    - filters:\n      - name: envoy.filters.network.http_connection_manager\n\
@@ -540,7 +564,7 @@ pub async fn envoy(
              \x20 clusters:\n  - name: engines\n    type: STATIC\n    lb_policy: ROUND_ROBIN\n    connect_timeout: 2s\n\
              \x20   load_assignment:\n      cluster_name: engines\n      endpoints:\n      - lb_endpoints:\n{}",
             endpoints("        ")
-        ),
+        ), None),
     };
     let path = std::env::temp_dir().join(format!(
         "kvmesh-bench-envoy-{}-{port}.yaml",

@@ -58,7 +58,8 @@ pub struct SimConfig {
     /// Model id served (and listed by /v1/models).
     #[arg(long, default_value = "sim-model")]
     pub model: String,
-    /// Name of this replica, returned in the `x-sim-engine` response header.
+    /// Name of this replica, returned in the `x-sim-engine` response header (beside
+    /// `x-sim-body-blake3`, `x-sim-body-len` and `x-sim-body-framing`: what it received).
     #[arg(long, default_value = "sim")]
     pub name: String,
     /// Tokens per KV block.
@@ -423,6 +424,12 @@ async fn handle(
         ),
         (Method::GET, "/metrics") => Response::new(full(engine.metrics())),
         (Method::POST, p) => {
+            // How the body was framed on the wire, for tests of what proxies forward.
+            let framing = if req.headers().contains_key(hyper::header::CONTENT_LENGTH) {
+                "length"
+            } else {
+                "chunked"
+            };
             let body =
                 match http_body_util::Limited::new(req.into_body(), engine.cfg.max_body_bytes)
                     .collect()
@@ -434,7 +441,12 @@ async fn handle(
             let hash = blake3::hash(&body).to_hex().to_string();
             let len = body.len();
             let resp = post(&engine, p, body).await;
-            with_headers(resp, &engine, &hash, len)
+            let mut resp = with_headers(resp, &engine, &hash, len);
+            resp.headers_mut().insert(
+                "x-sim-body-framing",
+                hyper::header::HeaderValue::from_static(framing),
+            );
+            resp
         }
         _ => error(404, &format!("no route for {path}")),
     };

@@ -16,6 +16,26 @@ impl Gateway {
         Bytes::from(self.metrics.render(&self.fleet, &self.index))
     }
 
+    /// The OpenAI `/v1/models` list: every model a healthy engine serves, once.
+    pub fn models_json(&self) -> Bytes {
+        let mut ids: Vec<String> = Vec::new();
+        for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
+            for m in e.models().iter().flat_map(|m| m.iter()) {
+                if !ids.contains(m) {
+                    ids.push(m.clone());
+                }
+            }
+        }
+        let data: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvmesh"}))
+            .collect();
+        Bytes::from(
+            serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+                .unwrap_or_default(),
+        )
+    }
+
     /// Local endpoints; `true` when answered.
     pub(crate) async fn local(
         &self,
@@ -38,23 +58,7 @@ impl Gateway {
                 }
             }
             (true, "/metrics") => (200, "text/plain; version=0.0.4", self.metrics_text()),
-            (true, "/v1/models") => {
-                let mut ids: Vec<String> = Vec::new();
-                for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
-                    for m in e.models().iter().flat_map(|m| m.iter()) {
-                        if !ids.contains(m) {
-                            ids.push(m.clone());
-                        }
-                    }
-                }
-                let data: Vec<serde_json::Value> = ids
-                    .iter()
-                    .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "kvmesh"}))
-                    .collect();
-                let body = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
-                    .unwrap_or_default();
-                (200, "application/json", Bytes::from(body))
-            }
+            (true, "/v1/models") => (200, "application/json", self.models_json()),
             _ => return Ok(false),
         };
         ctx.route = match path {

@@ -86,6 +86,9 @@ pub struct ProxyConfig {
     pub picker: PickerConfig,
 }
 
+/// The most fallbacks the picker lists (`picker.fallbacks`).
+pub const MAX_PICKER_FALLBACKS: usize = 16;
+
 /// The `[picker]` table: the Envoy ext_proc endpoint picker (`mode = "picker"`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -98,7 +101,8 @@ pub struct PickerConfig {
     /// HTTP address of `/metrics`, `/health` and `/ready`.
     pub metrics_listen: String,
     /// Fallback endpoints listed after the choice in the `envoy.lb` dynamic metadata (the
-    /// destination header always names one endpoint).
+    /// destination header always names one endpoint, so with fallbacks the two differ). At
+    /// most [`MAX_PICKER_FALLBACKS`].
     pub fallbacks: usize,
 }
 
@@ -108,7 +112,7 @@ impl Default for PickerConfig {
             listen: "127.0.0.1:9002".into(),
             health_listen: "127.0.0.1:9003".into(),
             metrics_listen: "127.0.0.1:9090".into(),
-            fallbacks: 2,
+            fallbacks: 0,
         }
     }
 }
@@ -507,8 +511,8 @@ impl ProxyConfig {
                 self.max_body_bytes
             ));
         }
-        if self.body_read_timeout_secs == 0 {
-            return bad("`body_read_timeout_secs` must be > 0".into());
+        if self.body_read_timeout_secs == 0 || self.body_read_timeout_secs > 86_400 {
+            return bad("`body_read_timeout_secs` must be between 1 and 86400".into());
         }
         if self.max_inflight == 0 {
             return bad("`max_inflight` must be > 0".into());
@@ -556,6 +560,12 @@ impl ProxyConfig {
         }
         if self.mode == Mode::Picker {
             let p = &self.picker;
+            if p.fallbacks > MAX_PICKER_FALLBACKS {
+                return bad(format!(
+                    "`picker.fallbacks` ({}) must be at most {MAX_PICKER_FALLBACKS}",
+                    p.fallbacks
+                ));
+            }
             let mut seen = std::collections::HashSet::new();
             for (key, value) in [
                 ("picker.listen", &p.listen),

@@ -223,6 +223,11 @@ fn run_picker(
         let [ext_proc, health, metrics_addr] = listeners.addrs().map(|a| {
             a.map_or_else(|| "?".to_string(), |a| a.to_string())
         });
+        let drain = Duration::from_secs(
+            cfg.shutdown
+                .grace_period_secs
+                .saturating_add(cfg.shutdown.drain_timeout_secs),
+        );
         let gateway = Arc::new(Gateway {
             router: Router::new(cfg.policy, cfg.routing.prefix_params()),
             limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
@@ -237,7 +242,17 @@ fn run_picker(
             let _ = stop.send(true);
         });
         tracing::info!(%ext_proc, %health, metrics = %metrics_addr, "kvmesh-proxy picker listening");
-        picker::serve(gateway, listeners, shutdown).await?;
+        let mut stopping = shutdown.clone();
+        // Envoy keeps its HTTP/2 connection open: after the signal (and the grace period, in
+        // which the picker reports NOT_SERVING but still serves), streams in flight get
+        // `shutdown.drain_timeout_secs` to finish, then the process exits regardless.
+        tokio::select! {
+            r = picker::serve(gateway, listeners, shutdown) => r?,
+            _ = async {
+                let _ = stopping.wait_for(|s| *s).await;
+                tokio::time::sleep(drain).await;
+            } => tracing::warn!("drain timeout reached; closing the streams still open"),
+        }
         Ok(())
     })
 }

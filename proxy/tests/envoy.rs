@@ -172,15 +172,15 @@ fn the_openai_client_chats_through_envoy_streamed_and_not() {
         );
         assert_eq!(v["text"], "tok1 tok2 tok3 tok4 ", "{mode}: {v}");
         if mode == "stream" {
-            // Passed through chunk by chunk, not buffered into one.
+            // Four content events (that they arrive one by one is the next test's).
             assert_eq!(v["chunks"], 4, "{v}");
         }
         assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 0, "{v}");
     }
-    assert_eq!(
-        picker.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}"),
-        2.0
-    );
+    // Counted when Envoy closes each stream, just after the client has its answer.
+    assert!(eventually(Duration::from_secs(5), || picker
+        .metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}")
+        == 2.0));
 }
 
 #[test]
@@ -203,6 +203,57 @@ fn a_shared_prefix_stays_on_one_engine_and_distinct_prefixes_spread() {
         engines.len() >= 2,
         "distinct prefixes all went to {engines:?}"
     );
+    // Every stream has ended: nothing is left counted as load, admitted or held.
+    assert!(
+        eventually(Duration::from_secs(5), || picker
+            .metric("kvmesh_engine_inflight")
+            == 0.0
+            && picker.metric("kvmesh_engine_pending_prefill") == 0.0
+            && picker.metric("kvmesh_inflight_requests") == 0.0
+            && picker.metric("kvmesh_body_bytes") == 0.0),
+        "load, admission or body bytes leaked"
+    );
+}
+
+#[test]
+fn a_stream_passes_through_envoy_while_the_engine_is_still_decoding() {
+    let sims = [
+        Sim::start("slow", &["--decode-us-per-step", "100000"]),
+        Sim::instant("e1"),
+        Sim::instant("e2"),
+    ];
+    let picker = Picker::start(&[&sims[0]], "");
+    let envoy = Envoy::start(&[&picker], [&sims[0], &sims[1], &sims[2]], false);
+    let body = chat_body(
+        "sim-model",
+        "tell me slowly",
+        r#","stream":true,"max_tokens":8"#,
+    );
+    let mut s = start_request(
+        envoy.addr,
+        "POST",
+        "/v1/chat/completions",
+        &body,
+        Framing::Length,
+        &[],
+    )
+    .unwrap();
+    let first = s.next_piece().unwrap().expect("a first piece");
+    assert!(!String::from_utf8_lossy(&first).contains("[DONE]"));
+    // The first event is here while the engine still decodes: it was not buffered, and the
+    // picker still counts the request as the engine's load.
+    assert_eq!(
+        picker.metric("kvmesh_engine_inflight{engine=\"slow\"}"),
+        1.0
+    );
+    let mut rest = Vec::new();
+    while let Some(p) = s.next_piece().unwrap() {
+        rest.extend_from_slice(&p);
+    }
+    assert!(String::from_utf8_lossy(&rest).contains("[DONE]"));
+    assert!(eventually(Duration::from_secs(5), || picker
+        .metric("kvmesh_engine_inflight{engine=\"slow\"}")
+        == 0.0));
 }
 
 #[test]
@@ -221,6 +272,8 @@ fn a_two_megabyte_prompt_arrives_whole_and_its_followers_meet_it() {
         r.header("x-sim-body-blake3"),
         Some(blake3::hash(&body).to_hex().as_str())
     );
+    // Length-framed, as the client sent it (the picker sets content-length, Envoy keeps it).
+    assert_eq!(r.header("x-sim-body-framing"), Some("length"));
     let follower = chat_body("sim-model", &format!("{prompt} and then?"), "");
     assert_eq!(served_by(&envoy.post_with(&follower, &[])), engine);
 }
@@ -271,6 +324,28 @@ fn a_killed_engine_is_routed_around_and_with_none_left_the_picker_answers_503() 
 }
 
 #[test]
+fn an_engine_envoy_cannot_reach_is_taken_out_at_once() {
+    let mut sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+    // Probes every 10 minutes: only Envoy's report can take the engine out.
+    let picker = Picker::start_probing_every(&[&sims[0], &sims[1], &sims[2]], 600_000);
+    let envoy = Envoy::start(&[&picker], [&sims[0], &sims[1], &sims[2]], false);
+    let prefix = long_prefix(4);
+    let home = served_by(&envoy.chat(&prefix));
+    let i = sims.iter().position(|s| s.name == home).unwrap();
+    sims[i].kill();
+    // The picker names the prefix's engine once more; Envoy cannot connect and says so.
+    let r = envoy.chat(&format!("{prefix} again"));
+    assert_eq!(r.status, 503);
+    assert_eq!(
+        picker.metric(&format!("kvmesh_engine_healthy{{engine=\"{home}\"}}")),
+        0.0
+    );
+    for q in 0..3 {
+        assert_ne!(served_by(&envoy.chat(&format!("{prefix} then {q}"))), home);
+    }
+}
+
+#[test]
 fn bad_input_is_a_400_and_the_picker_stays_up() {
     let (_sims, picker, envoy) = stack();
     for bad in [
@@ -288,10 +363,10 @@ fn bad_input_is_a_400_and_the_picker_stays_up() {
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "model_not_found");
     served_by(&envoy.chat("still routing"));
-    assert_eq!(
-        picker.metric("kvmesh_requests_total{route=\"chat\",status=\"400\"}"),
-        4.0
-    );
+    // Counted when Envoy closes each stream, just after the client has its answer.
+    assert!(eventually(Duration::from_secs(5), || picker
+        .metric("kvmesh_requests_total{route=\"chat\",status=\"400\"}")
+        == 4.0));
 }
 
 #[test]
@@ -319,6 +394,23 @@ fn with_the_picker_down_envoy_fails_closed_or_open_and_a_second_picker_takes_ove
         seen.insert(r.json()["name"].as_str().unwrap().to_string());
     }
     assert_eq!(seen.len(), 3, "{seen:?}");
+    // A client's own destination header is dropped before anything routes on it: Envoy had
+    // already picked the destination route for it, which now has no destination (503); the
+    // forged engine is never reached.
+    let forged = sims[0].addr.to_string();
+    for _ in 0..3 {
+        let r = request(
+            open.addr,
+            "GET",
+            "/server_info",
+            b"",
+            Framing::Length,
+            &[("x-gateway-destination-endpoint", &forged)],
+        )
+        .unwrap();
+        assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+        assert!(!String::from_utf8_lossy(&r.body).contains("kvmesh-sim-engine"));
+    }
     // ...but Envoy 1.40 fails a request with a body that it began streaming to the dead
     // picker (docs/envoy.md): a 500, or, when Envoy knew the stream was dead before sending
     // the body, the fallback route. Never the picker's route, never anything else.
@@ -347,6 +439,7 @@ fn with_the_picker_down_envoy_fails_closed_or_open_and_a_second_picker_takes_ove
 /// The picker spoken to directly over gRPC, as Envoy would.
 mod grpc {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
     use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
     use tonic_health::pb::health_check_response::ServingStatus;
@@ -381,11 +474,31 @@ mod grpc {
     }
 
     #[test]
-    fn the_subset_hint_limits_the_choice_and_an_empty_one_is_503() {
+    fn fallbacks_are_listed_the_subset_hint_limits_the_choice_and_an_empty_one_is_503() {
         let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
         let picker = Picker::start(&[&sims[0], &sims[1], &sims[2]], "");
+        let with_fallbacks =
+            Picker::start_with(&[&sims[0], &sims[1], &sims[2]], "", "fallbacks = 2");
         let doc = chat_body("sim-model", &long_prefix(9), "");
         rt().block_on(async {
+            // By default the metadata names the header's endpoint alone (GIE v1.0.0: the two
+            // must not differ); with `picker.fallbacks` (2) the choice comes first, then
+            // distinct fallbacks.
+            let replies = exchange(picker.ext_proc, vec![chat_headers(), body(&doc, true)])
+                .await
+                .unwrap();
+            assert_eq!(metadata_endpoints(&replies[0]), [destination(&replies[0])]);
+            let replies = exchange(
+                with_fallbacks.ext_proc,
+                vec![chat_headers(), body(&doc, true)],
+            )
+            .await
+            .unwrap();
+            let listed = metadata_endpoints(&replies[0]);
+            assert_eq!(listed.len(), 3, "{listed:?}");
+            assert_eq!(listed[0], destination(&replies[0]));
+            let distinct: std::collections::HashSet<_> = listed.iter().collect();
+            assert_eq!(distinct.len(), 3);
             for only in &sims {
                 let subset = vec![only.addr.to_string()];
                 let replies = exchange(
@@ -500,9 +613,121 @@ mod grpc {
             }
             assert_eq!(readiness, ServingStatus::NotServing);
         });
-        assert_eq!(
-            picker.metric("kvmesh_requests_total{route=\"chat\",status=\"413\"}"),
-            2.0
-        );
+        // Counted when Envoy closes each stream, just after the client has its answer.
+        assert!(eventually(Duration::from_secs(5), || picker
+            .metric("kvmesh_requests_total{route=\"chat\",status=\"413\"}")
+            == 2.0));
+    }
+
+    #[test]
+    fn models_are_answered_locally_other_paths_refused_and_admission_enforced() {
+        let sims = [Sim::instant("e0")];
+        let picker = Picker::start(&[&sims[0]], "max_inflight = 1");
+        rt().block_on(async {
+            let get = |path: &str| headers(&[(":method", "GET"), (":path", path)], true);
+            let r = exchange(picker.ext_proc, vec![get("/v1/models")])
+                .await
+                .unwrap();
+            let (status, v) = immediate(&r[0]);
+            assert_eq!(status, 200);
+            assert_eq!(v["data"][0]["id"], "sim-model");
+            // An engine's own endpoints are not reachable through the picker.
+            for path in ["/metrics", "/reset_prefix_cache", "/server_info", "/"] {
+                let r = exchange(picker.ext_proc, vec![get(path)]).await.unwrap();
+                assert_eq!(immediate(&r[0]).0, 404, "{path}");
+            }
+            // A path an engine would decode into an inference call is refused.
+            for path in [
+                "/v1/chat%2Fcompletions",
+                "//v1/chat/completions",
+                "/v1/x/../chat/completions",
+            ] {
+                let post = headers(&[(":method", "POST"), (":path", path)], false);
+                let r = exchange(picker.ext_proc, vec![post]).await.unwrap();
+                assert_eq!(immediate(&r[0]).0, 400, "{path}");
+            }
+            let r = exchange(picker.ext_proc, vec![get("/v1/chat/completions")])
+                .await
+                .unwrap();
+            assert_eq!(immediate(&r[0]).0, 405);
+            // max_inflight = 1: a stream whose body is still arriving holds the only slot.
+            let held = Stream::open(picker.ext_proc).await;
+            held.send(chat_headers()).await;
+            let doc = chat_body("sim-model", "hi", "");
+            let mut refused = None;
+            for _ in 0..100 {
+                let r = exchange(picker.ext_proc, vec![chat_headers(), body(&doc, true)])
+                    .await
+                    .unwrap();
+                if matches!(r[0].response, Some(Reply::ImmediateResponse(_))) {
+                    refused = Some(immediate(&r[0]));
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let (status, v) = refused.expect("never refused at max_inflight");
+            assert_eq!(status, 429);
+            assert_eq!(v["error"]["code"], "overloaded", "{v}");
+            drop(held);
+            let mut routed = false;
+            for _ in 0..100 {
+                let r = exchange(picker.ext_proc, vec![chat_headers(), body(&doc, true)])
+                    .await
+                    .unwrap();
+                if matches!(r[0].response, Some(Reply::RequestHeaders(_))) {
+                    routed = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(routed, "the slot was not released when the stream ended");
+        });
+        assert!(picker.metric("kvmesh_admission_rejections_total{reason=\"max_inflight\"}") >= 1.0);
+    }
+
+    #[test]
+    fn the_endpoint_envoy_served_takes_the_load_and_usage_settles() {
+        let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+        let picker = Picker::start(&[&sims[0], &sims[1], &sims[2]], "");
+        let doc = chat_body("sim-model", &long_prefix(21), "");
+        let inflight =
+            |name: &str| picker.metric(&format!("kvmesh_engine_inflight{{engine=\"{name}\"}}"));
+        rt().block_on(async {
+            let mut s = Stream::open(picker.ext_proc).await;
+            s.send(chat_headers()).await;
+            s.send(body(&doc, true)).await;
+            let h = s.recv().await.unwrap();
+            let dest = destination(&h);
+            // The leading digests go to the engine, as the gateway sends them.
+            let (set, _) = mutation(&h);
+            let digests = &set
+                .iter()
+                .find(|(k, _)| k == "x-kvmesh-prefix-digests")
+                .unwrap()
+                .1;
+            assert_eq!(digests.split(',').next().unwrap().len(), 64);
+            s.recv().await.unwrap();
+            let chosen = sims.iter().find(|x| x.addr.to_string() == dest).unwrap();
+            let other = sims.iter().find(|x| x.addr.to_string() != dest).unwrap();
+            assert_eq!(inflight(&chosen.name), 1.0);
+            // Envoy says another endpoint served (a fallback): the load moves there.
+            let served = other.addr.to_string();
+            s.send(response_headers(200, "application/json", Some(&served)))
+                .await;
+            let rh = s.recv().await.unwrap();
+            let (set, _) = mutation(&rh);
+            assert!(set.contains(&("x-kvmesh-engine".to_string(), other.name.clone())));
+            assert_eq!(inflight(&chosen.name), 0.0);
+            assert_eq!(inflight(&other.name), 1.0);
+            let usage = br#"{"usage":{"prompt_tokens":100,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+            s.send(response_body(usage, true)).await;
+            s.recv().await.unwrap();
+            s.close();
+        });
+        assert!(eventually(Duration::from_secs(5), || picker
+            .metric("kvmesh_engine_inflight")
+            == 0.0));
+        assert_eq!(picker.metric("kvmesh_prompt_tokens_total"), 100.0);
+        assert!(picker.metric("kvmesh_residency_verdicts_total") >= 1.0);
     }
 }

@@ -313,7 +313,8 @@ struct CompareArgs {
     /// session: one gateway), kvmesh-sidecar and kvmesh-sidecar-home (one sidecar per engine,
     /// gossiping, cold_placement local or home; requests spread over the sidecars),
     /// envoy-picker (Envoy with kvmesh as its ext_proc endpoint picker, examples/envoy),
-    /// envoy-round_robin (plain Envoy), sglang, vllm, nginx.
+    /// envoy-picker-lite (the same with `response_body_mode: NONE`), envoy-round_robin (plain
+    /// Envoy), sglang, vllm, nginx.
     #[arg(
         long,
         value_delimiter = ',',
@@ -491,17 +492,29 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         Ok(p) => targets.push(("nginx".into(), p.addr, Some(p))),
         Err(e) => println!("nginx: skipped ({e:#})"),
     }
-    match procs::envoy(&a.peers_venv, &[sim.addr], None, 1).await {
+    let rr = procs::EnvoyRouting::RoundRobin;
+    match procs::envoy(&a.peers_venv, &[sim.addr], rr, 1).await {
         Ok(p) => targets.push(("envoy round robin".into(), p.addr, Some(p))),
         Err(e) => println!("envoy: skipped ({e:#})"),
     }
-    let picked = match procs::kvmesh_picker(&[sim.addr], 1, 1000).await {
-        Ok(picker) => procs::envoy(&a.peers_venv, &[sim.addr], Some(picker), 1).await,
-        Err(e) => Err(e),
-    };
-    match picked {
-        Ok(p) => targets.push(("envoy + kvmesh picker".into(), p.addr, Some(p))),
-        Err(e) => println!("envoy + kvmesh picker: skipped ({e:#})"),
+    for (name, response_bodies) in [
+        ("envoy + kvmesh picker", true),
+        ("envoy + kvmesh picker (lite)", false),
+    ] {
+        let picked = match procs::kvmesh_picker(&[sim.addr], 1, 1000).await {
+            Ok(picker) => {
+                let routing = procs::EnvoyRouting::Picker {
+                    picker,
+                    response_bodies,
+                };
+                procs::envoy(&a.peers_venv, &[sim.addr], routing, 1).await
+            }
+            Err(e) => Err(e),
+        };
+        match picked {
+            Ok(p) => targets.push((name.into(), p.addr, Some(p))),
+            Err(e) => println!("{name}: skipped ({e:#})"),
+        }
     }
     for (name, kind) in [
         ("sglang-router", procs::Peer::Sglang),
@@ -635,11 +648,17 @@ async fn start_target(
         return Ok(vec![procs::kvmesh(policy, &addrs, 0, 1000).await?]);
     }
     let one = match target {
-        "envoy-picker" => {
-            let picker = procs::kvmesh_picker(&addrs, 0, 1000).await?;
-            procs::envoy(&a.peers_venv, &addrs, Some(picker), cpus()).await
+        "envoy-picker" | "envoy-picker-lite" => {
+            let routing = procs::EnvoyRouting::Picker {
+                picker: procs::kvmesh_picker(&addrs, 0, 1000).await?,
+                response_bodies: target == "envoy-picker",
+            };
+            procs::envoy(&a.peers_venv, &addrs, routing, cpus()).await
         }
-        "envoy-round_robin" => procs::envoy(&a.peers_venv, &addrs, None, cpus()).await,
+        "envoy-round_robin" => {
+            let routing = procs::EnvoyRouting::RoundRobin;
+            procs::envoy(&a.peers_venv, &addrs, routing, cpus()).await
+        }
         "sglang" => procs::peer(procs::Peer::Sglang, &a.peers_venv, &addrs).await,
         "vllm" => procs::peer(procs::Peer::Vllm, &a.peers_venv, &addrs).await,
         "nginx" => procs::nginx(&addrs).await,

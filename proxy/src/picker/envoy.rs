@@ -22,6 +22,8 @@ pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// The key of that subset: a list of `ip:port` strings.
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// The key under [`DESTINATION_NAMESPACE`] where Envoy reports the endpoint that served.
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// Largest body chunk sent back to Envoy (the protocol caps chunks at 64 KiB).
 pub const MAX_CHUNK: usize = 64 << 10;
 
@@ -84,13 +86,24 @@ fn string_value(s: String) -> Value {
 }
 
 /// The reply to the request headers once the endpoint is chosen: the destination header (and
-/// `content-length` of the body streamed back), a route-cache clear so Envoy routes on it, and
-/// the `envoy.lb` metadata listing the choice then its fallbacks.
-pub fn routed_headers(endpoints: &[String], body_len: Option<usize>) -> ProcessingResponse {
+/// `content-length` of the body streamed back), a route-cache clear so Envoy routes on it, the
+/// `envoy.lb` metadata listing the choice then its fallbacks, and `digests` (a header name and
+/// value, overwritten; removed when the value is empty).
+pub fn routed_headers(
+    endpoints: &[String],
+    body_len: Option<usize>,
+    digests: (&str, &str),
+) -> ProcessingResponse {
     let first = endpoints.first().cloned().unwrap_or_default();
     let mut set_headers = vec![set_header(DESTINATION_HEADER, &first)];
     if let Some(n) = body_len {
         set_headers.push(set_header("content-length", &n.to_string()));
+    }
+    let mut remove_headers = Vec::new();
+    if digests.1.is_empty() {
+        remove_headers.push(digests.0.to_string());
+    } else {
+        set_headers.push(set_header(digests.0, digests.1));
     }
     let inner = Struct {
         fields: [(
@@ -113,7 +126,7 @@ pub fn routed_headers(endpoints: &[String], body_len: Option<usize>) -> Processi
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
                     set_headers,
-                    remove_headers: Vec::new(),
+                    remove_headers,
                 }),
                 clear_route_cache: true,
                 ..Default::default()
@@ -122,6 +135,38 @@ pub fn routed_headers(endpoints: &[String], body_len: Option<usize>) -> Processi
         dynamic_metadata: Some(metadata),
         ..Default::default()
     }
+}
+
+/// The endpoint Envoy reports it served (`envoy.lb / x-gateway-destination-endpoint-served`
+/// in the metadata context of the response messages), if it reports one.
+pub fn served_endpoint(req: &ProcessingRequest) -> Option<String> {
+    let ns = req
+        .metadata_context
+        .as_ref()?
+        .filter_metadata
+        .get(DESTINATION_NAMESPACE)?;
+    match ns.fields.get(SERVED_KEY)?.kind.as_ref()? {
+        Kind::StringValue(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        _ => None,
+    }
+}
+
+/// The string value of attribute `name` that Envoy sent (ext_proc `request_attributes` /
+/// `response_attributes`), under whichever filter key.
+pub fn attribute<'a>(req: &'a ProcessingRequest, name: &str) -> Option<&'a str> {
+    req.attributes
+        .values()
+        .find_map(|s| match s.fields.get(name)?.kind.as_ref()? {
+            Kind::StringValue(v) => Some(v.as_str()),
+            _ => None,
+        })
+}
+
+/// Whether Envoy's `response.code_details` says it could not connect to the upstream (its
+/// own 503, not the engine's).
+pub fn upstream_connect_failed(code_details: &str) -> bool {
+    code_details.starts_with("upstream_reset_before_response_started")
+        && code_details.contains("connection_failure")
 }
 
 /// The reply to the response headers, adding `extra` headers (e.g. which engine served).
@@ -151,12 +196,14 @@ pub enum Direction {
 }
 
 /// `body` streamed back in chunks of at most [`MAX_CHUNK`] bytes; the last one carries
-/// `end_of_stream`. An empty body is one empty chunk (Envoy needs the end of stream).
-pub fn body_chunks(dir: Direction, body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
-    let mut chunks: Vec<&[u8]> = body.chunks(MAX_CHUNK).collect();
-    if chunks.is_empty() {
-        chunks.push(&[]);
-    }
+/// `end_of_stream`. An empty body is one empty chunk (Envoy needs the end of stream). A body
+/// that fits one chunk is moved, not copied (every streamed response chunk takes this path).
+pub fn body_chunks(dir: Direction, body: Vec<u8>, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let chunks: Vec<Vec<u8>> = if body.len() <= MAX_CHUNK {
+        vec![body]
+    } else {
+        body.chunks(MAX_CHUNK).map(<[u8]>::to_vec).collect()
+    };
     let last = chunks.len() - 1;
     chunks
         .into_iter()
@@ -167,7 +214,7 @@ pub fn body_chunks(dir: Direction, body: &[u8], end_of_stream: bool) -> Vec<Proc
                     body_mutation: Some(BodyMutation {
                         mutation: Some(body_mutation::Mutation::StreamedResponse(
                             StreamedBodyResponse {
-                                body: c.to_vec(),
+                                body: c,
                                 end_of_stream: end_of_stream && i == last,
                                 ..Default::default()
                             },
@@ -201,22 +248,32 @@ pub fn trailers(dir: Direction) -> ProcessingResponse {
 
 /// A local answer Envoy sends to the client instead of routing: `e` as OpenAI-style JSON.
 pub fn immediate(e: &ApiError) -> ProcessingResponse {
-    let mut headers = vec![set_header("content-type", "application/json")];
-    if e.status() == 429 || e.status() == 503 {
-        headers.push(set_header("retry-after", "1"));
+    let mut r = local_json(e.status(), e.to_json());
+    if let Some(Reply::ImmediateResponse(i)) = r.response.as_mut() {
+        if e.status() == 429 || e.status() == 503 {
+            if let Some(h) = i.headers.as_mut() {
+                h.set_headers.push(set_header("retry-after", "1"));
+            }
+        }
+        i.details = format!("kvmesh_picker_{}", e.kind.code());
     }
+    r
+}
+
+/// A local JSON answer with `status`.
+pub fn local_json(status: u16, body: Vec<u8>) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Reply::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
                 // Envoy's StatusCode values are the HTTP codes themselves.
-                code: i32::from(e.status()),
+                code: i32::from(status),
             }),
             headers: Some(HeaderMutation {
-                set_headers: headers,
+                set_headers: vec![set_header("content-type", "application/json")],
                 remove_headers: Vec::new(),
             }),
-            body: e.to_json(),
-            details: format!("kvmesh_picker_{}", e.kind.code()),
+            body,
+            details: "kvmesh_picker".into(),
             ..Default::default()
         })),
         ..Default::default()
@@ -277,13 +334,14 @@ mod tests {
     #[test]
     fn the_destination_overwrites_and_lists_fallbacks_in_metadata() {
         let eps = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
-        let r = routed_headers(&eps, Some(42));
+        let r = routed_headers(&eps, Some(42), ("x-kvmesh-prefix-digests", ""));
         let Some(Reply::RequestHeaders(h)) = r.response else {
             panic!("not a headers reply")
         };
         let common = h.response.unwrap();
         assert!(common.clear_route_cache);
-        let set = common.header_mutation.unwrap().set_headers;
+        let mutation = common.header_mutation.unwrap();
+        let set = mutation.set_headers;
         let dest = set[0].header.as_ref().unwrap();
         assert_eq!(dest.key, DESTINATION_HEADER);
         assert_eq!(dest.raw_value, b"127.0.0.1:1");
@@ -292,6 +350,8 @@ mod tests {
             HeaderAppendAction::OverwriteIfExistsOrAdd as i32
         );
         assert_eq!(set[1].header.as_ref().unwrap().raw_value, b"42");
+        // No digests: a client's own header is removed, not passed on.
+        assert_eq!(mutation.remove_headers, ["x-kvmesh-prefix-digests"]);
         let md = r.dynamic_metadata.unwrap();
         let Some(Kind::StructValue(lb)) = md.fields[DESTINATION_NAMESPACE].kind.as_ref() else {
             panic!("no envoy.lb struct")
@@ -305,7 +365,7 @@ mod tests {
     #[test]
     fn bodies_go_back_in_chunks_of_at_most_64_kib() {
         let body = vec![7u8; 2 * MAX_CHUNK + 5];
-        let chunks = body_chunks(Direction::Request, &body, true);
+        let chunks = body_chunks(Direction::Request, body.clone(), true);
         assert_eq!(chunks.len(), 3);
         let mut total = Vec::new();
         for (i, c) in chunks.iter().enumerate() {
@@ -325,7 +385,7 @@ mod tests {
             total.extend_from_slice(&s.body);
         }
         assert_eq!(total, body);
-        assert_eq!(body_chunks(Direction::Response, &[], true).len(), 1);
+        assert_eq!(body_chunks(Direction::Response, Vec::new(), true).len(), 1);
     }
 
     #[test]

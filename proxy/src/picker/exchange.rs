@@ -2,12 +2,13 @@
 //! response, as a state machine over the messages Envoy sends (`FULL_DUPLEX_STREAMED` bodies).
 //!
 //! Request side: the headers are held; body chunks are buffered (bounded by `max_body_bytes`
-//! and the body budget) until the end of the body; then the request is parsed and ranked
-//! exactly as the gateway does, and the replies go out in the order Envoy requires: the
-//! headers reply (destination, `clear_route_cache`, metadata), then the body in chunks of at
-//! most 64 KiB. A request that is not an inference call (`/v1/models`, ...) is routed by load
-//! at once and its body streamed through. Response side: each chunk goes straight back; on the
-//! way `usage` is read, and at the end it settles the residency prediction.
+//! and the body budget, charged with the buffer's capacity) until the end of the body; then the
+//! request is parsed and ranked exactly as the gateway does, and the replies go out in the
+//! order Envoy requires: the headers reply (destination, `clear_route_cache`, metadata), then
+//! the body in chunks of at most 64 KiB. `GET /v1/models` is answered by the picker itself, as
+//! the gateway does; any other path is a 404, so a client cannot reach an engine's own admin
+//! endpoints through Envoy. Response side: each chunk goes straight back; on the way `usage` is
+//! read, and at the end it settles the residency prediction.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +18,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
 };
+use kvmesh_filters::chain::Digest;
 use kvmesh_filters::request::{self, Endpoint};
 use kvmesh_filters::route::Candidate;
 use kvmesh_filters::usage::{self, SseUsageScanner};
@@ -29,31 +31,33 @@ use crate::fleet::{Dispatch, Engine};
 use crate::plan::RequestFacts;
 use crate::service::{Gateway, MAX_SSE_LINE, MAX_USAGE_BODY};
 
+/// The request header carrying the leading digests to the engine (as the gateway sends it).
+const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
+/// The first body buffer, at most (it then doubles as bytes arrive).
+const FIRST_BODY_ALLOC: usize = 4 << 10;
+
 /// What the stream does after a message.
 #[derive(Debug)]
 pub(crate) enum Step {
     /// Send these replies (possibly none) and read on.
     Continue(Vec<ProcessingResponse>),
-    /// Send these replies and end the stream (an immediate response was sent).
+    /// Send these replies and end the stream (a local answer was sent).
     Close(Vec<ProcessingResponse>),
 }
 
-/// Where the request is.
-enum Phase {
+/// Where the request side is.
+enum RequestPhase {
     /// Waiting for the request headers.
     Start,
     /// Collecting an inference request's body.
     Buffering {
         endpoint: Endpoint,
         body: Vec<u8>,
-        permit: BodyPermit,
+        /// Capacity of `body` charged to the body budget.
+        charged: usize,
     },
-    /// Routed before its body (not an inference call): body chunks pass straight through.
-    Passthrough,
-    /// Routed; the request body (if any) is with Envoy; waiting for or streaming the response.
-    Routed,
-    /// The response is complete.
-    Done,
+    /// Routed; the body (if any) has gone back to Envoy.
+    Sent,
 }
 
 /// The chosen engine and what is needed to settle its prediction.
@@ -61,7 +65,7 @@ struct Routed {
     engine: Arc<Engine>,
     /// Counts the request as the engine's load until the response ends (or the stream drops).
     dispatch: Dispatch,
-    facts: Option<RequestFacts>,
+    facts: RequestFacts,
     overlap_blocks: usize,
     settled: bool,
 }
@@ -78,9 +82,13 @@ pub(crate) struct Exchange {
     fallbacks: usize,
     started: Instant,
     route: &'static str,
-    phase: Phase,
-    /// The `max_inflight` slot, held until the stream ends.
+    request: RequestPhase,
+    /// The response is complete, or a local answer was sent.
+    finished: bool,
+    /// The `max_inflight` slot, held until the response ends.
     admitted: Option<Admitted>,
+    /// The body's reservation, held until the engine answers (as in the gateway).
+    permit: Option<BodyPermit>,
     /// Envoy's subset hint, if it sent one.
     subset: Option<Vec<String>>,
     /// The session header's value.
@@ -88,7 +96,7 @@ pub(crate) struct Exchange {
     routed: Option<Routed>,
     scan: Option<UsageScan>,
     first_byte: bool,
-    /// The status the client got (an immediate response's, or the engine's).
+    /// The status the client got (a local answer's, or the engine's).
     status: u16,
 }
 
@@ -99,8 +107,10 @@ impl Exchange {
             fallbacks,
             started: Instant::now(),
             route: "other",
-            phase: Phase::Start,
+            request: RequestPhase::Start,
+            finished: false,
             admitted: None,
+            permit: None,
             subset: None,
             session: None,
             routed: None,
@@ -112,12 +122,12 @@ impl Exchange {
 
     /// Whether the request body is still being collected (the body deadline applies).
     pub(crate) fn buffering(&self) -> bool {
-        matches!(self.phase, Phase::Buffering { .. })
+        matches!(self.request, RequestPhase::Buffering { .. })
     }
 
     /// Whether the response is complete (or a local answer was sent).
     pub(crate) fn done(&self) -> bool {
-        matches!(self.phase, Phase::Done)
+        self.finished
     }
 
     /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
@@ -146,7 +156,7 @@ impl Exchange {
             Some(Msg::RequestHeaders(ref h)) => self.on_request_headers(&req, h),
             Some(Msg::RequestBody(b)) => self.on_request_body(b),
             Some(Msg::RequestTrailers(_)) => self.on_request_trailers(),
-            Some(Msg::ResponseHeaders(h)) => Ok(self.on_response_headers(&h)),
+            Some(Msg::ResponseHeaders(ref h)) => Ok(self.on_response_headers(&req, h)),
             Some(Msg::ResponseBody(b)) => Ok(self.on_response_body(b)),
             Some(Msg::ResponseTrailers(_)) => {
                 self.response_done();
@@ -168,8 +178,15 @@ impl Exchange {
     fn refuse(&mut self, e: ApiError) -> Step {
         tracing::debug!(status = e.status(), error = %e.message, "picker refused a request");
         self.status = e.status();
-        self.phase = Phase::Done;
+        self.answer_locally();
         Step::Close(vec![envoy::immediate(&e)])
+    }
+
+    fn answer_locally(&mut self) {
+        self.finished = true;
+        self.request = RequestPhase::Sent;
+        self.permit = None;
+        self.admitted = None;
     }
 
     fn on_request_headers(
@@ -177,36 +194,24 @@ impl Exchange {
         req: &ProcessingRequest,
         h: &HttpHeaders,
     ) -> Result<Step, tonic::Status> {
-        if !matches!(self.phase, Phase::Start) {
+        if !matches!(self.request, RequestPhase::Start) {
             return Err(tonic::Status::failed_precondition(
                 "request headers arrived twice",
             ));
         }
         let map = h.headers.as_ref();
-        let path = envoy::header(map, ":path").unwrap_or("/");
-        let path = path.split('?').next().unwrap_or(path);
+        let raw_path = envoy::header(map, ":path").unwrap_or("/");
+        let path = raw_path.split('?').next().unwrap_or(raw_path);
         let method = envoy::header(map, ":method").unwrap_or("");
-        let cfg = &self.gw.cfg;
-        self.subset = envoy::subset_hint(req);
-        self.session =
-            envoy::header(map, &cfg.routing.session_header.to_ascii_lowercase()).map(String::from);
-        match self.gw.admit() {
-            Ok(a) => self.admitted = Some(a),
-            Err(e) => return Ok(self.refuse(e)),
+        if !normalized(path) {
+            return Ok(self.refuse(ApiError::new(
+                ErrorKind::InvalidRequest,
+                "the request path must be normalized: no percent-encoding, `//`, `.` or `..` \
+                 segments",
+            )));
         }
         let Some(endpoint) = Endpoint::from_path(path) else {
-            // Not an inference call: any engine can answer it; the least loaded one does.
-            return Ok(match self.route_by_load() {
-                Ok(reply) => {
-                    self.phase = if h.end_of_stream {
-                        Phase::Routed
-                    } else {
-                        Phase::Passthrough
-                    };
-                    Step::Continue(vec![reply])
-                }
-                Err(e) => self.refuse(e),
-            });
+            return Ok(self.local_path(method, path));
         };
         self.route = endpoint.label();
         if method != "POST" {
@@ -216,67 +221,98 @@ impl Exchange {
             );
             return Ok(self.refuse(e));
         }
+        let cfg = &self.gw.cfg;
+        self.subset = envoy::subset_hint(req);
+        self.session =
+            envoy::header(map, &cfg.routing.session_header.to_ascii_lowercase()).map(String::from);
         let limit = cfg.max_body_bytes;
         let declared = envoy::header(map, "content-length").and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > limit as u64) {
             return Ok(self.refuse(body_too_large(limit)));
         }
+        match self.gw.admit() {
+            Ok(a) => self.admitted = Some(a),
+            Err(e) => return Ok(self.refuse(e)),
+        }
         if h.end_of_stream {
             // No body at all: parsing says what is missing (400).
+            self.request = RequestPhase::Sent;
             return Ok(self.decide(endpoint, Vec::new(), None));
         }
-        self.phase = Phase::Buffering {
+        self.permit = Some(BodyPermit::new(&self.gw.limits));
+        self.request = RequestPhase::Buffering {
             endpoint,
             body: Vec::new(),
-            permit: BodyPermit::new(&self.gw.limits),
+            charged: 0,
         };
         Ok(Step::Continue(Vec::new()))
     }
 
-    fn on_request_body(&mut self, b: HttpBody) -> Result<Step, tonic::Status> {
-        match &mut self.phase {
-            Phase::Buffering { body, permit, .. } => {
-                let limit = self.gw.cfg.max_body_bytes;
-                if body.len().saturating_add(b.body.len()) > limit {
-                    return Ok(self.refuse(body_too_large(limit)));
-                }
-                if !permit.grow(b.body.len()) {
-                    let e = self.gw.over_body_budget();
-                    return Ok(self.refuse(e));
-                }
-                body.extend_from_slice(&b.body);
-                if !b.end_of_stream {
-                    return Ok(Step::Continue(Vec::new()));
-                }
-            }
-            Phase::Passthrough => {
-                if b.end_of_stream {
-                    self.phase = Phase::Routed;
-                }
-                return Ok(Step::Continue(envoy::body_chunks(
-                    Direction::Request,
-                    &b.body,
-                    b.end_of_stream,
-                )));
-            }
-            _ => {
-                return Err(tonic::Status::failed_precondition(
-                    "a request body chunk arrived outside the request body",
-                ))
-            }
+    /// A path that is not an inference call: `GET /v1/models` from the fleet (as the gateway
+    /// answers it), anything else 404 or 405.
+    fn local_path(&mut self, method: &str, path: &str) -> Step {
+        if path.trim_end_matches('/') != "/v1/models" {
+            return self.refuse(ApiError::new(
+                ErrorKind::NotFound,
+                format!("no route for {method} {path}"),
+            ));
         }
-        // The body is complete.
-        match std::mem::replace(&mut self.phase, Phase::Routed) {
-            Phase::Buffering { endpoint, body, .. } => Ok(self.decide(endpoint, body, Some(true))),
+        self.route = "models";
+        if method != "GET" {
+            return self.refuse(ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                "/v1/models accepts GET only",
+            ));
+        }
+        self.status = 200;
+        self.answer_locally();
+        Step::Close(vec![envoy::local_json(200, self.gw.models_json().to_vec())])
+    }
+
+    fn on_request_body(&mut self, b: HttpBody) -> Result<Step, tonic::Status> {
+        let RequestPhase::Buffering { body, charged, .. } = &mut self.request else {
+            return Err(tonic::Status::failed_precondition(
+                "a request body chunk arrived outside the request body",
+            ));
+        };
+        let limit = self.gw.cfg.max_body_bytes;
+        let need = body.len().saturating_add(b.body.len());
+        if need > limit {
+            return Ok(self.refuse(body_too_large(limit)));
+        }
+        if need > body.capacity() {
+            // Grow by doubling (never past the limit), charging the budget for the capacity
+            // before it is allocated.
+            let target = need
+                .max(body.capacity().saturating_mul(2))
+                .max(FIRST_BODY_ALLOC.min(limit))
+                .min(limit);
+            let extra = target.saturating_sub(*charged);
+            let granted = self.permit.as_mut().is_some_and(|p| p.grow(extra));
+            if !granted {
+                let e = self.gw.over_body_budget();
+                return Ok(self.refuse(e));
+            }
+            *charged += extra;
+            body.reserve_exact(target - body.len());
+        }
+        body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return Ok(Step::Continue(Vec::new()));
+        }
+        match std::mem::replace(&mut self.request, RequestPhase::Sent) {
+            RequestPhase::Buffering { endpoint, body, .. } => {
+                Ok(self.decide(endpoint, body, Some(true)))
+            }
             _ => Err(tonic::Status::internal("picker state lost its body")),
         }
     }
 
     fn on_request_trailers(&mut self) -> Result<Step, tonic::Status> {
         let trailers = envoy::trailers(Direction::Request);
-        match std::mem::replace(&mut self.phase, Phase::Routed) {
+        match std::mem::replace(&mut self.request, RequestPhase::Sent) {
             // Trailers end the body: decide now; the body goes back without end of stream.
-            Phase::Buffering { endpoint, body, .. } => {
+            RequestPhase::Buffering { endpoint, body, .. } => {
                 Ok(match self.decide(endpoint, body, Some(false)) {
                     Step::Continue(mut replies) => {
                         replies.push(trailers);
@@ -285,9 +321,9 @@ impl Exchange {
                     close => close,
                 })
             }
-            Phase::Passthrough | Phase::Routed => Ok(Step::Continue(vec![trailers])),
-            _ => Err(tonic::Status::failed_precondition(
-                "request trailers arrived before the request headers or after the response",
+            RequestPhase::Sent => Ok(Step::Continue(vec![trailers])),
+            RequestPhase::Start => Err(tonic::Status::failed_precondition(
+                "request trailers arrived before the request headers",
             )),
         }
     }
@@ -317,33 +353,42 @@ impl Exchange {
                 "no healthy engine serving the model is in the subset Envoy offered",
             ));
         };
-        let block = gw.cfg.routing.block_bytes;
-        let uncached = facts
-            .total_bytes
-            .saturating_sub(first.overlap_blocks.saturating_mul(block))
-            as u64;
         let engine = engines[0].clone();
-        let settled = engine.pending_prefill() == 0;
-        let dispatch = gw.fleet.dispatch(&engine, uncached);
-        gw.index
-            .record(engine.id, &facts.chain, Source::Optimistic, Instant::now());
         let endpoints: Vec<String> = engines.iter().map(|e| e.addr.to_string()).collect();
-        self.routed = Some(Routed {
-            engine,
-            dispatch,
-            facts: Some(facts),
-            overlap_blocks: first.overlap_blocks,
-            settled,
-        });
-        self.phase = Phase::Routed;
+        let n = gw.cfg.routing.forward_digests.min(facts.chain.len());
+        let digests: Vec<String> = facts.chain[..n].iter().map(Digest::to_hex).collect();
+        self.route_to(engine, facts, first.overlap_blocks);
         let mut replies = vec![envoy::routed_headers(
             &endpoints,
             body_end.map(|_| body.len()),
+            (DIGESTS_HEADER, &digests.join(",")),
         )];
         if let Some(end) = body_end {
-            replies.extend(envoy::body_chunks(Direction::Request, &body, end));
+            replies.extend(envoy::body_chunks(Direction::Request, body, end));
         }
         Step::Continue(replies)
+    }
+
+    /// Counts the request as `engine`'s load and records the prediction in the index.
+    fn route_to(&mut self, engine: Arc<Engine>, facts: RequestFacts, overlap_blocks: usize) {
+        let block = self.gw.cfg.routing.block_bytes;
+        let uncached = facts
+            .total_bytes
+            .saturating_sub(overlap_blocks.saturating_mul(block)) as u64;
+        let settled = engine.pending_prefill() == 0;
+        // Replacing an earlier choice drops its guard: its load is released first.
+        self.routed = None;
+        let dispatch = self.gw.fleet.dispatch(&engine, uncached);
+        self.gw
+            .index
+            .record(engine.id, &facts.chain, Source::Optimistic, Instant::now());
+        self.routed = Some(Routed {
+            engine,
+            dispatch,
+            facts,
+            overlap_blocks,
+            settled,
+        });
     }
 
     /// The ranked candidates Envoy allows (its subset hint, if any), as engines: the first
@@ -374,43 +419,50 @@ impl Exchange {
             .is_none_or(|s| s.contains(&e.addr.to_string()))
     }
 
-    /// Routes a request that is not an inference call to the least-loaded healthy engine
-    /// (within the subset hint).
-    fn route_by_load(&mut self) -> Result<ProcessingResponse, ApiError> {
-        let engines = self.gw.fleet.engines();
-        let mut healthy: Vec<&Arc<Engine>> = engines
-            .iter()
-            .filter(|e| e.healthy())
-            .filter(|e| self.in_subset(e))
-            .collect();
-        healthy.sort_by_key(|e| e.inflight());
-        let Some(engine) = healthy.first().map(|e| (*e).clone()) else {
-            return Err(ApiError::new(
-                ErrorKind::NoEngine,
-                "no healthy engine (in the subset Envoy offered)",
-            ));
+    /// Envoy names the endpoint that served (GIE v1.0.0): when it is not the choice (a data
+    /// plane that used a fallback), the load and the prediction move to it.
+    fn follow_served(&mut self, req: &ProcessingRequest) {
+        let Some(served) = envoy::served_endpoint(req) else {
+            return;
         };
-        let endpoints: Vec<String> = healthy
-            .iter()
-            .take(self.fallbacks + 1)
-            .map(|e| e.addr.to_string())
-            .collect();
-        self.routed = Some(Routed {
-            dispatch: self.gw.fleet.dispatch(&engine, 0),
-            engine,
-            facts: None,
-            overlap_blocks: 0,
-            settled: true,
-        });
-        Ok(envoy::routed_headers(&endpoints, None))
+        let Some(r) = self.routed.as_ref() else {
+            return;
+        };
+        if r.engine.addr.to_string() == served {
+            return;
+        }
+        let engines = self.gw.fleet.engines();
+        let Some(engine) = engines.iter().find(|e| e.addr.to_string() == served) else {
+            tracing::debug!(%served, "Envoy served an endpoint the picker does not know");
+            return;
+        };
+        let Some(r) = self.routed.take() else {
+            return;
+        };
+        // The served engine holds none of what was predicted for the choice.
+        self.route_to(engine.clone(), r.facts, 0);
     }
 
-    fn on_response_headers(&mut self, h: &HttpHeaders) -> Step {
+    fn on_response_headers(&mut self, req: &ProcessingRequest, h: &HttpHeaders) -> Step {
+        self.follow_served(req);
+        let connect_failed = envoy::attribute(req, "response.code_details")
+            .is_some_and(envoy::upstream_connect_failed);
+        if connect_failed {
+            // Envoy could not reach the engine (this is its own 503): take the engine out
+            // until a probe succeeds, as the gateway does on a refused connection, and keep
+            // the answer out of the residency index.
+            if let Some(r) = self.routed.take() {
+                tracing::warn!(engine = %r.engine.name, "Envoy could not connect to the engine");
+                self.gw.fleet.mark_down(&r.engine);
+            }
+        }
         let map = h.headers.as_ref();
         self.status = envoy::header(map, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        if (200..300).contains(&self.status) {
+        // The engine has answered: the request body is no longer held.
+        self.permit = None;
+        if (200..300).contains(&self.status) && self.routed.is_some() {
             let sse = envoy::header(map, "content-type")
                 .is_some_and(|v| v.starts_with("text/event-stream"));
             self.scan = Some(if sse {
@@ -457,8 +509,9 @@ impl Exchange {
                 None => {}
             }
         }
-        let replies = envoy::body_chunks(Direction::Response, &b.body, b.end_of_stream);
-        if b.end_of_stream {
+        let end = b.end_of_stream;
+        let replies = envoy::body_chunks(Direction::Response, b.body, end);
+        if end {
             self.response_done();
         }
         Step::Continue(replies)
@@ -467,28 +520,27 @@ impl Exchange {
     /// The response is complete: settle `usage` into the residency index and release the
     /// engine's load.
     fn response_done(&mut self) {
-        if matches!(self.phase, Phase::Done) {
+        if self.finished {
             return;
         }
-        self.phase = Phase::Done;
+        self.finished = true;
         let u = match self.scan.take() {
             Some(UsageScan::Sse(s)) => s.usage(),
             Some(UsageScan::Json(j)) => usage::from_json(&j),
             None => None,
         };
         if let Some(r) = self.routed.take() {
-            if let Some(facts) = r.facts.as_ref() {
-                self.gw.settle(
-                    u,
-                    &Prediction {
-                        facts,
-                        engine: r.engine.id,
-                        overlap_blocks: r.overlap_blocks,
-                        settled: r.settled,
-                    },
-                );
-            }
+            self.gw.settle(
+                u,
+                &Prediction {
+                    facts: &r.facts,
+                    engine: r.engine.id,
+                    overlap_blocks: r.overlap_blocks,
+                    settled: r.settled,
+                },
+            );
         }
+        self.permit = None;
         self.admitted = None;
     }
 
@@ -506,5 +558,38 @@ impl Exchange {
         m.latency
             .with_label_values(&[self.route])
             .observe(self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// Whether `path` (without its query) is in normal form: the picker classifies paths as
+/// written, so a path an engine would decode or collapse into an inference call must not pass
+/// as something else.
+fn normalized(path: &str) -> bool {
+    path.starts_with('/')
+        && !path.contains('%')
+        && !path.contains("//")
+        && !path.split('/').any(|seg| seg == "." || seg == "..")
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::normalized;
+
+    #[test]
+    fn only_normal_paths_are_classified() {
+        assert!(normalized("/v1/chat/completions"));
+        assert!(normalized("/v1/models/"));
+        for bad in [
+            "v1/chat",
+            "/v1/chat%2Fcompletions",
+            "/v1/%63hat/completions",
+            "//v1/chat/completions",
+            "/v1/./chat/completions",
+            "/v1/x/../chat/completions",
+        ] {
+            assert!(!normalized(bad), "{bad}");
+        }
     }
 }

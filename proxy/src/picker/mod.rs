@@ -84,10 +84,23 @@ impl ExternalProcessor for Picker {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(REPLY_QUEUE);
         let exchange = Exchange::new(self.gw.clone(), self.fallbacks);
-        let body_timeout = Duration::from_secs(self.gw.cfg.body_read_timeout_secs);
-        tokio::spawn(run_stream(exchange, inbound, tx, body_timeout));
+        let timeouts = Timeouts {
+            body: Duration::from_secs(self.gw.cfg.body_read_timeout_secs),
+            idle: Duration::from_secs(self.gw.cfg.upstream.read_timeout_secs),
+        };
+        tokio::spawn(run_stream(exchange, inbound, tx, timeouts));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// How long a stream may wait for Envoy.
+#[derive(Clone, Copy)]
+struct Timeouts {
+    /// The whole request body, from its start (`body_read_timeout_secs`).
+    body: Duration,
+    /// Any other wait for Envoy's next message (`upstream.read_timeout_secs`: an engine's
+    /// longest silence): a stream nobody finishes does not hold its slot for ever.
+    idle: Duration,
 }
 
 /// Drives one stream: each message from Envoy through the exchange, its replies back in order.
@@ -95,24 +108,36 @@ async fn run_stream(
     mut ex: Exchange,
     mut inbound: Streaming<ProcessingRequest>,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    body_timeout: Duration,
+    timeouts: Timeouts,
 ) {
-    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut body_deadline: Option<tokio::time::Instant> = None;
     loop {
-        let next = if ex.buffering() {
-            // The whole body must arrive within `body_read_timeout_secs` of its start.
-            let at = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + body_timeout);
-            match tokio::time::timeout_at(at, inbound.message()).await {
-                Ok(m) => m,
-                Err(_) => {
-                    if let Step::Close(replies) = ex.body_timed_out() {
-                        send_all(&tx, replies).await;
-                    }
-                    break;
-                }
-            }
+        let now = tokio::time::Instant::now();
+        let buffering = ex.buffering();
+        let at = if buffering {
+            *body_deadline.get_or_insert_with(|| deadline(now, timeouts.body))
         } else {
-            inbound.message().await
+            deadline(now, timeouts.idle)
+        };
+        let next = match tokio::time::timeout_at(at, inbound.message()).await {
+            Ok(m) => m,
+            Err(_) if buffering => {
+                if let Step::Close(replies) = ex.body_timed_out() {
+                    send_all(&tx, replies).await;
+                }
+                break;
+            }
+            Err(_) => {
+                if !ex.done() {
+                    tracing::debug!("ext_proc stream idle past upstream.read_timeout_secs");
+                    let _ = tx
+                        .send(Err(Status::deadline_exceeded(
+                            "no ext_proc message within upstream.read_timeout_secs",
+                        )))
+                        .await;
+                }
+                break;
+            }
         };
         let msg = match next {
             Ok(Some(m)) => m,
@@ -144,6 +169,12 @@ async fn run_stream(
         }
     }
     ex.finish();
+}
+
+/// `now + d`, or far ahead when that does not fit.
+fn deadline(now: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
 }
 
 /// Sends `replies` in order; `false` when Envoy has gone.
@@ -199,7 +230,9 @@ impl Listeners {
     }
 }
 
-/// Serves the picker on `listeners` until `shutdown` turns true.
+/// Serves the picker on `listeners`. When `shutdown` turns true, the health services report
+/// NOT_SERVING, streams are still accepted for `shutdown.grace_period_secs`, then the listeners
+/// close (streams in flight run on; the caller bounds how long).
 pub async fn serve(
     gw: Arc<Gateway>,
     listeners: Listeners,
@@ -209,20 +242,20 @@ pub async fn serve(
     reporter
         .set_service_status("liveness", ServingStatus::Serving)
         .await;
-    reporter
-        .set_service_status(EXT_PROC_SERVICE, ServingStatus::Serving)
-        .await;
     let fleet = gw.fleet.clone();
-    let mut ready_stop = shutdown.clone();
+    let mut draining = shutdown.clone();
+    let grace = Duration::from_secs(gw.cfg.shutdown.grace_period_secs);
+    let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {
-        // Readiness follows the engines (ready while at least one is healthy); checked often,
-        // since the check is two loads, and published on change.
+        // Readiness (and the ext_proc service, which Envoy's health check asks for) follows
+        // the engines: serving while at least one is healthy, so that Envoy prefers a picker
+        // that can route. Checked often (two loads), published on change.
         let mut tick = tokio::time::interval(READINESS_POLL);
         let mut last = None;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = ready_stop.changed() => return,
+                _ = draining.wait_for(|s| *s) => break,
             }
             let ready = fleet.ready();
             if last != Some(ready) {
@@ -233,8 +266,19 @@ pub async fn serve(
                     ServingStatus::NotServing
                 };
                 reporter.set_service_status("readiness", status).await;
+                reporter.set_service_status(EXT_PROC_SERVICE, status).await;
             }
         }
+        // Shutting down: tell Envoy first, keep serving through the grace period so it can
+        // move new streams elsewhere, then stop accepting.
+        reporter
+            .set_service_status("readiness", ServingStatus::NotServing)
+            .await;
+        reporter
+            .set_service_status(EXT_PROC_SERVICE, ServingStatus::NotServing)
+            .await;
+        tokio::time::sleep(grace).await;
+        let _ = stop_tx.send(true);
     });
 
     let ext_addr = listeners.ext_proc.local_addr().ok();
@@ -255,15 +299,15 @@ pub async fn serve(
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listeners.ext_proc)
                 .with_nodelay(Some(true)),
-            stopped(shutdown.clone()),
+            stopped(stop.clone()),
         );
     let health = tonic::transport::Server::builder()
         .add_service(health_service)
         .serve_with_incoming_shutdown(
             tonic::transport::server::TcpIncoming::from(listeners.health),
-            stopped(shutdown.clone()),
+            stopped(stop.clone()),
         );
-    let metrics = serve_metrics(gw, listeners.metrics, shutdown);
+    let metrics = serve_metrics(gw, listeners.metrics, stop);
     let unspecified = || SocketAddr::from(([0, 0, 0, 0], 0));
     let (a, b, ()) = tokio::join!(ext_proc, health, metrics);
     a.map_err(|e| PickerError::Serve(ext_addr.unwrap_or_else(unspecified), e))?;

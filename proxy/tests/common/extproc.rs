@@ -120,6 +120,20 @@ pub fn destination(r: &ProcessingResponse) -> String {
     String::from_utf8(dest.header.as_ref().unwrap().raw_value.clone()).unwrap()
 }
 
+/// The `envoy.lb / x-gateway-destination-endpoint` metadata of a headers reply, split.
+pub fn metadata_endpoints(r: &ProcessingResponse) -> Vec<String> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let md = r.dynamic_metadata.as_ref().expect("dynamic metadata");
+    let Some(Kind::StructValue(lb)) = md.fields["envoy.lb"].kind.as_ref() else {
+        panic!("no envoy.lb struct: {md:?}")
+    };
+    let Some(Kind::StringValue(list)) = lb.fields["x-gateway-destination-endpoint"].kind.as_ref()
+    else {
+        panic!("no destination in envoy.lb: {lb:?}")
+    };
+    list.split(',').map(String::from).collect()
+}
+
 pub fn immediate_status(r: &ProcessingResponse) -> i32 {
     let Some(Reply::ImmediateResponse(i)) = r.response.as_ref() else {
         panic!("not an immediate response: {r:?}")
@@ -132,4 +146,129 @@ pub fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// One ext_proc stream held open, for exchanges that go past the request side.
+pub struct Stream {
+    tx: Option<tokio::sync::mpsc::Sender<ProcessingRequest>>,
+    rx: tonic::Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    pub async fn open(port: u16) -> Stream {
+        let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let rx = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        Stream { tx: Some(tx), rx }
+    }
+
+    pub async fn send(&self, m: ProcessingRequest) {
+        self.tx.as_ref().unwrap().send(m).await.unwrap();
+    }
+
+    /// The next reply (`None`: the picker ended the stream); panics after 5 s.
+    pub async fn recv(&mut self) -> Option<ProcessingResponse> {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .expect("no reply within 5 s")
+            .unwrap()
+    }
+
+    /// Ends the stream from Envoy's side (as Envoy does once the response is through).
+    pub fn close(&mut self) {
+        self.tx = None;
+    }
+}
+
+/// Response headers as Envoy sends them, optionally reporting the endpoint that served.
+pub fn response_headers(
+    status: u16,
+    content_type: &str,
+    served: Option<&str>,
+) -> ProcessingRequest {
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+    let mut m = headers(
+        &[
+            (":status", &status.to_string()),
+            ("content-type", content_type),
+        ],
+        false,
+    );
+    let Some(Msg::RequestHeaders(h)) = m.request.take() else {
+        unreachable!()
+    };
+    m.request = Some(Msg::ResponseHeaders(h));
+    if let Some(s) = served {
+        m.metadata_context = Some(Metadata {
+            filter_metadata: [(
+                "envoy.lb".to_string(),
+                Struct {
+                    fields: [(
+                        "x-gateway-destination-endpoint-served".to_string(),
+                        Value {
+                            kind: Some(Kind::StringValue(s.to_string())),
+                        },
+                    )]
+                    .into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        });
+    }
+    m
+}
+
+/// A response body chunk as Envoy sends it.
+pub fn response_body(b: &[u8], end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(Msg::ResponseBody(HttpBody {
+            body: b.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// The header mutation of a headers reply: (set headers as name/value, removed names).
+pub fn mutation(r: &ProcessingResponse) -> (Vec<(String, String)>, Vec<String>) {
+    let h = match r.response.as_ref() {
+        Some(Reply::RequestHeaders(h)) | Some(Reply::ResponseHeaders(h)) => h,
+        other => panic!("not a headers reply: {other:?}"),
+    };
+    let m = h
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .clone()
+        .unwrap_or_default();
+    let set = m
+        .set_headers
+        .into_iter()
+        .map(|o| {
+            let hv = o.header.unwrap();
+            (hv.key, String::from_utf8(hv.raw_value).unwrap())
+        })
+        .collect();
+    (set, m.remove_headers)
+}
+
+/// An immediate response's status and JSON body.
+pub fn immediate(r: &ProcessingResponse) -> (i32, serde_json::Value) {
+    let Some(Reply::ImmediateResponse(i)) = r.response.as_ref() else {
+        panic!("not an immediate response: {r:?}")
+    };
+    (
+        i.status.as_ref().unwrap().code,
+        serde_json::from_slice(&i.body).unwrap(),
+    )
 }

@@ -526,20 +526,42 @@ impl Picker {
     /// Starts a picker in front of `sims` with `extra` top-level TOML (tables allowed after
     /// it) and waits for its `/ready`.
     pub fn start(sims: &[&Sim], extra: &str) -> Picker {
-        Picker::start_inner(sims, extra, true)
+        Picker::start_inner(sims, extra, "", 200, true)
+    }
+
+    /// As [`Picker::start`], probing engines only every `health_ms`.
+    pub fn start_probing_every(sims: &[&Sim], health_ms: u64) -> Picker {
+        Picker::start_inner(sims, "", "", health_ms, true)
+    }
+
+    /// As [`Picker::start`], with more `[picker]` keys (inline-table syntax, e.g.
+    /// `fallbacks = 2`).
+    pub fn start_with(sims: &[&Sim], extra: &str, picker_keys: &str) -> Picker {
+        Picker::start_inner(sims, extra, picker_keys, 200, true)
     }
 
     /// As [`Picker::start`], without waiting for `/ready` (only for its metrics listener).
     pub fn start_unready(extra: &str) -> Picker {
-        Picker::start_inner(&[], extra, false)
+        Picker::start_inner(&[], extra, "", 200, false)
     }
 
-    fn start_inner(sims: &[&Sim], extra: &str, wait_ready: bool) -> Picker {
+    fn start_inner(
+        sims: &[&Sim],
+        extra: &str,
+        picker_keys: &str,
+        health_ms: u64,
+        wait_ready: bool,
+    ) -> Picker {
+        let picker_keys = if picker_keys.is_empty() {
+            String::new()
+        } else {
+            format!(", {picker_keys}")
+        };
         let (ext_proc, health, metrics) = (free_port(), free_port(), free_port());
         let toml = format!(
             "mode = \"picker\"\nthreads = 2\nlog = \"warn\"\n\
              picker = {{ listen = \"127.0.0.1:{ext_proc}\", health_listen = \"127.0.0.1:{health}\", \
-             metrics_listen = \"127.0.0.1:{metrics}\" }}\nhealth = {{ interval_ms = 200 }}\n{extra}\n\n{}",
+             metrics_listen = \"127.0.0.1:{metrics}\"{picker_keys} }}\nhealth = {{ interval_ms = {health_ms} }}\n{extra}\n\n{}",
             engines_toml(sims)
         );
         let config = std::env::temp_dir().join(format!(
