@@ -53,6 +53,26 @@ impl Proc {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// CPU seconds (user + system) this process and its companions have used so far, from
+    /// `/proc` (Linux, `USER_HZ` = 100); `None` where that cannot be read.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let mut total = cpu_seconds_of(self.child.id())?;
+        for c in &self.companions {
+            total += c.cpu_seconds()?;
+        }
+        Some(total)
+    }
+}
+
+fn cpu_seconds_of(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: count fields after its closing parenthesis,
+    // where field 3 (state) comes first; utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / 100.0)
 }
 
 /// Starts `cmd`, which prints `... http://ADDR` as its first stdout line once it listens.
@@ -497,7 +517,8 @@ pub enum EnvoyRouting {
     },
 }
 
-/// Starts Envoy (from `venv`) in front of `engines`, routing as `routing` says.
+/// Starts Envoy (from `venv`) in front of `engines`, routing as `routing` says (with a picker:
+/// examples/envoy/envoy.yaml, or the file `KVMESH_BENCH_ENVOY_YAML` names).
 /// `concurrency` is Envoy's worker threads. Waits until a real request goes through.
 pub async fn envoy(
     venv: &std::path::Path,
@@ -524,7 +545,12 @@ pub async fn envoy(
             picker: pk,
             response_bodies,
         } => {
-            let mut y = include_str!("../../examples/envoy/envoy.yaml").to_string();
+            // KVMESH_BENCH_ENVOY_YAML: another config in the example's shape, to compare.
+            let mut y = match std::env::var_os("KVMESH_BENCH_ENVOY_YAML") {
+                Some(p) => std::fs::read_to_string(&p)
+                    .with_context(|| format!("reading {}", PathBuf::from(&p).display()))?,
+                None => include_str!("../../examples/envoy/envoy.yaml").to_string(),
+            };
             for (from, to) in [
                 ("port_value: 8081", format!("port_value: {port}")),
                 ("port_value: 9901", format!("port_value: {admin}")),

@@ -370,8 +370,8 @@ fn byte_len(kind: u32, n: usize) -> Option<usize> {
     match kind {
         F32 => Some(n * 4),
         F16 => Some(n * 2),
-        Q4_1 => (n % 32 == 0).then_some(n / 32 * 20),
-        Q8_0 => (n % 32 == 0).then_some(n / 32 * 34),
+        Q4_1 => n.is_multiple_of(32).then_some(n / 32 * 20),
+        Q8_0 => n.is_multiple_of(32).then_some(n / 32 * 34),
         _ => None,
     }
 }

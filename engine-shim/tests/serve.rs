@@ -288,7 +288,7 @@ fn a_shared_prefix_is_reused_and_gives_the_cold_answer() {
     let warm = chat(e.addr, &q2, json!({}));
     let prompt = warm["usage"]["prompt_tokens"].as_u64().unwrap();
     assert!(
-        cached(&warm) >= prompt - 32 && cached(&warm) % 16 == 0,
+        cached(&warm) >= prompt - 32 && cached(&warm).is_multiple_of(16),
         "cached {} of {prompt}",
         cached(&warm)
     );

@@ -439,6 +439,7 @@ fn with_the_picker_down_envoy_fails_closed_or_open_and_a_second_picker_takes_ove
 /// The picker spoken to directly over gRPC, as Envoy would.
 mod grpc {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
+    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation;
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
     use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
@@ -729,5 +730,47 @@ mod grpc {
             == 0.0));
         assert_eq!(picker.metric("kvmesh_prompt_tokens_total"), 100.0);
         assert!(picker.metric("kvmesh_residency_verdicts_total") >= 1.0);
+    }
+
+    #[test]
+    fn request_trailers_end_the_body_and_pass_on() {
+        let sims = [Sim::instant("e0")];
+        let picker = Picker::start(&[&sims[0]], "");
+        let doc = chat_body("sim-model", "with trailers", "");
+        rt().block_on(async {
+            let mut s = Stream::open(picker.ext_proc).await;
+            s.send(chat_headers()).await;
+            let (a, b) = doc.split_at(doc.len() / 2);
+            s.send(body(a, false)).await;
+            s.send(body(b, false)).await;
+            s.send(request_trailers()).await;
+            // Headers (routed), the whole body without end of stream, then the trailers.
+            let h = s.recv().await.unwrap();
+            assert_eq!(destination(&h), sims[0].addr.to_string());
+            let mut got = Vec::new();
+            loop {
+                let r = s.recv().await.unwrap();
+                match r.response {
+                    Some(Reply::RequestBody(b)) => {
+                        let Some(body_mutation::Mutation::StreamedResponse(c)) = b
+                            .response
+                            .and_then(|r| r.body_mutation)
+                            .and_then(|m| m.mutation)
+                        else {
+                            panic!("not a streamed body")
+                        };
+                        assert!(
+                            !c.end_of_stream,
+                            "the trailers end the stream, not the body"
+                        );
+                        got.extend_from_slice(&c.body);
+                    }
+                    Some(Reply::RequestTrailers(_)) => break,
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            assert_eq!(got, doc);
+            s.close();
+        });
     }
 }

@@ -605,13 +605,14 @@ fn oracle(plan: &[workload::Planned], model: &str) -> f64 {
 }
 
 fn full_header() {
-    println!("| target | requests | errors | hit ratio | mean TTFT ms | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | p50 E2E s | req/s |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| target | requests | errors | hit ratio | mean TTFT ms | p50 TTFT ms | p90 TTFT ms | p99 TTFT ms | p50 ITL ms | p99 ITL ms | p50 E2E s | req/s | router CPU s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
 }
 
-fn full_row(name: &str, s: &Summary) -> String {
+fn full_row(name: &str, s: &Summary, cpu: Option<f64>) -> String {
+    let cpu = cpu.map_or_else(|| "-".to_string(), |c| format!("{c:.1}"));
     format!(
-        "| {name} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+        "| {name} | {} | {} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {cpu} |",
         s.requests, s.errors, s.hit_ratio, s.mean_ttft_ms, s.ttft_ms[0], s.ttft_ms[1], s.ttft_ms[2],
         s.itl_ms[0], s.itl_ms[2], s.latency_ms[0] / 1e3, s.rps
     )
@@ -623,6 +624,8 @@ struct TargetResult {
     cache_blocks: usize,
     summary: Summary,
     ttft_ms: Vec<f64>,
+    /// CPU seconds the router processes used (Envoy and its picker together).
+    router_cpu_s: Option<f64>,
 }
 
 /// Starts a target in front of `sims`; returns its entry points (one for a router, one per
@@ -703,7 +706,9 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             let start = Instant::now();
             let samples = a.spec.send(&client, &urls, &plan).await;
             let summary = load::summarize(&samples, start.elapsed());
-            let row = full_row(target, &summary);
+            // What the routing tier itself burnt of the shared CPUs (start-up included).
+            let router_cpu_s: Option<f64> = routers.iter().map(procs::Proc::cpu_seconds).sum();
+            let row = full_row(target, &summary, router_cpu_s);
             println!("{row}");
             markdown.push_str(&row);
             markdown.push('\n');
@@ -718,6 +723,7 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
                 cache_blocks: cap,
                 summary,
                 ttft_ms: ttft,
+                router_cpu_s,
             });
             drop(routers);
             drop(sims);
@@ -753,7 +759,7 @@ async fn replay(url: &str, spec: &Spec, out: Option<&std::path::Path>) -> anyhow
     let samples = spec.send(&client, std::slice::from_ref(&url), &plan).await;
     let summary = load::summarize(&samples, start.elapsed());
     full_header();
-    println!("{}", full_row(&url, &summary));
+    println!("{}", full_row(&url, &summary, None));
     if let Some(out) = out {
         let json = serde_json::json!({"workload": what, "spec": spec, "summary": summary, "samples": samples});
         std::fs::write(out, serde_json::to_vec_pretty(&json)?)?;

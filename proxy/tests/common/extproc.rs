@@ -226,6 +226,15 @@ pub fn response_headers(
     m
 }
 
+/// Request trailers as Envoy sends them (none in particular).
+pub fn request_trailers() -> ProcessingRequest {
+    use envoy_types::pb::envoy::service::ext_proc::v3::HttpTrailers;
+    ProcessingRequest {
+        request: Some(Msg::RequestTrailers(HttpTrailers::default())),
+        ..Default::default()
+    }
+}
+
 /// A response body chunk as Envoy sends it.
 pub fn response_body(b: &[u8], end_of_stream: bool) -> ProcessingRequest {
     ProcessingRequest {
