@@ -8,12 +8,10 @@ use anyhow::Context;
 use async_trait::async_trait;
 use clap::{Parser, Subcommand};
 use kvmesh_filters::residency::ResidencyIndex;
-use kvmesh_filters::route::Router;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
-use kvmesh_proxy::body::Limits;
 use kvmesh_proxy::cluster;
 use kvmesh_proxy::config::{Mode, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
@@ -161,14 +159,7 @@ fn main() -> anyhow::Result<()> {
         index: index.clone(),
         metrics: metrics.clone(),
     });
-    let gateway = Gateway {
-        router: Router::new(cfg.policy, cfg.routing.prefix_params()),
-        limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
-        cfg,
-        fleet,
-        index,
-        metrics,
-    };
+    let gateway = Gateway::new(cfg, fleet, index, metrics);
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
     proxy.add_tcp(&listen);
     server.add_service(proxy);
@@ -228,14 +219,7 @@ fn run_picker(
                 .grace_period_secs
                 .saturating_add(cfg.shutdown.drain_timeout_secs),
         );
-        let gateway = Arc::new(Gateway {
-            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
-            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
-            cfg,
-            fleet,
-            index,
-            metrics,
-        });
+        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics));
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("shutting down");

@@ -71,6 +71,21 @@ impl Gateway {
         }
     }
 
+    /// Parses a request body for `endpoint`, keeping of the canonical prompt only what the
+    /// digest chain hashes (`routing.max_prefix_blocks` blocks).
+    pub fn parse(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> std::result::Result<ParsedRequest, ApiError> {
+        let keep = self
+            .cfg
+            .routing
+            .max_prefix_blocks
+            .saturating_mul(self.cfg.routing.block_bytes);
+        kvmesh_filters::request::parse_limited(endpoint, body, keep)
+    }
+
     /// The routing facts of a parsed request: the digest chain of its canonical prompt's
     /// leading blocks (at most `routing.max_prefix_blocks`), its size, and its session key (the
     /// value of the `routing.session_header` header, else the body's `user`).
@@ -165,10 +180,8 @@ mod tests {
     use kvmesh_filters::chain::{text_chain_capped, Namespace};
     use kvmesh_filters::error::ErrorKind;
     use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
-    use kvmesh_filters::route::Router;
 
     use super::RequestFacts;
-    use crate::body::Limits;
     use crate::config::{EngineAddr, ProxyConfig};
     use crate::fleet::{Fleet, PeerEngine};
     use crate::metrics::Metrics;
@@ -191,14 +204,8 @@ mod tests {
         for e in fleet.engines().iter() {
             e.mark_up();
         }
-        Gateway {
-            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
-            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
-            index: Arc::new(ResidencyIndex::new(cfg.residency_config())),
-            metrics: Arc::new(Metrics::new().unwrap()),
-            fleet,
-            cfg,
-        }
+        let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
+        Gateway::new(cfg, fleet, index, Arc::new(Metrics::new().unwrap()))
     }
 
     /// Facts for a long shared prompt to `model`.

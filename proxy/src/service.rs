@@ -36,7 +36,7 @@ use bytes::Bytes;
 use http::header;
 use kvmesh_filters::chain::Digest;
 use kvmesh_filters::error::{ApiError, ErrorKind};
-use kvmesh_filters::request::{self, Endpoint};
+use kvmesh_filters::request::Endpoint;
 use kvmesh_filters::residency::{ResidencyIndex, Source};
 use kvmesh_filters::route::{Decision, Router};
 use kvmesh_filters::usage::SseUsageScanner;
@@ -72,6 +72,25 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Hard caps on requests in flight and body bytes held.
     pub limits: Arc<Limits>,
+}
+
+impl Gateway {
+    /// A gateway over `fleet` and `index` with `cfg`'s policy and limits.
+    pub fn new(
+        cfg: ProxyConfig,
+        fleet: Arc<Fleet>,
+        index: Arc<ResidencyIndex>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Gateway {
+            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
+            cfg,
+            fleet,
+            index,
+            metrics,
+        }
+    }
 }
 
 /// Per-request state.
@@ -271,13 +290,7 @@ impl ProxyHttp for Gateway {
             Ok(b) => b,
             Err(e) => return respond_error(session, ctx, e).await,
         };
-        // Only the leading blocks are hashed: keep no more of the canonical prompt than that.
-        let keep = self
-            .cfg
-            .routing
-            .max_prefix_blocks
-            .saturating_mul(self.cfg.routing.block_bytes);
-        let parsed = match request::parse_limited(endpoint, &body, keep) {
+        let parsed = match self.parse(endpoint, &body) {
             Ok(p) => p,
             Err(e) => return respond_error(session, ctx, e).await,
         };

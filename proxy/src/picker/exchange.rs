@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingResponse,
 };
 use kvmesh_filters::chain::Digest;
-use kvmesh_filters::request::{self, Endpoint};
+use kvmesh_filters::request::Endpoint;
 use kvmesh_filters::route::Candidate;
 use kvmesh_filters::usage::{self, SseUsageScanner};
 use kvmesh_filters::{ApiError, ErrorKind, Source};
@@ -332,12 +332,7 @@ impl Exchange {
     /// the request had no body phase, else whether the body chunks end the stream.
     fn decide(&mut self, endpoint: Endpoint, body: Vec<u8>, body_end: Option<bool>) -> Step {
         let gw = self.gw.clone();
-        let keep = gw
-            .cfg
-            .routing
-            .max_prefix_blocks
-            .saturating_mul(gw.cfg.routing.block_bytes);
-        let parsed = match request::parse_limited(endpoint, &body, keep) {
+        let parsed = match gw.parse(endpoint, &body) {
             Ok(p) => p,
             Err(e) => return self.refuse(e),
         };
