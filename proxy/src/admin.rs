@@ -66,7 +66,8 @@ impl Gateway {
             _ => "admin",
         };
         ctx.status = answer.0;
-        respond(session, answer.0, answer.1, answer.2, &[]).await?;
+        let id = [(crate::access::REQUEST_ID, ctx.request_id.as_str())];
+        respond(session, answer.0, answer.1, answer.2, &id).await?;
         Ok(true)
     }
 }

@@ -66,6 +66,8 @@ pub struct ProxyConfig {
     pub threads: usize,
     /// Log filter (tracing `EnvFilter` syntax). Env: `KVMESH_LOG`.
     pub log: String,
+    /// Log line format: `text` or `json` (one object per line). Env: `KVMESH_LOG_FORMAT`.
+    pub log_format: LogFormat,
     /// The engines behind this gateway.
     pub engines: Vec<EngineConfig>,
     /// Knobs of routing and of the `prefix` policy.
@@ -115,6 +117,17 @@ impl Default for PickerConfig {
             fallbacks: 0,
         }
     }
+}
+
+/// How log lines are written (`log_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines (colour only when stderr is a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// How the proxy is deployed.
@@ -268,6 +281,7 @@ impl Default for ProxyConfig {
             body_budget_bytes: 256 << 20,
             threads: 0,
             log: "info,pingora_core=warn,pingora_proxy=warn".into(),
+            log_format: LogFormat::Text,
             engines: Vec::new(),
             routing: RoutingConfig::default(),
             residency: ResidencyConfigToml::default(),
@@ -462,6 +476,17 @@ impl ProxyConfig {
         }
         if let Ok(v) = std::env::var("KVMESH_LOG") {
             cfg.log = v;
+        }
+        if let Ok(v) = std::env::var("KVMESH_LOG_FORMAT") {
+            cfg.log_format = match v.as_str() {
+                "text" => LogFormat::Text,
+                "json" => LogFormat::Json,
+                other => {
+                    return Err(ConfigError::Invalid(format!(
+                        "KVMESH_LOG_FORMAT = {other:?}: expected \"text\" or \"json\""
+                    )))
+                }
+            };
         }
         if let Ok(v) = std::env::var("KVMESH_GOSSIP_KEYS") {
             cfg.cluster.gossip_keys = v

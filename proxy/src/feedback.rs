@@ -23,15 +23,16 @@ pub(crate) struct Prediction<'a> {
 }
 
 impl Gateway {
-    /// The response is complete: confirm or refute the residency prediction from `usage`.
-    pub(crate) fn settle_usage(&self, ctx: &Ctx) {
+    /// The response is complete: confirm or refute the residency prediction from `usage`
+    /// (returned, when the response carried one).
+    pub(crate) fn settle_usage(&self, ctx: &Ctx) -> Option<Usage> {
         let u = match (&ctx.sse, &ctx.json) {
             (Some(s), _) => s.usage(),
             (None, Some(body)) => usage::from_json(body),
             _ => None,
         };
         let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
-            return;
+            return u;
         };
         self.settle(
             u,
@@ -42,6 +43,7 @@ impl Gateway {
                 settled: ctx.prediction_settled,
             },
         );
+        u
     }
 
     /// Counts the tokens `u` reports and confirms or refutes `p` in the residency index.

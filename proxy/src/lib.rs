@@ -3,6 +3,7 @@
 //! its routing core ([`picker`]). The `kvmesh-proxy` binary (`main.rs`) assembles a server from
 //! these modules.
 
+pub mod access;
 pub mod admin;
 pub mod body;
 pub mod cluster;

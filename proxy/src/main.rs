@@ -13,7 +13,7 @@ use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::cluster;
-use kvmesh_proxy::config::{Mode, ProxyConfig};
+use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
@@ -109,11 +109,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let cfg = ProxyConfig::load(cli.config.as_deref()).context("invalid configuration")?;
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
-        )
-        .init();
+    init_logging(&cfg)?;
     let fleet = Fleet::new(
         cfg.engine_addrs()?,
         Duration::from_secs(cfg.sidecar.peer_down_secs),
@@ -255,6 +251,21 @@ async fn wait_for_signal() {
         _ = tokio::signal::ctrl_c() => {}
         _ = term => {}
     }
+}
+
+/// Logs to stderr with `cfg.log` as the filter, as text (coloured only on a terminal) or JSON.
+fn init_logging(cfg: &ProxyConfig) -> anyhow::Result<()> {
+    use std::io::IsTerminal;
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cfg.log_format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    Ok(())
 }
 
 /// Binds `listen` once (with `SO_REUSEADDR`, as Pingora does) and releases it: an address in

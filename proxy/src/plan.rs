@@ -53,7 +53,6 @@ impl Ranking {
 
 /// What the router knows of a parsed request.
 pub struct Plan {
-    pub(crate) endpoint: Endpoint,
     /// The routing facts.
     pub(crate) facts: RequestFacts,
 }
@@ -66,7 +65,6 @@ impl Gateway {
             .get(self.cfg.routing.session_header.as_str())
             .and_then(|v| v.to_str().ok());
         Plan {
-            endpoint: parsed.endpoint,
             facts: self.facts(parsed, session_header, hop),
         }
     }

@@ -127,6 +127,24 @@ pub struct Ctx {
     pub(crate) sse: Option<SseUsageScanner>,
     pub(crate) json: Option<Vec<u8>>,
     error: Option<ApiError>,
+    /// The request's id: the client's `x-request-id` when usable, else a fresh one; sent to the
+    /// engine and echoed to the client.
+    pub(crate) request_id: String,
+    /// What the access log says of the request.
+    access: Access,
+}
+
+/// The access log's facts about one request, gathered along the way.
+#[derive(Default)]
+struct Access {
+    method: String,
+    path: String,
+    client: String,
+    bytes_in: usize,
+    bytes_out: u64,
+    ttft: Option<Duration>,
+    cached_tokens: Option<u64>,
+    engine: Option<String>,
 }
 
 impl Ctx {
@@ -163,6 +181,8 @@ impl Ctx {
             sse: None,
             json: None,
             error: None,
+            request_id: String::new(),
+            access: Access::default(),
         }
     }
 }
@@ -191,12 +211,11 @@ pub(crate) async fn respond(
 
 async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
     ctx.status = e.status();
-    let retry_after: &[(&str, &str)] =
-        if matches!(e.kind, ErrorKind::Overloaded | ErrorKind::NoEngine) {
-            &[("retry-after", "1")]
-        } else {
-            &[]
-        };
+    let request_id = ctx.request_id.clone();
+    let mut extra: Vec<(&str, &str)> = vec![(crate::access::REQUEST_ID, &request_id)];
+    if matches!(e.kind, ErrorKind::Overloaded | ErrorKind::NoEngine) {
+        extra.push(("retry-after", "1"));
+    }
     // The body may be unread: do not reuse this connection.
     session.set_keepalive(None);
     respond(
@@ -204,7 +223,7 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
         e.status(),
         "application/json",
         Bytes::from(e.to_json()),
-        retry_after,
+        &extra,
     )
     .await?;
     // Overload, slow clients, and refusals before admission (which hold no `max_inflight`
@@ -244,6 +263,19 @@ impl ProxyHttp for Gateway {
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         let path = session.req_header().uri.path().to_string();
+        ctx.request_id = crate::access::request_id(
+            session
+                .req_header()
+                .headers
+                .get(crate::access::REQUEST_ID)
+                .and_then(|v| v.to_str().ok()),
+        );
+        ctx.access.method = session.req_header().method.to_string();
+        ctx.access.path.clone_from(&path);
+        ctx.access.client = session
+            .client_addr()
+            .and_then(|a| a.as_inet())
+            .map_or_else(String::new, |a| a.ip().to_string());
         if self.local(session, ctx, &path).await? {
             return Ok(true);
         }
@@ -294,6 +326,7 @@ impl ProxyHttp for Gateway {
             Ok(p) => p,
             Err(e) => return respond_error(session, ctx, e).await,
         };
+        ctx.access.bytes_in = body.len();
         ctx.body = Some(body);
         ctx.plan = Some(self.plan(session, parsed, ctx.local_only));
         if let Err(e) = self.decide(ctx) {
@@ -349,6 +382,7 @@ impl ProxyHttp for Gateway {
                 .with_label_values(&[&peer.node_id, reason])
                 .inc();
         }
+        ctx.access.engine = Some(engine.name.clone());
         ctx.predicted_overlap = cand.overlap_blocks;
         ctx.prediction_settled = engine.pending_prefill() == 0;
         let (chain, total) = ctx
@@ -392,6 +426,16 @@ impl ProxyHttp for Gateway {
         req.remove_header(HOP_HEADER);
         if ctx.engine().is_some_and(|e| e.via_peer()) {
             req.insert_header(HOP_HEADER, "1")?;
+        }
+        req.insert_header(crate::access::REQUEST_ID, ctx.request_id.as_str())?;
+        if !ctx.access.client.is_empty() {
+            let xff = crate::access::forwarded_for(
+                req.headers
+                    .get(crate::access::FORWARDED_FOR)
+                    .and_then(|v| v.to_str().ok()),
+                &ctx.access.client,
+            );
+            req.insert_header(crate::access::FORWARDED_FOR, xff)?;
         }
         if let Some(plan) = ctx.plan.as_ref() {
             let n = self.cfg.routing.forward_digests.min(plan.facts.chain.len());
@@ -470,6 +514,7 @@ impl ProxyHttp for Gateway {
                 ctx.json = Some(Vec::new());
             }
         }
+        resp.insert_header(crate::access::REQUEST_ID, ctx.request_id.as_str())?;
         if let Some(engine) = ctx.engine() {
             match engine.peer.as_ref().filter(|p| p.via_peer) {
                 // The peer proxy named its engine already; say which peer served it.
@@ -488,8 +533,10 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         if let Some(b) = body.as_ref().filter(|b| !b.is_empty()) {
+            ctx.access.bytes_out += b.len() as u64;
             if !ctx.first_byte {
                 ctx.first_byte = true;
+                ctx.access.ttft = Some(ctx.started.elapsed());
                 self.metrics
                     .ttft
                     .with_label_values(&[ctx.route])
@@ -509,7 +556,7 @@ impl ProxyHttp for Gateway {
             }
         }
         if end_of_stream {
-            self.settle_usage(ctx);
+            ctx.access.cached_tokens = self.settle_usage(ctx).and_then(|u| u.cached_tokens);
             ctx.sse = None;
             ctx.json = None;
         }
@@ -622,10 +669,23 @@ impl ProxyHttp for Gateway {
             .latency
             .with_label_values(&[ctx.route])
             .observe(ctx.started.elapsed().as_secs_f64());
-        if let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) {
-            tracing::debug!(engine = %d.engine().name, endpoint = plan.endpoint.label(), status, blocks = plan.facts.chain.len(),
-                predicted = ctx.predicted_overlap, "request done");
-        }
+        let a = &ctx.access;
+        crate::access::log(&crate::access::Line {
+            request_id: &ctx.request_id,
+            method: &a.method,
+            path: &a.path,
+            model: ctx.plan.as_ref().map_or("", |p| p.facts.model.as_str()),
+            status: status.parse().unwrap_or(0),
+            engine: a.engine.as_deref().unwrap_or(""),
+            reason: ctx.decision.as_ref().map_or("", |(_, d)| d.reason.label()),
+            overlap_blocks: ctx.predicted_overlap,
+            cached_tokens: a.cached_tokens,
+            ttft: a.ttft,
+            duration: ctx.started.elapsed(),
+            bytes_in: a.bytes_in,
+            bytes_out: a.bytes_out,
+            client: &a.client,
+        });
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
         ctx.pending_dispatch = None;

@@ -359,6 +359,14 @@ fn bad_input_is_a_400_and_the_picker_stays_up() {
         let v = r.json();
         assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
     }
+    // The picker's answers carry the client's request id (or a fresh one).
+    let r = envoy.post_with(b"{garbage", &[("x-request-id", "bad-1")]);
+    assert_eq!(r.header("x-request-id"), Some("bad-1"));
+    let r = envoy.post_with(
+        &chat_body("sim-model", "hi", ""),
+        &[("x-request-id", "ok-1")],
+    );
+    assert_eq!((r.status, r.header("x-request-id")), (200, Some("ok-1")));
     let r = envoy.post_with(&chat_body("no-such-model", "hi", ""), &[]);
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "model_not_found");
@@ -366,7 +374,7 @@ fn bad_input_is_a_400_and_the_picker_stays_up() {
     // Counted when Envoy closes each stream, just after the client has its answer.
     assert!(eventually(Duration::from_secs(5), || picker
         .metric("kvmesh_requests_total{route=\"chat\",status=\"400\"}")
-        == 4.0));
+        == 5.0));
 }
 
 #[test]

@@ -522,3 +522,102 @@ fn sigterm_shuts_down_within_seconds() {
     });
     assert!(exited, "still running 10 s after SIGTERM");
 }
+
+#[test]
+fn every_request_gets_an_access_line_and_a_request_id() {
+    let sim = Sim::instant("e0");
+    let port = free_port();
+    let log = std::env::temp_dir().join(format!("kvmesh-access-{}-{port}.log", std::process::id()));
+    let config =
+        std::env::temp_dir().join(format!("kvmesh-access-{}-{port}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn,kvmesh::access=info\"\nlog_format = \"json\"\n[health]\ninterval_ms = 200\n{}",
+            engines_toml(&[&sim])
+        ),
+    )
+    .unwrap();
+    // Killed on drop, also when an assertion fails.
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _proxy = Killed(
+        std::process::Command::new(bin("kvmesh-proxy"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    assert!(eventually(Duration::from_secs(20), || get(addr, "/ready")
+        .is_ok_and(|r| r.status == 200)));
+    let body = chat_body("sim-model", "hello access log", "");
+    let given = request(
+        addr,
+        "POST",
+        CHAT,
+        &body,
+        Framing::Length,
+        &[("x-request-id", "req-42")],
+    )
+    .unwrap();
+    assert_eq!(given.status, 200);
+    assert_eq!(given.header("x-request-id"), Some("req-42"));
+    let fresh = post(addr, CHAT, &body);
+    let fresh_id = fresh.header("x-request-id").unwrap().to_string();
+    assert_eq!(fresh_id.len(), 32);
+    // A refusal before routing is logged and carries an id too.
+    let refused = post(addr, "/v1/nope", b"{}");
+    assert_eq!(refused.status, 404);
+    assert_eq!(refused.header("x-request-id").map(str::len), Some(32));
+    let lines = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "kvmesh::access")
+            .collect()
+    };
+    let refused_id = refused.header("x-request-id").unwrap().to_string();
+    // Each line is written once its request is done, a moment after the client has it.
+    let wanted = ["req-42", fresh_id.as_str(), refused_id.as_str()];
+    assert!(eventually(Duration::from_secs(5), || {
+        let all = lines();
+        wanted
+            .iter()
+            .all(|id| all.iter().any(|v| v["fields"]["request_id"] == *id))
+    }));
+    let all = lines();
+    let by_id = |id: &str| {
+        all.iter()
+            .find(|v| v["fields"]["request_id"] == id)
+            .unwrap_or_else(|| panic!("no access line for {id}: {all:?}"))
+    };
+    let l = &by_id("req-42")["fields"];
+    assert_eq!(l["method"], "POST");
+    assert_eq!(l["path"], CHAT);
+    assert_eq!(l["model"], "sim-model");
+    assert_eq!(l["status"], 200);
+    assert_eq!(l["engine"], "e0");
+    assert_eq!(l["client"], "127.0.0.1");
+    assert_eq!(l["bytes_in"], body.len());
+    assert!(l["ttft_ms"].as_f64().unwrap() >= 0.0);
+    assert!(l["duration_ms"].as_f64().unwrap() >= l["ttft_ms"].as_f64().unwrap());
+    assert!(l["cached_tokens"].is_u64());
+    assert!(!l["reason"].as_str().unwrap().is_empty());
+    assert_eq!(by_id(&fresh_id)["fields"]["status"], 200);
+    let r = &by_id(&refused_id)["fields"];
+    assert_eq!(
+        (r["status"].as_u64(), r["engine"].as_str()),
+        (Some(404), Some(""))
+    );
+    let _ = std::fs::remove_file(&log);
+    let _ = std::fs::remove_file(&config);
+}

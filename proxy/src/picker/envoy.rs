@@ -87,12 +87,12 @@ fn string_value(s: String) -> Value {
 
 /// The reply to the request headers once the endpoint is chosen: the destination header (and
 /// `content-length` of the body streamed back), a route-cache clear so Envoy routes on it, the
-/// `envoy.lb` metadata listing the choice then its fallbacks, and `digests` (a header name and
-/// value, overwritten; removed when the value is empty).
+/// `envoy.lb` metadata listing the choice then its fallbacks, and `headers` (name and value,
+/// overwritten; removed when the value is empty).
 pub fn routed_headers(
     endpoints: &[String],
     body_len: Option<usize>,
-    digests: (&str, &str),
+    headers: &[(&str, &str)],
 ) -> ProcessingResponse {
     let first = endpoints.first().cloned().unwrap_or_default();
     let mut set_headers = vec![set_header(DESTINATION_HEADER, &first)];
@@ -100,10 +100,12 @@ pub fn routed_headers(
         set_headers.push(set_header("content-length", &n.to_string()));
     }
     let mut remove_headers = Vec::new();
-    if digests.1.is_empty() {
-        remove_headers.push(digests.0.to_string());
-    } else {
-        set_headers.push(set_header(digests.0, digests.1));
+    for (name, value) in headers {
+        if value.is_empty() {
+            remove_headers.push(name.to_string());
+        } else {
+            set_headers.push(set_header(name, value));
+        }
     }
     let inner = Struct {
         fields: [(
@@ -246,9 +248,10 @@ pub fn trailers(dir: Direction) -> ProcessingResponse {
     }
 }
 
-/// A local answer Envoy sends to the client instead of routing: `e` as OpenAI-style JSON.
-pub fn immediate(e: &ApiError) -> ProcessingResponse {
-    let mut r = local_json(e.status(), e.to_json());
+/// A local answer Envoy sends to the client instead of routing: `e` as OpenAI-style JSON,
+/// with `request_id` echoed.
+pub fn immediate(e: &ApiError, request_id: &str) -> ProcessingResponse {
+    let mut r = local_json(e.status(), e.to_json(), request_id);
     if let Some(Reply::ImmediateResponse(i)) = r.response.as_mut() {
         if e.status() == 429 || e.status() == 503 {
             if let Some(h) = i.headers.as_mut() {
@@ -260,8 +263,8 @@ pub fn immediate(e: &ApiError) -> ProcessingResponse {
     r
 }
 
-/// A local JSON answer with `status`.
-pub fn local_json(status: u16, body: Vec<u8>) -> ProcessingResponse {
+/// A local JSON answer with `status`, with `request_id` echoed.
+pub fn local_json(status: u16, body: Vec<u8>, request_id: &str) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Reply::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
@@ -269,7 +272,10 @@ pub fn local_json(status: u16, body: Vec<u8>) -> ProcessingResponse {
                 code: i32::from(status),
             }),
             headers: Some(HeaderMutation {
-                set_headers: vec![set_header("content-type", "application/json")],
+                set_headers: vec![
+                    set_header("content-type", "application/json"),
+                    set_header(crate::access::REQUEST_ID, request_id),
+                ],
                 remove_headers: Vec::new(),
             }),
             body,
@@ -334,7 +340,7 @@ mod tests {
     #[test]
     fn the_destination_overwrites_and_lists_fallbacks_in_metadata() {
         let eps = ["127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()];
-        let r = routed_headers(&eps, Some(42), ("x-kvmesh-prefix-digests", ""));
+        let r = routed_headers(&eps, Some(42), &[("x-kvmesh-prefix-digests", "")]);
         let Some(Reply::RequestHeaders(h)) = r.response else {
             panic!("not a headers reply")
         };
@@ -391,7 +397,7 @@ mod tests {
     #[test]
     fn an_immediate_response_carries_the_status_and_openai_json() {
         let e = ApiError::new(ErrorKind::Overloaded, "busy");
-        let Some(Reply::ImmediateResponse(r)) = immediate(&e).response else {
+        let Some(Reply::ImmediateResponse(r)) = immediate(&e, "rid").response else {
             panic!("not immediate")
         };
         assert_eq!(r.status.unwrap().code, 429);
@@ -404,6 +410,6 @@ mod tests {
             .into_iter()
             .map(|h| h.header.unwrap().key)
             .collect();
-        assert_eq!(keys, ["content-type", "retry-after"]);
+        assert_eq!(keys, ["content-type", "x-request-id", "retry-after"]);
     }
 }

@@ -98,6 +98,19 @@ pub(crate) struct Exchange {
     first_byte: bool,
     /// The status the client got (a local answer's, or the engine's).
     status: u16,
+    /// The request id (the client's `x-request-id` when usable, else fresh).
+    request_id: String,
+    /// For the access log.
+    method: String,
+    path: String,
+    reason: &'static str,
+    bytes_in: usize,
+    bytes_out: u64,
+    ttft: Option<std::time::Duration>,
+    cached_tokens: Option<u64>,
+    engine_name: String,
+    overlap_blocks: usize,
+    model: Option<String>,
 }
 
 impl Exchange {
@@ -117,6 +130,17 @@ impl Exchange {
             scan: None,
             first_byte: false,
             status: 0,
+            request_id: String::new(),
+            method: String::new(),
+            path: String::new(),
+            reason: "",
+            bytes_in: 0,
+            bytes_out: 0,
+            ttft: None,
+            cached_tokens: None,
+            engine_name: String::new(),
+            overlap_blocks: 0,
+            model: None,
         }
     }
 
@@ -179,7 +203,7 @@ impl Exchange {
         tracing::debug!(status = e.status(), error = %e.message, "picker refused a request");
         self.status = e.status();
         self.answer_locally();
-        Step::Close(vec![envoy::immediate(&e)])
+        Step::Close(vec![envoy::immediate(&e, &self.request_id)])
     }
 
     fn answer_locally(&mut self) {
@@ -203,6 +227,9 @@ impl Exchange {
         let raw_path = envoy::header(map, ":path").unwrap_or("/");
         let path = raw_path.split('?').next().unwrap_or(raw_path);
         let method = envoy::header(map, ":method").unwrap_or("");
+        self.request_id = crate::access::request_id(envoy::header(map, crate::access::REQUEST_ID));
+        self.method = method.to_string();
+        self.path = path.to_string();
         if !normalized(path) {
             return Ok(self.refuse(ApiError::new(
                 ErrorKind::InvalidRequest,
@@ -266,7 +293,11 @@ impl Exchange {
         }
         self.status = 200;
         self.answer_locally();
-        Step::Close(vec![envoy::local_json(200, self.gw.models_json().to_vec())])
+        Step::Close(vec![envoy::local_json(
+            200,
+            self.gw.models_json().to_vec(),
+            &self.request_id,
+        )])
     }
 
     fn on_request_body(&mut self, b: HttpBody) -> Result<Step, tonic::Status> {
@@ -337,6 +368,7 @@ impl Exchange {
             Err(e) => return self.refuse(e),
         };
         let facts = gw.facts(parsed, self.session.as_deref(), false);
+        self.model = Some(facts.model.clone());
         let ranking = match gw.rank(&facts) {
             Ok(r) => r,
             Err(e) => return self.refuse(e),
@@ -349,14 +381,20 @@ impl Exchange {
             ));
         };
         let engine = engines[0].clone();
+        self.reason = ranking.decision.reason.label();
+        self.bytes_in = body.len();
         let endpoints: Vec<String> = engines.iter().map(|e| e.addr.to_string()).collect();
         let n = gw.cfg.routing.forward_digests.min(facts.chain.len());
         let digests: Vec<String> = facts.chain[..n].iter().map(Digest::to_hex).collect();
         self.route_to(engine, facts, first.overlap_blocks);
+        let digests = digests.join(",");
         let mut replies = vec![envoy::routed_headers(
             &endpoints,
             body_end.map(|_| body.len()),
-            (DIGESTS_HEADER, &digests.join(",")),
+            &[
+                (DIGESTS_HEADER, &digests),
+                (crate::access::REQUEST_ID, &self.request_id),
+            ],
         )];
         if let Some(end) = body_end {
             replies.extend(envoy::body_chunks(Direction::Request, body, end));
@@ -374,6 +412,8 @@ impl Exchange {
         // Replacing an earlier choice drops its guard: its load is released first.
         self.routed = None;
         let dispatch = self.gw.fleet.dispatch(&engine, uncached);
+        self.engine_name.clone_from(&engine.name);
+        self.overlap_blocks = overlap_blocks;
         self.gw
             .index
             .record(engine.id, &facts.chain, Source::Optimistic, Instant::now());
@@ -467,11 +507,10 @@ impl Exchange {
             });
         }
         let name = self.routed.as_ref().map(|r| r.engine.name.clone());
-        let extra: Vec<(&str, &str)> = name
-            .as_deref()
-            .map(|n| ("x-kvmesh-engine", n))
-            .into_iter()
-            .collect();
+        let mut extra: Vec<(&str, &str)> = vec![(crate::access::REQUEST_ID, &self.request_id)];
+        if let Some(n) = name.as_deref() {
+            extra.push(("x-kvmesh-engine", n));
+        }
         let reply = envoy::response_headers(&extra);
         if h.end_of_stream {
             self.response_done();
@@ -481,8 +520,10 @@ impl Exchange {
 
     fn on_response_body(&mut self, b: HttpBody) -> Step {
         if !b.body.is_empty() {
+            self.bytes_out += b.body.len() as u64;
             if !self.first_byte {
                 self.first_byte = true;
+                self.ttft = Some(self.started.elapsed());
                 self.gw
                     .metrics
                     .ttft
@@ -524,6 +565,7 @@ impl Exchange {
             Some(UsageScan::Json(j)) => usage::from_json(&j),
             None => None,
         };
+        self.cached_tokens = u.and_then(|u| u.cached_tokens);
         if let Some(r) = self.routed.take() {
             self.gw.settle(
                 u,
@@ -553,6 +595,22 @@ impl Exchange {
         m.latency
             .with_label_values(&[self.route])
             .observe(self.started.elapsed().as_secs_f64());
+        crate::access::log(&crate::access::Line {
+            request_id: &self.request_id,
+            method: &self.method,
+            path: &self.path,
+            model: self.model.as_deref().unwrap_or(""),
+            status: if self.status == 0 { 499 } else { self.status },
+            engine: &self.engine_name,
+            reason: self.reason,
+            overlap_blocks: self.overlap_blocks,
+            cached_tokens: self.cached_tokens,
+            ttft: self.ttft,
+            duration: self.started.elapsed(),
+            bytes_in: self.bytes_in,
+            bytes_out: self.bytes_out,
+            client: "",
+        });
     }
 }
 
