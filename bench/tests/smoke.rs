@@ -69,3 +69,59 @@ fn compare_replays_a_trace_through_kvmesh() {
     assert!(dir.join("result.md").exists());
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn replay_takes_a_v1_url_and_fails_loudly_when_requests_fail() {
+    use std::io::BufRead;
+    let mut sim = Command::new(env!("CARGO_BIN_EXE_kvmesh-sim-engine"))
+        .args(["--listen", "127.0.0.1:0", "--instant"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(sim.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line.trim().rsplit("http://").next().unwrap().to_string();
+    let replay = |url: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvmesh-bench"))
+            .args([
+                "replay",
+                "--workload",
+                "shared",
+                "--requests",
+                "10",
+                "--rate",
+                "200",
+            ])
+            .args(["--url", url])
+            .output()
+            .unwrap()
+    };
+    // With or without /v1, the same endpoint.
+    for url in [format!("http://{base}"), format!("http://{base}/v1/")] {
+        let out = replay(&url);
+        assert!(
+            out.status.success(),
+            "{url}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = sim.kill();
+    let _ = sim.wait();
+    // Nothing listens there any more: every request fails, and it says how.
+    let out = replay(&format!("http://{base}"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let words: Vec<&str> = err
+        .split("Error: ")
+        .nth(1)
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    assert!(
+        words.len() > 3 && words[1] == "of" && words[0] == words[2] && words[3] == "requests",
+        "every request should be reported failed: {err}"
+    );
+    assert!(err.contains("no HTTP answer"), "{err}");
+}

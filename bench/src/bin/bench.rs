@@ -35,8 +35,9 @@ enum Cmd {
     /// Proxy overhead: the same closed-loop load direct and through each router.
     Overhead(OverheadArgs),
     /// A workload against a URL, with a summary (and JSON with --out).
+    /// Exits non-zero, with the failures counted by status, when any request fails.
     Replay {
-        /// Base URL of an OpenAI-compatible server.
+        /// Base URL of an OpenAI-compatible server, with or without `/v1`.
         #[arg(long)]
         url: String,
         #[command(flatten)]
@@ -750,11 +751,18 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The chat endpoint under a base URL given with or without its `/v1`.
+fn chat_url(base: &str) -> String {
+    let base = base.trim_end_matches('/');
+    let base = base.strip_suffix("/v1").unwrap_or(base);
+    format!("{base}/v1/chat/completions")
+}
+
 async fn replay(url: &str, spec: &Spec, out: Option<&std::path::Path>) -> anyhow::Result<()> {
     let (plan, what) = spec.plan()?;
     println!("workload: {what}");
     let client = load::client(256);
-    let url = format!("{}/v1/chat/completions", url.trim_end_matches('/'));
+    let url = chat_url(url);
     let start = Instant::now();
     let samples = spec.send(&client, std::slice::from_ref(&url), &plan).await;
     let summary = load::summarize(&samples, start.elapsed());
@@ -763,6 +771,25 @@ async fn replay(url: &str, spec: &Spec, out: Option<&std::path::Path>) -> anyhow
     if let Some(out) = out {
         let json = serde_json::json!({"workload": what, "spec": spec, "summary": summary, "samples": samples});
         std::fs::write(out, serde_json::to_vec_pretty(&json)?)?;
+    }
+    if summary.errors > 0 {
+        let mut by_status = std::collections::BTreeMap::<u16, usize>::new();
+        for s in samples.iter().filter(|s| !(200..300).contains(&s.status)) {
+            *by_status.entry(s.status).or_default() += 1;
+        }
+        let list: Vec<String> = by_status
+            .iter()
+            .map(|(status, n)| match status {
+                0 => format!("{n} with no HTTP answer (connection refused, reset or timed out)"),
+                s => format!("{n} with status {s}"),
+            })
+            .collect();
+        anyhow::bail!(
+            "{} of {} requests to {url} failed: {}",
+            summary.errors,
+            summary.requests,
+            list.join(", ")
+        );
     }
     Ok(())
 }
