@@ -97,7 +97,7 @@ impl BodyPermit {
     }
 
     /// Reserves `n` more bytes; `false` (and nothing reserved) past the budget.
-    pub(crate) fn grow(&mut self, n: usize) -> bool {
+    fn grow(&mut self, n: usize) -> bool {
         let budget = self.limits.body_budget;
         let ok = self
             .limits
@@ -110,6 +110,35 @@ impl BodyPermit {
             self.bytes += n;
         }
         ok
+    }
+}
+
+impl BodyPermit {
+    /// Makes room in `buf` (the one buffer this permit pays for) for `need` bytes, charging the
+    /// budget before allocating: the first buffer holds what arrived (at least 4 KiB), later
+    /// ones at most double what is held, never past `ceiling` (the declared length, or the
+    /// limit) unless `need` is more; when the budget cannot take that, exactly `need`. `false`
+    /// (over budget) when it cannot take even that.
+    pub(crate) fn reserve(&mut self, buf: &mut Vec<u8>, need: usize, ceiling: usize) -> bool {
+        if need <= buf.capacity() {
+            return true;
+        }
+        let grown = if buf.capacity() == 0 {
+            need.max(FIRST_BODY_ALLOC)
+        } else {
+            need.max(buf.capacity().saturating_mul(2))
+        };
+        let target = grown.min(ceiling.max(need));
+        let target = if self.grow(target.saturating_sub(self.bytes)) {
+            target
+        } else if self.grow(need.saturating_sub(self.bytes)) {
+            need
+        } else {
+            return false;
+        };
+        buf.reserve_exact(target - buf.len());
+        // The allocation may round up: charge what is really held.
+        buf.capacity() <= self.bytes || self.grow(buf.capacity() - self.bytes)
     }
 }
 
@@ -375,27 +404,8 @@ impl Gateway {
             if need > limit {
                 return Err(too_large());
             }
-            if need > buf.capacity() {
-                // The first buffer holds what arrived (at least 4 KiB); later ones at most double
-                // what is held; never past the declared length (or the limit).
-                let grown = if buf.capacity() == 0 {
-                    need.max(FIRST_BODY_ALLOC)
-                } else {
-                    need.max(buf.capacity().saturating_mul(2))
-                };
-                let target = grown.min(ceiling.max(need));
-                let target = if permit.grow(target - permit.bytes) {
-                    target
-                } else if permit.grow(need.saturating_sub(permit.bytes)) {
-                    need
-                } else {
-                    return Err(over_budget());
-                };
-                buf.reserve_exact(target - buf.len());
-                // The allocation may round up: charge what is really held.
-                if buf.capacity() > permit.bytes && !permit.grow(buf.capacity() - permit.bytes) {
-                    return Err(over_budget());
-                }
+            if !permit.reserve(&mut buf, need, ceiling) {
+                return Err(over_budget());
             }
             buf.extend_from_slice(&chunk);
             if chunked {

@@ -3,11 +3,60 @@
 
 use std::time::Instant;
 
-use kvmesh_filters::usage::{self, Usage};
+use kvmesh_filters::usage::{self, SseUsageScanner, Usage};
 use kvmesh_filters::NodeId;
 
 use crate::plan::RequestFacts;
 use crate::service::{Ctx, Gateway};
+
+/// Most bytes of a non-streamed response kept to read its `usage`.
+const MAX_USAGE_BODY: usize = 4 << 20;
+/// Longest SSE line kept while looking for `usage`.
+const MAX_SSE_LINE: usize = 1 << 20;
+
+/// Where a successful response's `usage` is looked for while its body passes through: the SSE
+/// events of a stream, or the JSON document (at most 4 MiB of it; past that, nothing).
+pub(crate) enum UsageScan {
+    /// `text/event-stream`.
+    Sse(SseUsageScanner),
+    /// Anything else: the body, kept until it passes the bound (`None` after).
+    Json(Option<Vec<u8>>),
+}
+
+impl UsageScan {
+    /// The scan for a response of `content_type`.
+    pub(crate) fn for_content_type(content_type: Option<&str>) -> Self {
+        if content_type.is_some_and(|v| v.starts_with("text/event-stream")) {
+            UsageScan::Sse(SseUsageScanner::new(MAX_SSE_LINE))
+        } else {
+            UsageScan::Json(Some(Vec::new()))
+        }
+    }
+
+    /// Reads the next body chunk.
+    pub(crate) fn feed(&mut self, chunk: &[u8]) {
+        match self {
+            UsageScan::Sse(s) => s.feed(chunk),
+            UsageScan::Json(body) => {
+                let fits = body
+                    .as_ref()
+                    .is_some_and(|j| j.len() + chunk.len() <= MAX_USAGE_BODY);
+                match body.as_mut() {
+                    Some(j) if fits => j.extend_from_slice(chunk),
+                    _ => *body = None,
+                }
+            }
+        }
+    }
+
+    /// The `usage` read, once the body is complete.
+    pub(crate) fn usage(&self) -> Option<Usage> {
+        match self {
+            UsageScan::Sse(s) => s.usage(),
+            UsageScan::Json(body) => body.as_deref().and_then(usage::from_json),
+        }
+    }
+}
 
 /// The prediction a response settles: where the request went and what the index expected.
 pub(crate) struct Prediction<'a> {
@@ -26,11 +75,7 @@ impl Gateway {
     /// The response is complete: confirm or refute the residency prediction from `usage`
     /// (returned, when the response carried one).
     pub(crate) fn settle_usage(&self, ctx: &Ctx) -> Option<Usage> {
-        let u = match (&ctx.sse, &ctx.json) {
-            (Some(s), _) => s.usage(),
-            (None, Some(body)) => usage::from_json(body),
-            _ => None,
-        };
+        let u = ctx.usage.as_ref().and_then(UsageScan::usage);
         let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
             return u;
         };

@@ -17,6 +17,9 @@ use crate::config::Mode;
 use crate::fleet::NoRoute;
 use crate::service::{Ctx, Gateway};
 
+/// The request header carrying the leading digests to the engine.
+pub(crate) const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
+
 /// The facts about one request that the routing decision needs, free of any transport.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestFacts {
@@ -67,6 +70,14 @@ impl Gateway {
         Plan {
             facts: self.facts(parsed, session_header, hop),
         }
+    }
+
+    /// The first `routing.forward_digests` digests of `facts`' chain, hex, comma-separated (for
+    /// [`DIGESTS_HEADER`]; empty when there are none).
+    pub(crate) fn forwarded_digests(&self, facts: &RequestFacts) -> String {
+        let n = self.cfg.routing.forward_digests.min(facts.chain.len());
+        let hex: Vec<String> = facts.chain[..n].iter().map(Digest::to_hex).collect();
+        hex.join(",")
     }
 
     /// Parses a request body for `endpoint`, keeping of the canonical prompt only what the

@@ -34,12 +34,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::header;
-use kvmesh_filters::chain::Digest;
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::Endpoint;
 use kvmesh_filters::residency::{ResidencyIndex, Source};
 use kvmesh_filters::route::{Decision, Router};
-use kvmesh_filters::usage::SseUsageScanner;
 use pingora::http::ResponseHeader;
 use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
@@ -48,15 +46,11 @@ use pingora::{Error, ErrorSource, ErrorType};
 
 use crate::body::{linger, Admitted, BodyPermit, Limits, Tail};
 use crate::config::ProxyConfig;
+use crate::feedback::UsageScan;
 use crate::fleet::{Dispatch, Engine, Fleet};
 use crate::metrics::Metrics;
 use crate::plan::Plan;
 use crate::trust::HOP_HEADER;
-
-/// Most bytes of a non-streamed response kept to read its `usage`.
-pub(crate) const MAX_USAGE_BODY: usize = 4 << 20;
-/// Longest SSE line kept while looking for `usage`.
-pub(crate) const MAX_SSE_LINE: usize = 1 << 20;
 
 /// The gateway: shared, immutable-after-start state of the proxy.
 pub struct Gateway {
@@ -122,10 +116,9 @@ pub struct Ctx {
     pub(crate) predicted_overlap: usize,
     pub(crate) prediction_settled: bool,
     response_started: bool,
-    first_byte: bool,
     pub(crate) status: u16,
-    pub(crate) sse: Option<SseUsageScanner>,
-    pub(crate) json: Option<Vec<u8>>,
+    /// Where the response's `usage` is looked for (successful responses).
+    pub(crate) usage: Option<UsageScan>,
     error: Option<ApiError>,
     /// The request's id: the client's `x-request-id` when usable, else a fresh one; sent to the
     /// engine and echoed to the client.
@@ -176,10 +169,8 @@ impl Ctx {
             predicted_overlap: 0,
             prediction_settled: false,
             response_started: false,
-            first_byte: false,
             status: 0,
-            sse: None,
-            json: None,
+            usage: None,
             error: None,
             request_id: String::new(),
             access: Access::default(),
@@ -438,10 +429,9 @@ impl ProxyHttp for Gateway {
             req.insert_header(crate::access::FORWARDED_FOR, xff)?;
         }
         if let Some(plan) = ctx.plan.as_ref() {
-            let n = self.cfg.routing.forward_digests.min(plan.facts.chain.len());
-            if n > 0 {
-                let hex: Vec<String> = plan.facts.chain[..n].iter().map(Digest::to_hex).collect();
-                req.insert_header("x-kvmesh-prefix-digests", hex.join(","))?;
+            let digests = self.forwarded_digests(&plan.facts);
+            if !digests.is_empty() {
+                req.insert_header(crate::plan::DIGESTS_HEADER, digests)?;
             }
         }
         Ok(())
@@ -502,17 +492,12 @@ impl ProxyHttp for Gateway {
             ctx.body = None;
             ctx.body_permit = None;
         }
-        let is_sse = resp
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
         if resp.status.is_success() {
-            if is_sse {
-                ctx.sse = Some(SseUsageScanner::new(MAX_SSE_LINE));
-            } else {
-                ctx.json = Some(Vec::new());
-            }
+            let content_type = resp
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok());
+            ctx.usage = Some(UsageScan::for_content_type(content_type));
         }
         resp.insert_header(crate::access::REQUEST_ID, ctx.request_id.as_str())?;
         if let Some(engine) = ctx.engine() {
@@ -534,31 +519,24 @@ impl ProxyHttp for Gateway {
     ) -> Result<Option<Duration>> {
         if let Some(b) = body.as_ref().filter(|b| !b.is_empty()) {
             ctx.access.bytes_out += b.len() as u64;
-            if !ctx.first_byte {
-                ctx.first_byte = true;
-                ctx.access.ttft = Some(ctx.started.elapsed());
+            if ctx.access.ttft.is_none() {
+                let ttft = ctx.started.elapsed();
+                ctx.access.ttft = Some(ttft);
                 self.metrics
                     .ttft
                     .with_label_values(&[ctx.route])
-                    .observe(ctx.started.elapsed().as_secs_f64());
+                    .observe(ttft.as_secs_f64());
                 if let Some(d) = ctx.dispatch.as_mut() {
                     d.prefill_done();
                 }
             }
-            if let Some(s) = ctx.sse.as_mut() {
-                s.feed(b);
-            } else if let Some(j) = ctx.json.as_mut() {
-                if j.len() + b.len() <= MAX_USAGE_BODY {
-                    j.extend_from_slice(b);
-                } else {
-                    ctx.json = None;
-                }
+            if let Some(u) = ctx.usage.as_mut() {
+                u.feed(b);
             }
         }
         if end_of_stream {
             ctx.access.cached_tokens = self.settle_usage(ctx).and_then(|u| u.cached_tokens);
-            ctx.sse = None;
-            ctx.json = None;
+            ctx.usage = None;
         }
         Ok(None)
     }

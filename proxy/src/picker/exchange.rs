@@ -18,23 +18,16 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request as Msg, HttpBody, HttpHeaders, ProcessingRequest,
     ProcessingResponse,
 };
-use kvmesh_filters::chain::Digest;
 use kvmesh_filters::request::Endpoint;
 use kvmesh_filters::route::Candidate;
-use kvmesh_filters::usage::{self, SseUsageScanner};
 use kvmesh_filters::{ApiError, ErrorKind, Source};
 
 use super::envoy::{self, Direction};
 use crate::body::{body_too_large, Admitted, BodyPermit};
-use crate::feedback::Prediction;
+use crate::feedback::{Prediction, UsageScan};
 use crate::fleet::{Dispatch, Engine};
-use crate::plan::RequestFacts;
-use crate::service::{Gateway, MAX_SSE_LINE, MAX_USAGE_BODY};
-
-/// The request header carrying the leading digests to the engine (as the gateway sends it).
-const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
-/// The first body buffer, at most (it then doubles as bytes arrive).
-const FIRST_BODY_ALLOC: usize = 4 << 10;
+use crate::plan::{RequestFacts, DIGESTS_HEADER};
+use crate::service::Gateway;
 
 /// What the stream does after a message.
 #[derive(Debug)]
@@ -53,8 +46,9 @@ enum RequestPhase {
     Buffering {
         endpoint: Endpoint,
         body: Vec<u8>,
-        /// Capacity of `body` charged to the body budget.
-        charged: usize,
+        /// The buffer never grows past this unless the body does (its declared length, or
+        /// `max_body_bytes`).
+        ceiling: usize,
     },
     /// Routed; the body (if any) has gone back to Envoy.
     Sent,
@@ -68,12 +62,6 @@ struct Routed {
     facts: RequestFacts,
     overlap_blocks: usize,
     settled: bool,
-}
-
-/// Where the response's `usage` is looked for.
-enum UsageScan {
-    Sse(SseUsageScanner),
-    Json(Vec<u8>),
 }
 
 /// The state of one stream.
@@ -95,7 +83,6 @@ pub(crate) struct Exchange {
     session: Option<String>,
     routed: Option<Routed>,
     scan: Option<UsageScan>,
-    first_byte: bool,
     /// The status the client got (a local answer's, or the engine's).
     status: u16,
     /// The request id (the client's `x-request-id` when usable, else fresh).
@@ -128,7 +115,6 @@ impl Exchange {
             session: None,
             routed: None,
             scan: None,
-            first_byte: false,
             status: 0,
             request_id: String::new(),
             method: String::new(),
@@ -270,7 +256,7 @@ impl Exchange {
         self.request = RequestPhase::Buffering {
             endpoint,
             body: Vec::new(),
-            charged: 0,
+            ceiling: declared.map_or(limit, |n| n as usize),
         };
         Ok(Step::Continue(Vec::new()))
     }
@@ -301,7 +287,7 @@ impl Exchange {
     }
 
     fn on_request_body(&mut self, b: HttpBody) -> Result<Step, tonic::Status> {
-        let RequestPhase::Buffering { body, charged, .. } = &mut self.request else {
+        let RequestPhase::Buffering { body, ceiling, .. } = &mut self.request else {
             return Err(tonic::Status::failed_precondition(
                 "a request body chunk arrived outside the request body",
             ));
@@ -311,21 +297,14 @@ impl Exchange {
         if need > limit {
             return Ok(self.refuse(body_too_large(limit)));
         }
-        if need > body.capacity() {
-            // Grow by doubling (never past the limit), charging the budget for the capacity
-            // before it is allocated.
-            let target = need
-                .max(body.capacity().saturating_mul(2))
-                .max(FIRST_BODY_ALLOC.min(limit))
-                .min(limit);
-            let extra = target.saturating_sub(*charged);
-            let granted = self.permit.as_mut().is_some_and(|p| p.grow(extra));
-            if !granted {
-                let e = self.gw.over_body_budget();
-                return Ok(self.refuse(e));
-            }
-            *charged += extra;
-            body.reserve_exact(target - body.len());
+        // The body's buffer is charged to the budget as the gateway charges it.
+        let granted = self
+            .permit
+            .as_mut()
+            .is_some_and(|p| p.reserve(body, need, *ceiling));
+        if !granted {
+            let e = self.gw.over_body_budget();
+            return Ok(self.refuse(e));
         }
         body.extend_from_slice(&b.body);
         if !b.end_of_stream {
@@ -384,10 +363,8 @@ impl Exchange {
         self.reason = ranking.decision.reason.label();
         self.bytes_in = body.len();
         let endpoints: Vec<String> = engines.iter().map(|e| e.addr.to_string()).collect();
-        let n = gw.cfg.routing.forward_digests.min(facts.chain.len());
-        let digests: Vec<String> = facts.chain[..n].iter().map(Digest::to_hex).collect();
+        let digests = gw.forwarded_digests(&facts);
         self.route_to(engine, facts, first.overlap_blocks);
-        let digests = digests.join(",");
         let mut replies = vec![envoy::routed_headers(
             &endpoints,
             body_end.map(|_| body.len()),
@@ -498,13 +475,8 @@ impl Exchange {
         // The engine has answered: the request body is no longer held.
         self.permit = None;
         if (200..300).contains(&self.status) && self.routed.is_some() {
-            let sse = envoy::header(map, "content-type")
-                .is_some_and(|v| v.starts_with("text/event-stream"));
-            self.scan = Some(if sse {
-                UsageScan::Sse(SseUsageScanner::new(MAX_SSE_LINE))
-            } else {
-                UsageScan::Json(Vec::new())
-            });
+            let content_type = envoy::header(map, "content-type");
+            self.scan = Some(UsageScan::for_content_type(content_type));
         }
         let name = self.routed.as_ref().map(|r| r.engine.name.clone());
         let mut extra: Vec<(&str, &str)> = vec![(crate::access::REQUEST_ID, &self.request_id)];
@@ -521,28 +493,20 @@ impl Exchange {
     fn on_response_body(&mut self, b: HttpBody) -> Step {
         if !b.body.is_empty() {
             self.bytes_out += b.body.len() as u64;
-            if !self.first_byte {
-                self.first_byte = true;
-                self.ttft = Some(self.started.elapsed());
+            if self.ttft.is_none() {
+                let ttft = self.started.elapsed();
+                self.ttft = Some(ttft);
                 self.gw
                     .metrics
                     .ttft
                     .with_label_values(&[self.route])
-                    .observe(self.started.elapsed().as_secs_f64());
+                    .observe(ttft.as_secs_f64());
                 if let Some(r) = self.routed.as_mut() {
                     r.dispatch.prefill_done();
                 }
             }
-            match self.scan.as_mut() {
-                Some(UsageScan::Sse(s)) => s.feed(&b.body),
-                Some(UsageScan::Json(j)) => {
-                    if j.len() + b.body.len() <= MAX_USAGE_BODY {
-                        j.extend_from_slice(&b.body);
-                    } else {
-                        self.scan = None;
-                    }
-                }
-                None => {}
+            if let Some(scan) = self.scan.as_mut() {
+                scan.feed(&b.body);
             }
         }
         let end = b.end_of_stream;
@@ -560,11 +524,7 @@ impl Exchange {
             return;
         }
         self.finished = true;
-        let u = match self.scan.take() {
-            Some(UsageScan::Sse(s)) => s.usage(),
-            Some(UsageScan::Json(j)) => usage::from_json(&j),
-            None => None,
-        };
+        let u = self.scan.take().and_then(|s| s.usage());
         self.cached_tokens = u.and_then(|u| u.cached_tokens);
         if let Some(r) = self.routed.take() {
             self.gw.settle(
