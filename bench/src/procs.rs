@@ -176,7 +176,13 @@ pub async fn kvmesh(
     let path =
         std::env::temp_dir().join(format!("kvmesh-bench-{}-{port}.toml", std::process::id()));
     let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
-    let addr = p.addr;
+    wait_ready(p.addr).await?;
+    let _ = std::fs::remove_file(path);
+    Ok(p)
+}
+
+/// Waits up to 20 s for `GET /ready` on `addr` to succeed.
+async fn wait_ready(addr: SocketAddr) -> anyhow::Result<()> {
     let client = crate::load::client(1);
     let ready_uri: http::Uri = format!("http://{addr}/ready").parse()?;
     let what = format!("kvmesh-proxy did not become ready on {addr}");
@@ -191,9 +197,7 @@ pub async fn kvmesh(
                 .is_ok_and(|r| r.status().is_success())
         },
     )
-    .await?;
-    let _ = std::fs::remove_file(path);
-    Ok(p)
+    .await
 }
 
 /// Starts `kvagent` with its files under `dir` (created), gRPC on a free port, no metrics
@@ -484,20 +488,7 @@ pub async fn kvmesh_picker(
         std::process::id()
     ));
     let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
-    let client = crate::load::client(1);
-    let ready: http::Uri = format!("http://127.0.0.1:{metrics}/ready").parse()?;
-    wait_until(
-        "the kvmesh picker did not become ready",
-        Duration::from_secs(20),
-        Duration::from_millis(50),
-        async || {
-            client
-                .get(ready.clone())
-                .await
-                .is_ok_and(|r| r.status().is_success())
-        },
-    )
-    .await?;
+    wait_ready(format!("127.0.0.1:{metrics}").parse()?).await?;
     let _ = std::fs::remove_file(path);
     Ok(p)
 }
