@@ -242,8 +242,20 @@ impl Engine {
     }
 
     /// Looks up the leading cached blocks of `tokens`; returns (cached tokens, chain).
+    #[cfg(test)]
     fn lookup(&self, tokens: &[u32]) -> (u64, Vec<Digest>) {
-        let chain = token_chain(&self.ns, tokens, self.cfg.block_tokens.max(1));
+        self.lookup_salted(tokens, "")
+    }
+
+    /// Looks up the leading cached blocks of `tokens` under a `cache_salt` (as vLLM: blocks of
+    /// different salts never match); returns (cached tokens, chain).
+    fn lookup_salted(&self, tokens: &[u32], salt: &str) -> (u64, Vec<Digest>) {
+        let chain = if salt.is_empty() {
+            token_chain(&self.ns, tokens, self.cfg.block_tokens.max(1))
+        } else {
+            let ns = Namespace::new(&self.cfg.model, salt.as_bytes());
+            token_chain(&ns, tokens, self.cfg.block_tokens.max(1))
+        };
         let mut cache = self.cache.lock();
         let hit = chain.iter().take_while(|d| cache.get(*d).is_some()).count();
         (
@@ -485,7 +497,8 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
         Err(e) => return error(400, &e),
     };
     let embeddings = path == "/v1/embeddings";
-    let (cached, chain) = engine.lookup(&tokens);
+    let salt = v.get("cache_salt").and_then(Value::as_str).unwrap_or("");
+    let (cached, chain) = engine.lookup_salted(&tokens, salt);
     let prompt = tokens.len() as u64;
     engine.requests.fetch_add(1, Ordering::Relaxed);
     engine.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
@@ -693,6 +706,11 @@ mod tests {
         e.insert(&chain);
         let (c1, _) = e.lookup(&t);
         assert_eq!(c1, 9, "fully cached prompts still compute one token");
+        assert_eq!(
+            e.lookup_salted(&t, "tenant/b").0,
+            0,
+            "another salt never matches"
+        );
         let mut u = t.clone();
         u[5] = 99;
         assert_eq!(e.lookup(&u).0, 4);

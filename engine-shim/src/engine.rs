@@ -88,6 +88,9 @@ pub struct Job {
     /// Send text as it is generated (SSE); otherwise once, at the end: every event wakes the
     /// HTTP side, and on a small machine that wake-up preempts libtorch's threads.
     pub stream: bool,
+    /// The request's `cache_salt` (empty: none): part of its block digests, so requests with
+    /// different salts (tenants) never share cached or paged-in KV blocks.
+    pub cache_salt: String,
 }
 
 /// Where evicted and new blocks go, and where missing ones come from (kvagent).
@@ -134,7 +137,9 @@ pub struct Worker {
     model: Llama,
     tokenizer: Arc<ModelTokenizer>,
     cache: PrefixCache,
+    /// The unsalted namespace, and the model name salted ones are derived from.
     ns: Namespace,
+    model_name: String,
     prefill_chunk: usize,
     store: Option<Box<dyn BlockStore>>,
     stats: Arc<Stats>,
@@ -160,6 +165,7 @@ impl Worker {
             tokenizer,
             cache: PrefixCache::new(cache_blocks),
             ns: Namespace::new(model_name, b""),
+            model_name: model_name.to_string(),
             prefill_chunk: prefill_chunk.max(1),
             store,
             stats,
@@ -219,8 +225,16 @@ impl Worker {
 
     /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
     /// in chunks; returns the last position's logits and the cached token count.
-    fn prefill(&mut self, prompt: &[u32], kv: &mut KvCache) -> (Tensor, usize) {
-        let chain = token_chain(&self.ns, prompt, BLOCK_TOKENS);
+    fn prefill(&mut self, prompt: &[u32], salt: &str, kv: &mut KvCache) -> (Tensor, usize) {
+        let chain = if salt.is_empty() {
+            token_chain(&self.ns, prompt, BLOCK_TOKENS)
+        } else {
+            token_chain(
+                &Namespace::new(&self.model_name, salt.as_bytes()),
+                prompt,
+                BLOCK_TOKENS,
+            )
+        };
         // At least one prompt token is always computed: its logits start the answer.
         let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
         let mut local = self.cache.leading(&chain[..usable.min(chain.len())]);
@@ -294,7 +308,7 @@ impl Worker {
                 context,
             })?;
         let mut kv = KvCache::new(&self.model.cfg, capacity + 1);
-        let (mut logits, cached) = self.prefill(&job.prompt, &mut kv);
+        let (mut logits, cached) = self.prefill(&job.prompt, &job.cache_salt, &mut kv);
         let prefilled = started.elapsed();
         self.stats
             .prompt_tokens

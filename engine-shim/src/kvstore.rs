@@ -227,7 +227,7 @@ pub struct Limits {
 /// The [`BlockStore`] on a kvagent: sealed write-through, verified and bounded page-in.
 pub struct KvagentStore {
     rt: tokio::runtime::Handle,
-    client: kvagent::KvAgentClient<tonic::transport::Channel>,
+    client: kvagent::Client,
     model: String,
     key: MacKey,
     payload_bytes: usize,
@@ -241,7 +241,7 @@ impl KvagentStore {
     /// ([`crate::cache::KvBlock::bytes`]); page-in and write-through are counted in `stats`.
     pub fn new(
         rt: tokio::runtime::Handle,
-        client: kvagent::KvAgentClient<tonic::transport::Channel>,
+        client: kvagent::Client,
         model: String,
         key: MacKey,
         payload_bytes: usize,

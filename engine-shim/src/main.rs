@@ -57,6 +57,9 @@ struct Cli {
     /// Overrides `kv_mac_key_file`.
     #[arg(long)]
     kv_mac_key_file: Option<PathBuf>,
+    /// Overrides `kvagent_token_file`.
+    #[arg(long)]
+    kvagent_token_file: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -121,6 +124,9 @@ struct EngineConfig {
     kv_mac_key: String,
     /// A file holding the MAC key (64 hex characters); empty: none.
     kv_mac_key_file: PathBuf,
+    /// A file whose first line is kvagent's engine token (kvagent's `auth.token_file`), sent
+    /// as `authorization: Bearer` with every call; empty: none.
+    kvagent_token_file: PathBuf,
     /// Log filter.
     log: String,
 }
@@ -149,6 +155,7 @@ impl Default for EngineConfig {
             kvagent_put_max_blocks: 512,
             kv_mac_key: String::new(),
             kv_mac_key_file: PathBuf::new(),
+            kvagent_token_file: PathBuf::new(),
             log: "info".into(),
         }
     }
@@ -185,6 +192,9 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
     if let Some(p) = &cli.kv_mac_key_file {
         cfg.kv_mac_key_file = p.clone();
     }
+    if let Some(p) = &cli.kvagent_token_file {
+        cfg.kvagent_token_file = p.clone();
+    }
     if let Some(w) = &cli.weights {
         cfg.weights = match w.as_str() {
             "bf16" => WeightType::Bf16,
@@ -216,6 +226,22 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
         "set kv_mac_key or kv_mac_key_file, not both"
     );
     Ok(cfg)
+}
+
+/// kvagent's engine token, from `kvagent_token_file`.
+fn kvagent_token(cfg: &EngineConfig) -> anyhow::Result<Option<String>> {
+    if cfg.kvagent_token_file.as_os_str().is_empty() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&cfg.kvagent_token_file)
+        .with_context(|| format!("kvagent_token_file {}", cfg.kvagent_token_file.display()))?;
+    let token = text.lines().next().unwrap_or("").trim().to_string();
+    anyhow::ensure!(
+        !token.is_empty(),
+        "kvagent_token_file {} is empty",
+        cfg.kvagent_token_file.display()
+    );
+    Ok(Some(token))
 }
 
 /// The MAC key of blocks written to kvagent: configured, or random for this run.
@@ -307,12 +333,17 @@ fn run() -> anyhow::Result<()> {
         None
     } else {
         let fetch_timeout = Duration::from_millis(cfg.kvagent_fetch_timeout_ms);
-        let client = rt
+        let token = kvagent_token(&cfg)?;
+        let mut client = rt
             // The timer is made inside the runtime (it needs its time driver).
             .block_on(async {
                 tokio::time::timeout(
                     fetch_timeout,
-                    kvagent::connect(cfg.kvagent_url.clone(), 64 << 20),
+                    kvagent::connect_with_token(
+                        cfg.kvagent_url.clone(),
+                        64 << 20,
+                        token.as_deref(),
+                    ),
                 )
                 .await
             })
@@ -323,6 +354,23 @@ fn run() -> anyhow::Result<()> {
                 )
             })?
             .with_context(|| format!("connecting to kvagent at {}", cfg.kvagent_url))?;
+        // A wrong or missing token would fail every write-through and page-in quietly: check
+        // it once now.
+        let checked = rt.block_on(async {
+            tokio::time::timeout(fetch_timeout, client.stats(kvagent::pb::StatsRequest {})).await
+        });
+        if let Ok(Err(status)) = checked {
+            if matches!(
+                status.code(),
+                tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+            ) {
+                anyhow::bail!(
+                    "kvagent at {} refused this engine: {} (set kvagent_token_file to kvagent's auth.token_file)",
+                    cfg.kvagent_url,
+                    status.message()
+                );
+            }
+        }
         Some(Box::new(KvagentStore::new(
             rt.handle().clone(),
             client,

@@ -24,6 +24,9 @@ pub const MAX_STOP_BYTES: usize = 1024;
 
 /// Most `stop` strings.
 pub const MAX_STOPS: usize = 4;
+/// Longest `cache_salt`, bytes (kvmesh's tenant salts, `tenant/<name>/<client salt>`, stay
+/// under 330).
+pub const MAX_CACHE_SALT_BYTES: usize = 512;
 
 /// Requests parsed, rendered and tokenised at once (each on a blocking thread, off the HTTP
 /// runtime); more wait their turn.
@@ -190,6 +193,7 @@ fn check_prompt_bytes(
 /// A validated request.
 struct Parsed {
     prompt: String,
+    cache_salt: String,
     stream: bool,
     include_usage: bool,
     params: SamplingParams,
@@ -339,6 +343,16 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             .as_bool()
             .ok_or_else(|| bad("`stream` must be a boolean").with_param("stream"))?,
     };
+    let cache_salt = match num("cache_salt") {
+        None => String::new(),
+        Some(Value::String(s)) if s.len() <= MAX_CACHE_SALT_BYTES => s.clone(),
+        Some(_) => {
+            return Err(bad(format!(
+                "`cache_salt` must be a string of at most {MAX_CACHE_SALT_BYTES} bytes"
+            ))
+            .with_param("cache_salt"))
+        }
+    };
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
@@ -346,6 +360,7 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
         .unwrap_or(false);
     Ok(Parsed {
         prompt,
+        cache_salt,
         stream,
         include_usage,
         params: SamplingParams {
@@ -492,6 +507,7 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         params: parsed.params,
         events: tx,
         stream: parsed.stream,
+        cache_salt: parsed.cache_salt,
     };
     if app.jobs.try_send(job).is_err() {
         app.stats.waiting.fetch_sub(1, Ordering::Relaxed);

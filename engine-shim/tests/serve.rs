@@ -271,6 +271,37 @@ fn get(addr: SocketAddr, path: &str) -> String {
     out
 }
 
+/// `cache_salt` is part of the block digests: a prompt cached under one salt is a miss under
+/// another (or none), a hit under the same one, and the answers agree.
+#[test]
+fn a_cache_salt_separates_cached_prefixes() {
+    let doc = document();
+    let q1 = format!("{doc}How many crates are in district 3?");
+    let q2 = format!("{doc}How many crates are in district 12?");
+    let e = engine(&[]);
+    let a = chat(e.addr, &q1, json!({"cache_salt": "tenant/a"}));
+    assert_eq!(cached(&a), 0);
+    let other = chat(e.addr, &q2, json!({"cache_salt": "tenant/b"}));
+    assert_eq!(cached(&other), 0, "tenant b hit tenant a's blocks");
+    let unsalted = chat(e.addr, &q2, json!({}));
+    assert_eq!(
+        cached(&unsalted),
+        0,
+        "an unsalted request hit a salted prefix"
+    );
+    let same = chat(e.addr, &q2, json!({"cache_salt": "tenant/a"}));
+    assert!(cached(&same) > 0, "the same salt must reuse its prefix");
+    assert_eq!(answer(&same), answer(&other));
+    for bad in [json!(5), json!("x".repeat(513))] {
+        let body = serde_json::to_vec(&json!({"model": MODEL, "prompt": "hi", "cache_salt": bad}))
+            .unwrap();
+        let (status, b) = post(e.addr, "/v1/completions", &body);
+        assert_eq!(status, 400);
+        let v: Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["param"], "cache_salt");
+    }
+}
+
 #[test]
 fn a_shared_prefix_is_reused_and_gives_the_cold_answer() {
     let doc = document();

@@ -63,6 +63,7 @@ fn run_job(
         params,
         events: tx,
         stream: false,
+        cache_salt: String::new(),
     })
     .unwrap();
     let mut events = Vec::new();

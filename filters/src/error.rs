@@ -17,6 +17,8 @@ pub enum ErrorKind {
     NotFound,
     /// The method is not allowed on this path (405).
     MethodNotAllowed,
+    /// No API key, or one that is not (or no longer) valid (401).
+    Unauthorized,
     /// The client may not make this request, e.g. a peer-only header from an untrusted source (403).
     Forbidden,
     /// Admission control refused the request; retry later (429).
@@ -38,6 +40,7 @@ impl ErrorKind {
             ErrorKind::RequestTimeout => 408,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::Unauthorized => 401,
             ErrorKind::Forbidden => 403,
             ErrorKind::Overloaded => 429,
             ErrorKind::NoEngine => 503,
@@ -54,7 +57,8 @@ impl ErrorKind {
             | ErrorKind::RequestTimeout
             | ErrorKind::ModelNotFound
             | ErrorKind::NotFound
-            | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::Unauthorized => "invalid_request_error",
             ErrorKind::Forbidden => "permission_error",
             ErrorKind::Overloaded => "rate_limit_error",
             ErrorKind::NoEngine | ErrorKind::UpstreamFailed | ErrorKind::Internal => "server_error",
@@ -70,6 +74,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::Unauthorized => "invalid_api_key",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::NoEngine => "no_engine_available",

@@ -50,6 +50,23 @@ pub struct AgentConfig {
     pub limits: Limits,
     /// Scraping the co-located engine's load.
     pub telemetry: TelemetryConfig,
+    /// Who may call (bearer tokens).
+    pub auth: AuthConfig,
+}
+
+/// The `[auth]` table: bearer tokens on every gRPC call (see [`crate::access`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// File whose first line is the engine's token: every call, PutBlocks and Delete included.
+    /// Empty: no token is asked for.
+    pub token_file: String,
+    /// File whose first line is a read-only token (GetBlocks, Lookup, Stats, WatchResidency,
+    /// NodeLoad). Needs `token_file`.
+    pub read_token_file: String,
+    /// Allow `listen` beyond loopback without `token_file` (any host that reaches the port could
+    /// then delete or overwrite blocks).
+    pub insecure_no_auth: bool,
 }
 
 impl Default for AgentConfig {
@@ -62,6 +79,7 @@ impl Default for AgentConfig {
             ssd: SsdConfig::default(),
             limits: Limits::default(),
             telemetry: TelemetryConfig::default(),
+            auth: AuthConfig::default(),
         }
     }
 }
@@ -279,6 +297,14 @@ impl AgentConfig {
             return bad(format!(
                 "metrics_listen {:?} is not an address like 127.0.0.1:9151",
                 self.metrics_listen
+            ));
+        }
+        let access = crate::access::AccessControl::from_config(&self.auth)?;
+        if !self.listen.ip().is_loopback() && !access.enabled() && !self.auth.insecure_no_auth {
+            return bad(format!(
+                "listen {} is beyond loopback: set auth.token_file (the engine's token) or, on a \
+                 network where every host is trusted, auth.insecure_no_auth = true",
+                self.listen
             ));
         }
         let t = &self.telemetry;

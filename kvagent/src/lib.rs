@@ -5,6 +5,7 @@
 //! feed (`WatchResidency`), and the co-located engine's load ([`telemetry`]). Blocks are named by
 //! digests of the kvmesh prefix chain ([`kvmesh_filters::chain`]); payloads are opaque.
 
+pub mod access;
 pub mod config;
 pub mod disk;
 pub mod metrics;
@@ -20,13 +21,66 @@ pub mod pb {
 
 pub use pb::kv_agent_client::KvAgentClient;
 
+/// Adds `authorization: Bearer <token>` to every call, when a token is set.
+#[derive(Clone, Default)]
+pub struct BearerToken(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "BearerToken(..)"
+        } else {
+            "BearerToken(none)"
+        })
+    }
+}
+
+impl tonic::service::Interceptor for BearerToken {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = self.0.as_ref() {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// A client of the agent, sending its token (if any) with every call.
+pub type Client = KvAgentClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, BearerToken>,
+>;
+
+/// Why a client could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The URL, or the connection.
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+    /// The token cannot go into a header.
+    #[error("the kvagent token must be printable ASCII")]
+    Token,
+}
+
 /// Connects a client to the agent at `url` (`http://host:port`) with the HTTP/2 settings the
 /// benchmarks were measured with: large flow-control windows and 1 MiB DATA frames, so
 /// multi-megabyte blocks stream without stalls; messages up to `max_message_bytes` both ways.
-pub async fn connect(
+pub async fn connect(url: String, max_message_bytes: usize) -> Result<Client, ConnectError> {
+    connect_with_token(url, max_message_bytes, None).await
+}
+
+/// [`connect`], sending `token` as `authorization: Bearer <token>` with every call.
+pub async fn connect_with_token(
     url: String,
     max_message_bytes: usize,
-) -> Result<KvAgentClient<tonic::transport::Channel>, tonic::transport::Error> {
+    token: Option<&str>,
+) -> Result<Client, ConnectError> {
+    let bearer = match token {
+        None => BearerToken(None),
+        Some(t) => BearerToken(Some(
+            format!("Bearer {}", t.trim())
+                .parse()
+                .map_err(|_| ConnectError::Token)?,
+        )),
+    };
     let channel = tonic::transport::Endpoint::from_shared(url)?
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(32 << 20)
@@ -34,7 +88,7 @@ pub async fn connect(
         .tcp_nodelay(true)
         .connect()
         .await?;
-    Ok(KvAgentClient::new(channel)
+    Ok(KvAgentClient::with_interceptor(channel, bearer)
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(max_message_bytes))
 }

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use kvagent::access::AccessControl;
 use kvagent::config::AgentConfig;
 use kvagent::metrics::Metrics;
 use kvagent::pb::kv_agent_server::KvAgentServer;
@@ -121,12 +122,10 @@ async fn run() -> anyhow::Result<()> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<KvAgentServer<KvAgentService>>().await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let service = KvAgentServer::new(KvAgentService::new(
-        store.clone(),
-        scraper,
-        cfg.limits.clone(),
-        stop_rx.clone(),
-    ))
+    let service = KvAgentServer::new(
+        KvAgentService::new(store.clone(), scraper, cfg.limits.clone(), stop_rx.clone())
+            .with_access(AccessControl::from_config(&cfg.auth)?),
+    )
     .max_decoding_message_size(cfg.limits.max_message_bytes)
     .max_encoding_message_size(cfg.limits.max_message_bytes);
     tracing::info!(listen = %cfg.listen, metrics = %cfg.metrics_listen, epoch = store.epoch(), "kvagent serving");

@@ -8,6 +8,7 @@ use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::access::{Access, AccessControl};
 use crate::config::Limits;
 use crate::pb;
 use crate::store::{Block, BlockStore, ResidencyChange, Tier};
@@ -20,6 +21,7 @@ pub struct KvAgentService {
     limits: Limits,
     watchers: Arc<AtomicUsize>,
     stopping: tokio::sync::watch::Receiver<bool>,
+    access: AccessControl,
 }
 
 impl KvAgentService {
@@ -37,7 +39,14 @@ impl KvAgentService {
             limits,
             watchers: Arc::new(AtomicUsize::new(0)),
             stopping,
+            access: AccessControl::default(),
         }
+    }
+
+    /// The service with `access`'s tokens required on every call.
+    pub fn with_access(mut self, access: AccessControl) -> Self {
+        self.access = access;
+        self
     }
 
     fn digests(&self, raw: &[bytes::Bytes], field: &str) -> Result<Vec<Digest>, Status> {
@@ -137,6 +146,7 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
         &self,
         request: Request<pb::PutBlocksRequest>,
     ) -> Result<Response<pb::PutBlocksResponse>, Status> {
+        self.access.check(request.metadata(), Access::Write)?;
         let raw = request.into_inner().blocks;
         self.check_batch(raw.len(), "blocks")?;
         let mut blocks = Vec::with_capacity(raw.len());
@@ -181,6 +191,7 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
         &self,
         request: Request<pb::GetBlocksRequest>,
     ) -> Result<Response<Self::GetBlocksStream>, Status> {
+        self.access.check(request.metadata(), Access::Read)?;
         let digests = self.digests(&request.into_inner().digests, "digests")?;
         // Two messages in flight: enough to overlap reading the next block with sending this
         // one, while a slow reader holds at most two payloads here.
@@ -214,6 +225,7 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
         &self,
         request: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
+        self.access.check(request.metadata(), Access::Read)?;
         let digests = self.digests(&request.into_inner().digests, "digests")?;
         let entries = self
             .store
@@ -237,6 +249,7 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
         &self,
         request: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
+        self.access.check(request.metadata(), Access::Write)?;
         let req = request.into_inner();
         if req.all && !req.digests.is_empty() {
             return Err(Status::invalid_argument(
@@ -255,8 +268,9 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
 
     async fn stats(
         &self,
-        _request: Request<pb::StatsRequest>,
+        request: Request<pb::StatsRequest>,
     ) -> Result<Response<pb::StatsResponse>, Status> {
+        self.access.check(request.metadata(), Access::Read)?;
         let m = &self.store.metrics;
         let (ram_blocks, ram_bytes, ssd_blocks, ssd_bytes) = self.store.occupancy();
         let cfg = self.store.config();
@@ -284,8 +298,9 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
 
     async fn watch_residency(
         &self,
-        _request: Request<pb::WatchResidencyRequest>,
+        request: Request<pb::WatchResidencyRequest>,
     ) -> Result<Response<Self::WatchResidencyStream>, Status> {
+        self.access.check(request.metadata(), Access::Read)?;
         if self.watchers.fetch_add(1, Ordering::Relaxed) >= self.limits.max_watchers {
             self.watchers.fetch_sub(1, Ordering::Relaxed);
             return Err(Status::resource_exhausted(format!(
@@ -332,8 +347,9 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
 
     async fn node_load(
         &self,
-        _request: Request<pb::NodeLoadRequest>,
+        request: Request<pb::NodeLoadRequest>,
     ) -> Result<Response<pb::NodeLoadResponse>, Status> {
+        self.access.check(request.metadata(), Access::Read)?;
         let l = self.scraper.load();
         Ok(Response::new(pb::NodeLoadResponse {
             available: l.available,

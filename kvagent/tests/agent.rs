@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvagent::pb::{self, Tier};
-use kvagent::KvAgentClient;
-use tonic::transport::Channel;
 use tonic::Code;
 
 fn free_port() -> u16 {
@@ -65,7 +63,7 @@ impl Agent {
         agent
     }
 
-    async fn client(&self) -> KvAgentClient<Channel> {
+    async fn client(&self) -> kvagent::Client {
         kvagent::connect(format!("http://127.0.0.1:{}", self.port), 64 << 20)
             .await
             .expect("connect")
@@ -137,14 +135,14 @@ fn block(i: u32, size: usize) -> pb::Block {
     }
 }
 
-async fn put(c: &mut KvAgentClient<Channel>, blocks: Vec<pb::Block>) -> pb::PutBlocksResponse {
+async fn put(c: &mut kvagent::Client, blocks: Vec<pb::Block>) -> pb::PutBlocksResponse {
     c.put_blocks(pb::PutBlocksRequest { blocks })
         .await
         .expect("put")
         .into_inner()
 }
 
-async fn get(c: &mut KvAgentClient<Channel>, ids: &[u32]) -> Vec<pb::GetBlocksResponse> {
+async fn get(c: &mut kvagent::Client, ids: &[u32]) -> Vec<pb::GetBlocksResponse> {
     let mut stream = c
         .get_blocks(pb::GetBlocksRequest {
             digests: ids.iter().map(|i| digest(*i)).collect(),
@@ -159,14 +157,14 @@ async fn get(c: &mut KvAgentClient<Channel>, ids: &[u32]) -> Vec<pb::GetBlocksRe
     out
 }
 
-async fn stats(c: &mut KvAgentClient<Channel>) -> pb::StatsResponse {
+async fn stats(c: &mut kvagent::Client) -> pb::StatsResponse {
     c.stats(pb::StatsRequest {})
         .await
         .expect("stats")
         .into_inner()
 }
 
-async fn lookup(c: &mut KvAgentClient<Channel>, ids: &[u32]) -> Vec<pb::LookupEntry> {
+async fn lookup(c: &mut kvagent::Client, ids: &[u32]) -> Vec<pb::LookupEntry> {
     c.lookup(pb::LookupRequest {
         digests: ids.iter().map(|i| digest(*i)).collect(),
     })
@@ -831,4 +829,114 @@ fn check_config_rejects_a_bad_file_naming_the_key() {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// With `auth.token_file`, a caller without the token (or with a wrong one) can neither write,
+/// read nor delete; the read-only token reads but cannot write or delete; the engine's token
+/// does everything. A listener beyond loopback without a token does not start.
+#[tokio::test]
+async fn tokens_gate_every_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine_token = "engine-token-0123456789abcdef";
+    let read_token = "reader-token-0123456789abcdef";
+    std::fs::write(dir.path().join("engine.token"), format!("{engine_token}\n")).unwrap();
+    std::fs::write(dir.path().join("read.token"), read_token).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[auth]\ntoken_file = \"{}\"\nread_token_file = \"{}\"\n",
+            dir.path().join("engine.token").display(),
+            dir.path().join("read.token").display()
+        ),
+    )
+    .await;
+    let url = format!("http://127.0.0.1:{}", agent.port);
+    let connect = |token: Option<&'static str>| {
+        let url = url.clone();
+        async move {
+            kvagent::connect_with_token(url, 64 << 20, token)
+                .await
+                .unwrap()
+        }
+    };
+    let mut engine = connect(Some(engine_token)).await;
+    assert_eq!(put(&mut engine, vec![block(1, 1024)]).await.stored, 1);
+
+    for (who, token, read_ok) in [
+        ("no token", None, false),
+        ("a wrong token", Some("not-the-token-0123456789"), false),
+        ("the read-only token", Some(read_token), true),
+    ] {
+        let mut c = connect(token).await;
+        let denied = if read_ok {
+            Code::PermissionDenied
+        } else {
+            Code::Unauthenticated
+        };
+        let e = c
+            .put_blocks(pb::PutBlocksRequest {
+                blocks: vec![block(2, 1024)],
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), denied, "{who}: put");
+        let e = c
+            .delete(pb::DeleteRequest {
+                digests: vec![],
+                all: true,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), denied, "{who}: delete");
+        let got = c
+            .get_blocks(pb::GetBlocksRequest {
+                digests: vec![digest(1)],
+            })
+            .await;
+        let lookup = c
+            .lookup(pb::LookupRequest {
+                digests: vec![digest(1)],
+            })
+            .await;
+        let watch = c.watch_residency(pb::WatchResidencyRequest {}).await;
+        if read_ok {
+            assert!(
+                got.is_ok() && lookup.is_ok() && watch.is_ok(),
+                "{who}: reads"
+            );
+        } else {
+            for (call, r) in [
+                ("get", got.err()),
+                ("lookup", lookup.err()),
+                ("watch", watch.err()),
+            ] {
+                assert_eq!(
+                    r.map(|e| e.code()),
+                    Some(Code::Unauthenticated),
+                    "{who}: {call}"
+                );
+            }
+            let e = c.stats(pb::StatsRequest {}).await.unwrap_err();
+            assert_eq!(e.code(), Code::Unauthenticated, "{who}: stats");
+        }
+    }
+    // Nothing the refused callers sent landed: block 1 is there, block 2 is not.
+    let entries = lookup(&mut engine, &[1, 2]).await;
+    assert_eq!(
+        entries.iter().map(|e| e.tier()).collect::<Vec<_>>(),
+        [Tier::Ram, Tier::None]
+    );
+    assert_eq!(stats(&mut engine).await.ram_blocks, 1);
+
+    // Beyond loopback without a token: refused at start, naming the fix.
+    let cfg = dir.path().join("open.toml");
+    std::fs::write(&cfg, "listen = \"0.0.0.0:0\"\nmetrics_listen = \"\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvagent"))
+        .args(["check-config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("auth.token_file"), "{err}");
 }

@@ -66,6 +66,8 @@ pub struct Line<'a> {
     pub bytes_out: u64,
     /// Client IP address.
     pub client: &'a str,
+    /// Name of the API key used (empty without `[auth]`); never the key.
+    pub key: &'a str,
 }
 
 /// Writes `l` at info level under target `kvmesh::access`.
@@ -86,6 +88,7 @@ pub fn log(l: &Line<'_>) {
         bytes_in = l.bytes_in,
         bytes_out = l.bytes_out,
         client = l.client,
+        key = l.key,
         "request"
     );
 }

@@ -18,10 +18,15 @@ impl Gateway {
 
     /// The OpenAI `/v1/models` list: every model a healthy engine serves, once.
     pub fn models_json(&self) -> Bytes {
+        self.models_json_for(|_| true)
+    }
+
+    /// The `/v1/models` list restricted to the models `allowed` admits (an API key's).
+    pub fn models_json_for(&self, allowed: impl Fn(&str) -> bool) -> Bytes {
         let mut ids: Vec<String> = Vec::new();
         for e in self.fleet.engines().iter().filter(|e| e.healthy()) {
             for m in e.models().iter().flat_map(|m| m.iter()) {
-                if !ids.contains(m) {
+                if allowed(m) && !ids.contains(m) {
                     ids.push(m.clone());
                 }
             }
@@ -58,7 +63,27 @@ impl Gateway {
                 }
             }
             (true, "/metrics") => (200, "text/plain; version=0.0.4", self.metrics_text()),
-            (true, "/v1/models") => (200, "application/json", self.models_json()),
+            (true, "/v1/models") => match self.auth.as_ref() {
+                None => (200, "application/json", self.models_json()),
+                Some(auth) => {
+                    let header = session
+                        .req_header()
+                        .headers
+                        .get(http::header::AUTHORIZATION)
+                        .map(|v| v.as_bytes());
+                    match auth.authenticate(header) {
+                        Ok(p) => (
+                            200,
+                            "application/json",
+                            self.models_json_for(|m| p.allows(m)),
+                        ),
+                        Err(e) => {
+                            ctx.route = "models";
+                            return self.refuse_local(session, ctx, e).await;
+                        }
+                    }
+                }
+            },
             _ => return Ok(false),
         };
         ctx.route = match path {

@@ -58,7 +58,7 @@ impl PeerAdmission {
             // Validated at load time; an error here cannot happen, and an empty list is the
             // strict default anyway.
             networks: cfg.peer_networks().unwrap_or_default(),
-            client: fleet::probe_client(),
+            client: fleet::probe_client(&cfg.upstream),
             timeout: Duration::from_millis(cfg.health.timeout_ms),
             metrics,
             max_entries: cfg.cluster.max_peers.saturating_mul(2),
@@ -147,7 +147,20 @@ impl PeerAdmission {
             .ok_or("network")?;
         // A kvmesh peer answers /health; an engine (gateway mode) answers /v1/models.
         let path = if via_peer { "/health" } else { "/v1/models" };
-        let uri: http::Uri = format!("http://{addr}{path}").parse().map_err(|_| "url")?;
+        // Plain HTTP goes to the checked address itself. HTTPS must name the URL's host, whose
+        // certificate it verifies (the data path then connects to the checked address with that
+        // name as SNI, so a host that resolves elsewhere later gains nothing).
+        let target = if crate::config::url_is_tls(url) {
+            let host = if host.contains(':') {
+                format!("[{host}]")
+            } else {
+                host
+            };
+            format!("https://{host}:{port}{path}")
+        } else {
+            format!("http://{addr}{path}")
+        };
+        let uri: http::Uri = target.parse().map_err(|_| "url")?;
         let resp = tokio::time::timeout(self.timeout, self.client.get(uri))
             .await
             .map_err(|_| "probe")?
@@ -367,7 +380,7 @@ impl BackgroundService for ClusterService {
             }
         };
         tracing::info!(node = %cluster.node_id(), "joined the cluster");
-        let client = fleet::probe_client();
+        let client = fleet::probe_client(&self.cfg.upstream);
         let interval = Duration::from_millis(self.cfg.cluster.gossip_interval_ms);
         let epoch_every = Duration::from_millis(self.cfg.health.interval_ms);
         let mut tick = tokio::time::interval(interval);

@@ -8,6 +8,10 @@ use std::time::Duration;
 use kvmesh_filters::route::{Policy, PrefixParams};
 use serde::{Deserialize, Serialize};
 
+pub mod security;
+
+pub use security::{AdmissionConfig, ApiKeyConfig, AuthConfig, TlsConfig};
+
 /// Errors loading or validating a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -86,6 +90,12 @@ pub struct ProxyConfig {
     pub sidecar: SidecarConfig,
     /// Picker-mode listeners and knobs.
     pub picker: PickerConfig,
+    /// TLS on the listener (off unless `tls.cert_file` is set).
+    pub tls: TlsConfig,
+    /// API keys (off unless keys or a key file are configured).
+    pub auth: AuthConfig,
+    /// Per-model caps on requests in flight.
+    pub admission: AdmissionConfig,
 }
 
 /// The most fallbacks the picker lists (`picker.fallbacks`).
@@ -153,6 +163,10 @@ pub enum HopTrust {
     Loopback,
     /// Loopback, and the IP addresses of live gossip members.
     Members,
+    /// Only clients that presented, over TLS, a certificate signed by `tls.client_ca_file`
+    /// whose identity matches `sidecar.peer_identity` (mTLS between kvmesh nodes); loopback is
+    /// not trusted on its own.
+    ClusterCert,
 }
 
 /// The `[cluster]` table: membership and residency gossip (chitchat over UDP).
@@ -236,8 +250,12 @@ pub struct SidecarConfig {
     /// (weighted prompt bytes: `uncached_weight` x uncached bytes + queued prefill + decode
     /// pressure) against serving locally.
     pub forward_min_saving: u64,
-    /// Who may send `x-kvmesh-hop`: `loopback` or `members`. Others get 403.
+    /// Who may send `x-kvmesh-hop`: `loopback`, `members` or `cluster_cert`. Others get 403.
     pub accept_hop_from: HopTrust,
+    /// With `accept_hop_from = "cluster_cert"`: the identity a peer's certificate must carry,
+    /// either a URI SAN prefix (`spiffe://kvmesh.local/`: any URI SAN starting with it) or a
+    /// DNS name pattern (`*.kvmesh.svc`: one leading label wildcard; else an exact name).
+    pub peer_identity: String,
     /// Seconds a peer that refused a connection is skipped, whatever gossip says.
     pub peer_down_secs: u64,
     /// Where a request goes when no node holds any of its prefix: `local` (this engine) or
@@ -263,6 +281,7 @@ impl Default for SidecarConfig {
         SidecarConfig {
             forward_min_saving: 4096,
             accept_hop_from: HopTrust::Loopback,
+            peer_identity: String::new(),
             peer_down_secs: 5,
             cold_placement: ColdPlacement::Local,
         }
@@ -291,6 +310,9 @@ impl Default for ProxyConfig {
             cluster: ClusterToml::default(),
             sidecar: SidecarConfig::default(),
             picker: PickerConfig::default(),
+            tls: TlsConfig::default(),
+            auth: AuthConfig::default(),
+            admission: AdmissionConfig::default(),
         }
     }
 }
@@ -392,6 +414,14 @@ pub struct UpstreamConfig {
     pub read_timeout_secs: u64,
     /// Most engines tried for one request (failover happens only before the first response byte).
     pub max_attempts: u32,
+    /// PEM CA bundle that `https://` engines and peers are verified against. Empty: the system's
+    /// roots (`SSL_CERT_FILE` / `SSL_CERT_DIR` respected).
+    pub ca_file: String,
+    /// PEM client certificate chain presented to `https://` engines and peers (mTLS between
+    /// kvmesh nodes: a certificate of the cluster CA). Empty: none.
+    pub client_cert_file: String,
+    /// PEM private key of `client_cert_file`.
+    pub client_key_file: String,
 }
 
 impl Default for UpstreamConfig {
@@ -400,6 +430,9 @@ impl Default for UpstreamConfig {
             connect_timeout_ms: 1000,
             read_timeout_secs: 600,
             max_attempts: 3,
+            ca_file: String::new(),
+            client_cert_file: String::new(),
+            client_key_file: String::new(),
         }
     }
 }
@@ -622,10 +655,67 @@ impl ProxyConfig {
             }
             self.peer_networks()?;
         }
+        self.validate_security()?;
         if tracing_subscriber::EnvFilter::try_new(&self.log).is_err() {
             return bad(format!("`log` = {:?} is not a valid log filter", self.log));
         }
         Ok(())
+    }
+
+    /// The `[tls]`, `[auth]`, `[admission]` and upstream TLS checks (files are read: a key file
+    /// that does not parse, or a missing certificate, is reported here, not at the first
+    /// request).
+    fn validate_security(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let t = &self.tls;
+        if t.enabled() == t.key_file.is_empty() {
+            return bad(
+                "`tls.cert_file` and `tls.key_file` go together: set both or neither".into(),
+            );
+        }
+        if !t.client_ca_file.is_empty() && !t.enabled() {
+            return bad("`tls.client_ca_file` needs `tls.cert_file` and `tls.key_file`".into());
+        }
+        if t.require_client_cert && t.client_ca_file.is_empty() {
+            return bad("`tls.require_client_cert` needs `tls.client_ca_file`".into());
+        }
+        if t.reload_interval_secs == 0 || self.auth.reload_interval_secs == 0 {
+            return bad(
+                "`tls.reload_interval_secs` and `auth.reload_interval_secs` must be > 0".into(),
+            );
+        }
+        if t.enabled() {
+            crate::tls::ListenerFiles::from_config(t)
+                .load()
+                .map_err(|e| ConfigError::Invalid(format!("`[tls]`: {e}")))?;
+        }
+        let u = &self.upstream;
+        if u.client_cert_file.is_empty() != u.client_key_file.is_empty() {
+            return bad(
+                "`upstream.client_cert_file` and `upstream.client_key_file` go together".into(),
+            );
+        }
+        crate::tls::UpstreamTls::from_config(u)
+            .map_err(|e| ConfigError::Invalid(format!("`[upstream]` TLS: {e}")))?;
+        if self.sidecar.accept_hop_from == HopTrust::ClusterCert {
+            if t.client_ca_file.is_empty() {
+                return bad("`sidecar.accept_hop_from = \"cluster_cert\"` needs `tls.client_ca_file` (the cluster CA)".into());
+            }
+            crate::tls::PeerIdentity::parse(&self.sidecar.peer_identity)
+                .map_err(|e| ConfigError::Invalid(format!("`sidecar.peer_identity`: {e}")))?;
+        }
+        if self.auth.enabled() {
+            if self.mode == Mode::Picker {
+                return bad(
+                    "`[auth]` API keys are not supported in `mode = \"picker\"` yet: \
+                     authenticate in Envoy (ext_authz) in front of the picker"
+                        .into(),
+                );
+            }
+            crate::auth::load_keys(&self.auth)
+                .map_err(|e| ConfigError::Invalid(format!("`[auth]`: {e}")))?;
+        }
+        self.admission.check().map_err(ConfigError::Invalid)
     }
 
     /// The engines with resolved addresses (call after [`Self::validate`]).
@@ -760,10 +850,11 @@ impl ProxyConfig {
         }
     }
 
-    /// The URL peers forward to.
+    /// The URL peers forward to (`https://` when the listener speaks TLS).
     pub fn proxy_url(&self) -> String {
         if self.cluster.proxy_url.is_empty() {
-            format!("http://{}", self.listen)
+            let scheme = if self.tls.enabled() { "https" } else { "http" };
+            format!("{scheme}://{}", self.listen)
         } else {
             self.cluster.proxy_url.clone()
         }
@@ -790,21 +881,17 @@ pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
 }
 
-/// Checks an engine or peer URL (`http://host[:port]`, no path) without resolving it: host
-/// and port.
+/// Checks an engine or peer URL (`http://host[:port]` or `https://host[:port]`, no path)
+/// without resolving it: host and port.
 pub fn engine_url_host(url: &str) -> Result<(String, u16), String> {
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(format!(
-                "url {url:?}: https to engines is not supported yet; use http"
-            ))
-        }
-        _ => return Err(format!("url {url:?} must start with http://")),
-    }
+    let default_port = match uri.scheme_str() {
+        Some("http") => 80,
+        Some("https") => 443,
+        _ => return Err(format!("url {url:?} must start with http:// or https://")),
+    };
     if !matches!(uri.path(), "" | "/") {
         return Err(format!(
             "url {url:?} must not have a path; kvmesh appends the OpenAI paths itself"
@@ -813,9 +900,15 @@ pub fn engine_url_host(url: &str) -> Result<(String, u16), String> {
     let host = uri
         .host()
         .ok_or_else(|| format!("url {url:?} has no host"))?;
-    let port = uri.port_u16().unwrap_or(80);
+    let port = uri.port_u16().unwrap_or(default_port);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     Ok((host.to_string(), port))
+}
+
+/// Whether an engine or peer URL is `https://`.
+pub fn url_is_tls(url: &str) -> bool {
+    url.get(..8)
+        .is_some_and(|s| s.eq_ignore_ascii_case("https://"))
 }
 
 #[cfg(test)]

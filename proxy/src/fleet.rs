@@ -434,12 +434,34 @@ async fn fetch_models(client: &ProbeClient, url: &str) -> Option<Vec<String>> {
     Some(parse_model_list(&body))
 }
 
-/// The HTTP client used for probes and model lists.
-pub type ProbeClient = Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>;
+/// The HTTP client used for probes and model lists (`http://` and `https://`).
+pub type ProbeClient = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Empty<Bytes>,
+>;
 
-/// A client for probes.
-pub fn probe_client() -> ProbeClient {
-    Client::builder(TokioExecutor::new()).build_http()
+/// A client for probes, verifying `https://` engines and peers with `[upstream]`'s CA bundle
+/// and presenting its client certificate. Should those files have become unusable since the
+/// configuration was checked, the error is logged and `https://` probes fail (no roots).
+pub fn probe_client(upstream: &crate::config::UpstreamConfig) -> ProbeClient {
+    let tls = crate::tls::UpstreamTls::from_config(upstream)
+        .and_then(|t| t.client_config())
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "upstream TLS files unusable: https:// probes will fail");
+            rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("ring supports rustls' default protocol versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth()
+        });
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Client::builder(TokioExecutor::new()).build(connector)
 }
 
 /// `{"data":[{"id":..},..]}` -> ids; anything else -> empty.

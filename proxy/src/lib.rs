@@ -5,14 +5,19 @@
 
 pub mod access;
 pub mod admin;
+pub mod admission;
+pub mod auth;
 pub mod body;
 pub mod cluster;
 pub mod config;
 pub mod feedback;
 pub mod fleet;
+pub mod guard;
 pub mod metrics;
 pub mod picker;
 pub mod placement;
 pub mod plan;
+pub mod reload;
 pub mod service;
+pub mod tls;
 pub mod trust;

@@ -13,11 +13,13 @@ use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::cluster;
-use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig};
+use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig, UpstreamConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
+use kvmesh_proxy::reload::Reloader;
 use kvmesh_proxy::service::Gateway;
+use kvmesh_proxy::tls::ListenerTls;
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here
@@ -48,10 +50,13 @@ enum Command {
     },
     /// Print a fresh random gossip key (base64 of 32 bytes) for `cluster.gossip_keys`.
     GossipKeygen,
+    /// Read an API key from stdin (one line) and print its SHA-256 for `[[auth.keys]]` `sha256`.
+    HashKey,
 }
 
 /// Periodic work beside the request path: engine health probes and residency TTL sweeps.
 struct Housekeeping {
+    upstream: UpstreamConfig,
     fleet: Arc<Fleet>,
     index: Arc<ResidencyIndex>,
     interval: Duration,
@@ -62,7 +67,7 @@ struct Housekeeping {
 impl BackgroundService for Housekeeping {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let health: Arc<dyn HealthCheck> = Arc::new(ModelsProbe {
-            client: fleet::probe_client(),
+            client: fleet::probe_client(&self.upstream),
             timeout: self.timeout,
         });
         let mut tick = tokio::time::interval(self.interval);
@@ -80,6 +85,16 @@ impl BackgroundService for Housekeeping {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Command::HashKey) = cli.command {
+        let mut line = String::new();
+        std::io::stdin()
+            .read_line(&mut line)
+            .context("reading the key from stdin")?;
+        let key = line.trim_end_matches(['\r', '\n']);
+        anyhow::ensure!(!key.is_empty(), "no key on stdin");
+        println!("{}", kvmesh_proxy::auth::hash_key(key));
+        return Ok(());
+    }
     if let Some(Command::GossipKeygen) = cli.command {
         println!("{}", kvmesh_cluster::Keyring::generate_base64());
         return Ok(());
@@ -137,34 +152,51 @@ fn main() -> anyhow::Result<()> {
         },
         grace_period_seconds: Some(cfg.shutdown.grace_period_secs),
         graceful_shutdown_timeout_seconds: Some(cfg.shutdown.drain_timeout_secs),
+        // The CA bundle of Pingora's TLS connector (`https://` engines and peers).
+        ca_file: (!cfg.upstream.ca_file.is_empty()).then(|| cfg.upstream.ca_file.clone()),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
     let housekeeping = Housekeeping {
+        upstream: cfg.upstream.clone(),
         fleet: fleet.clone(),
         index: index.clone(),
         interval: Duration::from_millis(cfg.health.interval_ms),
         timeout: Duration::from_millis(cfg.health.timeout_ms),
     };
     let listen = cfg.listen.clone();
+    let listener_tls_on = cfg.tls.enabled();
     let gossip = cfg.cluster.enabled.then(|| cluster::ClusterService {
         cfg: cfg.clone(),
         fleet: fleet.clone(),
         index: index.clone(),
         metrics: metrics.clone(),
     });
-    let gateway = Gateway::new(cfg, fleet, index, metrics);
+    warn_if_open(&cfg);
+    let listener_tls = if cfg.tls.enabled() {
+        Some(ListenerTls::new(&cfg.tls).context("`[tls]`")?)
+    } else {
+        None
+    };
+    let gateway = Gateway::new(cfg, fleet, index, metrics)?;
+    let reloader = Reloader::new(&gateway.cfg, listener_tls.clone(), gateway.auth.clone());
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
-    proxy.add_tcp(&listen);
+    match listener_tls {
+        Some(tls) => proxy.add_tls_with_settings(&listen, None, tls.settings()?),
+        None => proxy.add_tcp(&listen),
+    }
     server.add_service(proxy);
     server.add_service(background_service("housekeeping", housekeeping));
+    if let Some(r) = reloader {
+        server.add_service(background_service("reload", r));
+    }
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }
     // The address was bindable a moment ago (probe_listen); Pingora binds it as it starts.
-    tracing::info!(%listen, "kvmesh-proxy listening");
+    tracing::info!(%listen, tls = listener_tls_on, "kvmesh-proxy listening");
     server.run_forever()
 }
 
@@ -190,6 +222,7 @@ fn run_picker(
         let listeners = picker::Listeners::bind(&cfg.picker).await?;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
         let housekeeping = Housekeeping {
+            upstream: cfg.upstream.clone(),
             fleet: fleet.clone(),
             index: index.clone(),
             interval: Duration::from_millis(cfg.health.interval_ms),
@@ -215,7 +248,7 @@ fn run_picker(
                 .grace_period_secs
                 .saturating_add(cfg.shutdown.drain_timeout_secs),
         );
-        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics));
+        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics)?);
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("shutting down");
@@ -235,6 +268,21 @@ fn run_picker(
         }
         Ok(())
     })
+}
+
+/// A listener reachable beyond this host without API keys or TLS is allowed (examples and
+/// trusted networks use it) but said at start.
+fn warn_if_open(cfg: &ProxyConfig) {
+    let public = cfg
+        .listen
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| !a.ip().is_loopback());
+    if public && !cfg.auth.enabled() {
+        tracing::warn!(listen = %cfg.listen, "listening beyond loopback without API keys: anyone who reaches this address may use the engines (see docs/security.md, `[auth]`)");
+    }
+    if public && !cfg.tls.enabled() {
+        tracing::warn!(listen = %cfg.listen, "listening beyond loopback without TLS: prompts and answers cross the network in clear (see docs/security.md, `[tls]`)");
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -301,3 +301,20 @@ impl Metrics {
         out
     }
 }
+
+/// Label values known in advance: their series are created at zero, so that alerts see `0`
+/// rather than no data.
+pub mod labels {
+    /// `reason` of `kvmesh_admission_rejections_total`.
+    pub const REFUSALS: [&str; 9] = [
+        "max_inflight",
+        "body_budget",
+        "body_timeout",
+        "untrusted_hop",
+        "unauthenticated",
+        "key_inflight",
+        "model_forbidden",
+        "model_queue_full",
+        "model_queue_timeout",
+    ];
+}

@@ -214,7 +214,7 @@ mod tests {
             e.mark_up();
         }
         let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
-        Gateway::new(cfg, fleet, index, Arc::new(Metrics::new().unwrap()))
+        Gateway::new(cfg, fleet, index, Arc::new(Metrics::new().unwrap())).unwrap()
     }
 
     /// Facts for a long shared prompt to `model`.

@@ -44,12 +44,16 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error, ErrorSource, ErrorType};
 
+use crate::admission::{ModelGates, ModelSlot};
+use crate::auth::{Auth, KeySlot, Principal};
 use crate::body::{linger, Admitted, BodyPermit, Limits, Tail};
-use crate::config::ProxyConfig;
+use crate::config::{ConfigError, HopTrust, ProxyConfig};
 use crate::feedback::UsageScan;
 use crate::fleet::{Dispatch, Engine, Fleet};
+use crate::metrics::labels as metrics_labels;
 use crate::metrics::Metrics;
 use crate::plan::Plan;
+use crate::tls::{PeerIdentity, UpstreamTls};
 use crate::trust::HOP_HEADER;
 
 /// The gateway: shared, immutable-after-start state of the proxy.
@@ -66,24 +70,52 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Hard caps on requests in flight and body bytes held.
     pub limits: Arc<Limits>,
+    /// API keys in force (`[auth]`), if any.
+    pub auth: Option<Arc<Auth>>,
+    /// Per-model caps (`[admission]`).
+    pub model_gates: ModelGates,
+    /// TLS towards `https://` engines and peers.
+    pub upstream_tls: UpstreamTls,
+    /// The identity peers' certificates must carry (`accept_hop_from = "cluster_cert"`).
+    pub peer_identity: Option<PeerIdentity>,
 }
 
 impl Gateway {
-    /// A gateway over `fleet` and `index` with `cfg`'s policy and limits.
+    /// A gateway over `fleet` and `index` with `cfg`'s policy, limits, keys and TLS files (read
+    /// now: an error names the file or key that cannot be used).
     pub fn new(
         cfg: ProxyConfig,
         fleet: Arc<Fleet>,
         index: Arc<ResidencyIndex>,
         metrics: Arc<Metrics>,
-    ) -> Self {
-        Gateway {
+    ) -> std::result::Result<Self, ConfigError> {
+        let invalid =
+            |what: &str, e: &dyn std::fmt::Display| ConfigError::Invalid(format!("{what}: {e}"));
+        let auth = Auth::new(&cfg.auth).map_err(|e| invalid("`[auth]`", &e))?;
+        let upstream_tls =
+            UpstreamTls::from_config(&cfg.upstream).map_err(|e| invalid("`[upstream]` TLS", &e))?;
+        let peer_identity = match cfg.sidecar.accept_hop_from {
+            HopTrust::ClusterCert => Some(
+                PeerIdentity::parse(&cfg.sidecar.peer_identity)
+                    .map_err(|e| invalid("`sidecar.peer_identity`", &e))?,
+            ),
+            _ => None,
+        };
+        for m in &metrics_labels::REFUSALS {
+            metrics.admission_rejections.with_label_values(&[m]);
+        }
+        Ok(Gateway {
             router: Router::new(cfg.policy, cfg.routing.prefix_params()),
             limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
+            model_gates: ModelGates::new(cfg.admission.clone()),
+            auth,
+            upstream_tls,
+            peer_identity,
             cfg,
             fleet,
             index,
             metrics,
-        }
+        })
     }
 }
 
@@ -93,6 +125,11 @@ pub struct Ctx {
     pub(crate) route: &'static str,
     /// The admission slot, held from admission to `logging`.
     admitted: Option<Admitted>,
+    /// The caller's key (`[auth]`), and its in-flight slot.
+    pub(crate) principal: Option<Arc<Principal>>,
+    pub(crate) key_slot: Option<KeySlot>,
+    /// The model's admission slot (`[admission]`), held to `logging`.
+    pub(crate) model_slot: Option<ModelSlot>,
     body: Option<Bytes>,
     /// The body's reservation, released with the body.
     pub(crate) body_permit: Option<BodyPermit>,
@@ -154,6 +191,9 @@ impl Ctx {
             started: Instant::now(),
             route: "other",
             admitted: None,
+            principal: None,
+            key_slot: None,
+            model_slot: None,
             body: None,
             body_permit: None,
             awaiting_continue: false,
@@ -200,12 +240,33 @@ pub(crate) async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
+impl Gateway {
+    /// Answers a local endpoint's refusal (counted under `unauthenticated` when it is a 401).
+    pub(crate) async fn refuse_local(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        e: ApiError,
+    ) -> Result<bool> {
+        if e.kind == ErrorKind::Unauthorized {
+            self.metrics
+                .admission_rejections
+                .with_label_values(&["unauthenticated"])
+                .inc();
+        }
+        respond_error(session, ctx, e).await
+    }
+}
+
 async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Result<bool> {
     ctx.status = e.status();
     let request_id = ctx.request_id.clone();
     let mut extra: Vec<(&str, &str)> = vec![(crate::access::REQUEST_ID, &request_id)];
     if matches!(e.kind, ErrorKind::Overloaded | ErrorKind::NoEngine) {
         extra.push(("retry-after", "1"));
+    }
+    if e.kind == ErrorKind::Unauthorized {
+        extra.push(("www-authenticate", "Bearer"));
     }
     // The body may be unread: do not reuse this connection.
     session.set_keepalive(None);
@@ -226,6 +287,7 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
             | ErrorKind::NotFound
             | ErrorKind::MethodNotAllowed
             | ErrorKind::Forbidden
+            | ErrorKind::Unauthorized
     );
     ctx.error = Some(e);
     ctx.body = None;
@@ -305,6 +367,9 @@ impl ProxyHttp for Gateway {
             }
             ctx.local_only = true;
         }
+        if let Err(e) = self.authenticate(session, ctx) {
+            return respond_error(session, ctx, e).await;
+        }
         match self.admit() {
             Ok(a) => ctx.admitted = Some(a),
             Err(e) => return respond_error(session, ctx, e).await,
@@ -313,14 +378,21 @@ impl ProxyHttp for Gateway {
             Ok(b) => b,
             Err(e) => return respond_error(session, ctx, e).await,
         };
-        let parsed = match self.parse(endpoint, &body) {
+        let mut parsed = match self.parse(endpoint, &body) {
             Ok(p) => p,
             Err(e) => return respond_error(session, ctx, e).await,
         };
         ctx.access.bytes_in = body.len();
+        let body = match self.apply_tenant(ctx, &mut parsed, body) {
+            Ok(b) => b,
+            Err(e) => return respond_error(session, ctx, e).await,
+        };
         ctx.body = Some(body);
         ctx.plan = Some(self.plan(session, parsed, ctx.local_only));
         if let Err(e) = self.decide(ctx) {
+            return respond_error(session, ctx, e).await;
+        }
+        if let Err(e) = self.enter_model(ctx).await {
             return respond_error(session, ctx, e).await;
         }
         Ok(false)
@@ -393,7 +465,17 @@ impl ProxyHttp for Gateway {
         }
         self.index
             .record(engine.id, chain, Source::Optimistic, Instant::now());
-        let mut peer = HttpPeer::new(engine.addr, false, String::new());
+        let mut peer = if crate::config::url_is_tls(&engine.url) {
+            // SNI and the name verified: the URL's host (checked when the engine was added).
+            let host = crate::config::engine_url_host(&engine.url)
+                .map(|(h, _)| h)
+                .unwrap_or_default();
+            let mut p = HttpPeer::new(engine.addr, true, host);
+            p.client_cert_key = self.upstream_tls.client.clone();
+            p
+        } else {
+            HttpPeer::new(engine.addr, false, String::new())
+        };
         peer.options.connection_timeout =
             Some(Duration::from_millis(self.cfg.upstream.connect_timeout_ms));
         peer.options.read_timeout = Some(Duration::from_secs(self.cfg.upstream.read_timeout_secs));
@@ -663,6 +745,7 @@ impl ProxyHttp for Gateway {
             bytes_in: a.bytes_in,
             bytes_out: a.bytes_out,
             client: &a.client,
+            key: ctx.principal.as_ref().map_or("", |p| p.name.as_str()),
         });
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
@@ -670,5 +753,7 @@ impl ProxyHttp for Gateway {
         ctx.body = None;
         ctx.body_permit = None;
         ctx.admitted = None;
+        ctx.model_slot = None;
+        ctx.key_slot = None;
     }
 }

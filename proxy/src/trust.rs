@@ -1,11 +1,13 @@
 //! Hop trust: a request carrying the hop header (forwarded by a peer proxy, to be served
 //! locally) is accepted only from loopback or, with `sidecar.accept_hop_from = "members"`, from
-//! live peers.
+//! live peers, or with `"cluster_cert"` only over TLS from a client whose certificate (verified
+//! against `tls.client_ca_file`) carries `sidecar.peer_identity`.
 
 use pingora::proxy::Session;
 
 use crate::config::HopTrust;
 use crate::service::Gateway;
+use crate::tls::PeerCert;
 
 /// A request forwarded by a peer proxy carries this header and is served locally.
 pub const HOP_HEADER: &str = "x-kvmesh-hop";
@@ -13,6 +15,16 @@ pub const HOP_HEADER: &str = "x-kvmesh-hop";
 impl Gateway {
     /// Whether a request carrying the hop header comes from a trusted peer.
     pub(crate) fn hop_trusted(&self, session: &Session) -> bool {
+        if self.cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
+            let cert = session
+                .digest()
+                .and_then(|d| d.ssl_digest.as_ref())
+                .and_then(|s| s.extension.get::<PeerCert>());
+            return match (cert, self.peer_identity.as_ref()) {
+                (Some(cert), Some(id)) => id.matches(cert),
+                _ => false,
+            };
+        }
         let Some(ip) = session
             .client_addr()
             .and_then(|a| a.as_inet())

@@ -570,6 +570,7 @@ impl Exchange {
             bytes_in: self.bytes_in,
             bytes_out: self.bytes_out,
             client: "",
+            key: "",
         });
     }
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod extproc;
+pub mod pki;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -125,14 +126,29 @@ impl Proxy {
     }
 
     pub fn start_with(toml: &str, port: u16, wait_ready: bool) -> Proxy {
+        Proxy::start_logged(toml, port, wait_ready, None)
+    }
+
+    /// [`Proxy::start_with`], its log (stderr) written to `log` when given. With `wait_ready`
+    /// false it waits for the port only (a TLS listener's `/ready` needs a TLS client).
+    pub fn start_logged(
+        toml: &str,
+        port: u16,
+        wait_ready: bool,
+        log: Option<&std::path::Path>,
+    ) -> Proxy {
         let config =
             std::env::temp_dir().join(format!("kvmesh-test-{}-{port}.toml", std::process::id()));
         std::fs::write(&config, toml).unwrap();
+        let stderr = match log {
+            Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
+            None => Stdio::inherit(),
+        };
         let child = Command::new(bin("kvmesh-proxy"))
             .arg("--config")
             .arg(&config)
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("spawn proxy");
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
