@@ -15,5 +15,6 @@ pub mod kvagent;
 pub mod load;
 pub mod procs;
 pub mod sim;
+pub mod tls;
 pub mod trace;
 pub mod workload;

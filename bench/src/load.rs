@@ -10,13 +10,28 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use kvmesh_filters::usage::{self, SseUsageScanner};
 
-/// The HTTP client the load generator uses (keep-alive pool, HTTP/1.1).
-pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+/// The HTTP client the load generator uses (keep-alive pool, HTTP/1.1; `https://` URLs too).
+pub type HttpClient = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
 
-/// A client with Nagle off and a pool large enough for `concurrency`.
+/// A client with Nagle off and a pool large enough for `concurrency` (`https://` trusts no
+/// one: see [`client_with_tls`]).
 pub fn client(concurrency: usize) -> HttpClient {
+    client_with_tls(concurrency, crate::tls::no_roots())
+}
+
+/// [`client`], verifying `https://` servers with `tls`.
+pub fn client_with_tls(concurrency: usize, tls: rustls::ClientConfig) -> HttpClient {
     let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
     conn.set_nodelay(true);
+    conn.enforce_http(false);
+    let conn = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(conn);
     Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(concurrency.max(1))
         .pool_idle_timeout(Duration::from_secs(30))

@@ -164,10 +164,28 @@ pub async fn kvmesh(
     threads: usize,
     health_ms: u64,
 ) -> anyhow::Result<Proc> {
+    kvmesh_with(policy, engines, threads, health_ms, None).await
+}
+
+/// [`kvmesh`] with TLS on its listener (`pki`'s certificate) when given.
+pub async fn kvmesh_with(
+    policy: &str,
+    engines: &[SocketAddr],
+    threads: usize,
+    health_ms: u64,
+    pki: Option<&crate::tls::BenchPki>,
+) -> anyhow::Result<Proc> {
     let port = free_port()?;
     let mut toml = format!(
         "listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\nthreads = {threads}\n[health]\ninterval_ms = {health_ms}\n"
     );
+    if let Some(p) = pki {
+        toml.push_str(&format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            p.cert_file.display(),
+            p.key_file.display()
+        ));
+    }
     for (i, e) in engines.iter().enumerate() {
         toml.push_str(&format!(
             "[[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
@@ -176,15 +194,27 @@ pub async fn kvmesh(
     let path =
         std::env::temp_dir().join(format!("kvmesh-bench-{}-{port}.toml", std::process::id()));
     let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
-    wait_ready(p.addr).await?;
+    match pki {
+        None => wait_ready(p.addr).await?,
+        Some(pki) => wait_ready_over(p.addr, "https", pki.client_config()?).await?,
+    }
     let _ = std::fs::remove_file(path);
     Ok(p)
 }
 
 /// Waits up to 20 s for `GET /ready` on `addr` to succeed.
 async fn wait_ready(addr: SocketAddr) -> anyhow::Result<()> {
-    let client = crate::load::client(1);
-    let ready_uri: http::Uri = format!("http://{addr}/ready").parse()?;
+    wait_ready_over(addr, "http", crate::tls::no_roots()).await
+}
+
+/// [`wait_ready`] with `scheme` (`http` or `https`, verified with `tls`).
+async fn wait_ready_over(
+    addr: SocketAddr,
+    scheme: &str,
+    tls: rustls::ClientConfig,
+) -> anyhow::Result<()> {
+    let client = crate::load::client_with_tls(1, tls);
+    let ready_uri: http::Uri = format!("{scheme}://{addr}/ready").parse()?;
     let what = format!("kvmesh-proxy did not become ready on {addr}");
     wait_until(
         &what,
@@ -316,6 +346,14 @@ pub async fn pingora_passthrough(upstream: SocketAddr, threads: usize) -> anyhow
 /// Starts nginx (from PATH; `apt-get install nginx`) as a keep-alive reverse proxy in front of
 /// `upstreams`, round robin, one worker, no buffering: the plain L7 baseline.
 pub async fn nginx(upstreams: &[SocketAddr]) -> anyhow::Result<Proc> {
+    nginx_with(upstreams, None).await
+}
+
+/// [`nginx`], terminating TLS with `pki`'s certificate when given.
+pub async fn nginx_with(
+    upstreams: &[SocketAddr],
+    pki: Option<&crate::tls::BenchPki>,
+) -> anyhow::Result<Proc> {
     let bin = ["nginx", "/usr/sbin/nginx"]
         .into_iter()
         .find(|b| {
@@ -331,12 +369,20 @@ pub async fn nginx(upstreams: &[SocketAddr]) -> anyhow::Result<Proc> {
     let dir = std::env::temp_dir().join(format!("kvmesh-nginx-{}-{port}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let servers: String = upstreams.iter().map(|u| format!("server {u}; ")).collect();
+    let listen = match pki {
+        None => format!("listen {addr};"),
+        Some(p) => format!(
+            "listen {addr} ssl; ssl_certificate {}; ssl_certificate_key {}; ssl_protocols TLSv1.2 TLSv1.3;",
+            p.cert_file.display(),
+            p.key_file.display()
+        ),
+    };
     let conf = format!(
         "worker_processes 1; pid {d}/nginx.pid; error_log {d}/error.log warn; daemon off;\n\
          events {{ worker_connections 4096; }}\n\
          http {{ access_log off; client_body_temp_path {d}; proxy_temp_path {d};\n\
            upstream engines {{ {servers} keepalive 256; }}\n\
-           server {{ listen {addr}; client_max_body_size 64m;\n\
+           server {{ {listen} client_max_body_size 64m;\n\
              location / {{ proxy_pass http://engines; proxy_http_version 1.1; proxy_set_header Connection \"\";\n\
                proxy_buffering off; proxy_request_buffering off; }} }} }}\n",
         d = dir.display()

@@ -50,6 +50,27 @@ struct Gate {
     waiting: AtomicU64,
 }
 
+/// One request in a model's queue; leaves it on drop.
+struct Waiting<'a>(&'a AtomicU64);
+
+impl<'a> Waiting<'a> {
+    /// Joins a queue holding fewer than `depth`.
+    fn enter(count: &'a AtomicU64, depth: u64) -> Option<Self> {
+        count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < depth).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Waiting(count))
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A request's slot of its model; released on drop.
 #[derive(Debug)]
 pub struct ModelSlot(#[allow(dead_code)] OwnedSemaphorePermit);
@@ -112,16 +133,14 @@ impl ModelGates {
                 waited: false,
             });
         }
-        if gate.waiting.fetch_add(1, Ordering::AcqRel) >= self.cfg.queue_depth {
-            gate.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(Refusal::QueueFull);
-        }
+        // Counted while waiting, also when the wait is abandoned (the request's task dropped).
+        let _waiting =
+            Waiting::enter(&gate.waiting, self.cfg.queue_depth).ok_or(Refusal::QueueFull)?;
         let waited = tokio::time::timeout(
             Duration::from_millis(self.cfg.queue_timeout_ms),
             gate.slots.clone().acquire_owned(),
         )
         .await;
-        gate.waiting.fetch_sub(1, Ordering::AcqRel);
         match waited {
             Ok(Ok(p)) => Ok(Entered {
                 slot: Some(ModelSlot(p)),
@@ -163,6 +182,15 @@ mod tests {
         }
         assert_eq!(gates.enter("m").await.unwrap_err(), Refusal::QueueFull);
         assert_eq!(waiter.await.unwrap().unwrap_err(), Refusal::QueueTimeout);
+        // An abandoned wait leaves the queue.
+        let g = gates.clone();
+        let abandoned = tokio::spawn(async move { g.enter("m").await.map(|_| ()) });
+        while gates.waiting("m") == 0 {
+            tokio::task::yield_now().await;
+        }
+        abandoned.abort();
+        let _ = abandoned.await;
+        assert_eq!(gates.waiting("m"), 0);
         // A waiter gets the slot when it frees.
         let g = gates.clone();
         let waiter =

@@ -111,7 +111,8 @@ pub struct Auth {
     keys: ArcSwap<Keyring>,
     /// In-flight counters by key name: a reload keeps them.
     counters: parking_lot::Mutex<HashMap<String, Arc<AtomicU64>>>,
-    key_file_stamp: parking_lot::Mutex<Option<(u64, std::time::SystemTime)>>,
+    /// The key file's contents as loaded: a reload happens when they change.
+    key_file_seen: parking_lot::Mutex<Option<blake3::Hash>>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -120,11 +121,6 @@ impl std::fmt::Debug for Auth {
             .field("keys", &self.keys.load().len())
             .finish()
     }
-}
-
-fn file_stamp(path: &str) -> Option<(u64, std::time::SystemTime)> {
-    let m = std::fs::metadata(path).ok()?;
-    Some((m.len(), m.modified().ok()?))
 }
 
 impl Auth {
@@ -137,7 +133,7 @@ impl Auth {
             cfg: cfg.clone(),
             keys: ArcSwap::from_pointee(HashMap::new()),
             counters: parking_lot::Mutex::new(HashMap::new()),
-            key_file_stamp: parking_lot::Mutex::new(None),
+            key_file_seen: parking_lot::Mutex::new(None),
         };
         auth.reload(true)?;
         Ok(Some(Arc::new(auth)))
@@ -156,12 +152,9 @@ impl Auth {
     /// Re-reads the keys when `auth.key_file` changed (or always, with `force`): `Ok(true)`
     /// when new keys are in force; an error (old keys kept) when the file does not load.
     pub fn reload(&self, force: bool) -> Result<bool, String> {
-        let stamp = if self.cfg.key_file.is_empty() {
-            None
-        } else {
-            file_stamp(&self.cfg.key_file)
-        };
-        if !force && *self.key_file_stamp.lock() == stamp {
+        let seen =
+            (!self.cfg.key_file.is_empty()).then(|| crate::tls::fingerprint(&[&self.cfg.key_file]));
+        if !force && *self.key_file_seen.lock() == seen {
             return Ok(false);
         }
         let keys = load_keys(&self.cfg)?;
@@ -194,7 +187,7 @@ impl Auth {
             .retain(|name, c| ring.values().any(|p| &p.name == name) || Arc::strong_count(c) > 1);
         drop(counters);
         self.keys.store(Arc::new(ring));
-        *self.key_file_stamp.lock() = stamp;
+        *self.key_file_seen.lock() = seen;
         Ok(true)
     }
 
@@ -207,10 +200,11 @@ impl Auth {
                 "an API key is required: send `Authorization: Bearer <key>`",
             ));
         };
+        // The scheme is case-insensitive (RFC 9110).
         let key = value
-            .strip_prefix(b"Bearer ")
-            .or_else(|| value.strip_prefix(b"bearer "))
-            .map(|k| k.trim_ascii())
+            .get(..7)
+            .filter(|s| s.eq_ignore_ascii_case(b"bearer "))
+            .map(|_| value[7..].trim_ascii())
             .filter(|k| !k.is_empty() && k.len() <= MAX_KEY_BYTES)
             .ok_or_else(|| {
                 ApiError::new(
@@ -270,6 +264,7 @@ mod tests {
         let auth = Auth::new(&cfg(vec![k])).unwrap().unwrap();
         let p = auth.authenticate(Some(b"Bearer sk-a")).unwrap();
         assert_eq!(p.name, "a");
+        assert!(auth.authenticate(Some(b"BEARER  sk-a ")).is_ok());
         assert!(p.allows("m") && !p.allows("other"));
         for bad in [
             None,

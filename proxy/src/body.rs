@@ -114,6 +114,12 @@ impl BodyPermit {
 }
 
 impl BodyPermit {
+    /// Makes the permit cover at least `len` bytes (a body rewritten larger); `false` (and
+    /// nothing more reserved) past the budget.
+    pub(crate) fn cover(&mut self, len: usize) -> bool {
+        len <= self.bytes || self.grow(len - self.bytes)
+    }
+
     /// Makes room in `buf` (the one buffer this permit pays for) for `need` bytes, charging the
     /// budget before allocating: the first buffer holds what arrived (at least 4 KiB), later
     /// ones at most double what is held, never past `ceiling` (the declared length, or the

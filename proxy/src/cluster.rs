@@ -52,13 +52,17 @@ pub struct PeerAdmission {
 }
 
 impl PeerAdmission {
-    fn new(cfg: &ProxyConfig, metrics: Arc<Metrics>) -> Arc<Self> {
+    fn new(
+        cfg: &ProxyConfig,
+        metrics: Arc<Metrics>,
+        upstream_tls: &crate::tls::UpstreamTls,
+    ) -> Arc<Self> {
         Arc::new(PeerAdmission {
             verdicts: parking_lot::Mutex::new(HashMap::new()),
             // Validated at load time; an error here cannot happen, and an empty list is the
             // strict default anyway.
             networks: cfg.peer_networks().unwrap_or_default(),
-            client: fleet::probe_client(&cfg.upstream),
+            client: fleet::probe_client(upstream_tls),
             timeout: Duration::from_millis(cfg.health.timeout_ms),
             metrics,
             max_entries: cfg.cluster.max_peers.saturating_mul(2),
@@ -203,6 +207,8 @@ pub struct ClusterService {
     pub index: Arc<ResidencyIndex>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// TLS towards `https://` peers (their probes).
+    pub upstream_tls: Arc<crate::tls::UpstreamTls>,
 }
 
 /// Adds peers' engines to the fleet: through their proxy in sidecar mode, directly otherwise.
@@ -380,7 +386,7 @@ impl BackgroundService for ClusterService {
             }
         };
         tracing::info!(node = %cluster.node_id(), "joined the cluster");
-        let client = fleet::probe_client(&self.cfg.upstream);
+        let client = fleet::probe_client(&self.upstream_tls);
         let interval = Duration::from_millis(self.cfg.cluster.gossip_interval_ms);
         let epoch_every = Duration::from_millis(self.cfg.health.interval_ms);
         let mut tick = tokio::time::interval(interval);
@@ -394,7 +400,7 @@ impl BackgroundService for ClusterService {
         let mut last_epoch_check: Option<Instant> = None;
         let (mut sent, mut received) = (0u64, 0u64);
         let mut published_version: Option<u64> = Some(0);
-        let admission = PeerAdmission::new(&self.cfg, self.metrics.clone());
+        let admission = PeerAdmission::new(&self.cfg, self.metrics.clone(), &self.upstream_tls);
         let membership = FleetMembership {
             fleet: &self.fleet,
             via_peer: self.cfg.mode == Mode::Sidecar,
@@ -477,7 +483,11 @@ mod tests {
         let mut cfg = ProxyConfig::default();
         cfg.cluster.max_peers = max_peers;
         cfg.cluster.peer_networks = networks.iter().map(|s| s.to_string()).collect();
-        PeerAdmission::new(&cfg, Arc::new(Metrics::new().expect("metrics")))
+        PeerAdmission::new(
+            &cfg,
+            Arc::new(Metrics::new().expect("metrics")),
+            &crate::tls::UpstreamTls::from_config(&cfg.upstream).expect("no upstream TLS"),
+        )
     }
 
     fn origin(ip: [u8; 4], heard_from: bool) -> PeerOrigin {

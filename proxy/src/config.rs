@@ -703,6 +703,26 @@ impl ProxyConfig {
             }
             crate::tls::PeerIdentity::parse(&self.sidecar.peer_identity)
                 .map_err(|e| ConfigError::Invalid(format!("`sidecar.peer_identity`: {e}")))?;
+            if self.mode == Mode::Sidecar && u.client_cert_file.is_empty() {
+                return bad("`sidecar.accept_hop_from = \"cluster_cert\"` needs `upstream.client_cert_file`: \
+                     forwards to peers must present this node's cluster certificate".into());
+            }
+        }
+        if self.mode == Mode::Picker {
+            let a = &self.admission;
+            if t.enabled() {
+                return bad(
+                    "`[tls]` is not supported in `mode = \"picker\"` yet (the picker's ports are \
+                     plaintext gRPC and HTTP): keep them on loopback or the pod network"
+                        .into(),
+                );
+            }
+            if !a.model_max_inflight.is_empty() || a.default_model_max_inflight > 0 {
+                return bad(
+                    "`[admission]` per-model caps are not supported in `mode = \"picker\"` yet"
+                        .into(),
+                );
+            }
         }
         if self.auth.enabled() {
             if self.mode == Mode::Picker {
@@ -980,6 +1000,29 @@ mod tests {
             toml::to_string(&d.sidecar).unwrap(),
             toml::to_string(&c.sidecar).unwrap()
         );
+        for (what, default, shipped) in [
+            ("tls", toml::to_string(&d.tls), toml::to_string(&c.tls)),
+            ("auth", toml::to_string(&d.auth), toml::to_string(&c.auth)),
+            (
+                "admission",
+                toml::to_string(&d.admission),
+                toml::to_string(&c.admission),
+            ),
+        ] {
+            assert_eq!(default.unwrap(), shipped.unwrap(), "[{what}]");
+        }
+        for key in [
+            "ca_file",
+            "peer_identity",
+            "[tls]",
+            "require_client_cert",
+            "[auth]",
+            "key_file",
+            "[admission]",
+            "queue_depth",
+        ] {
+            assert!(text.contains(key), "examples/gateway.toml lacks {key}");
+        }
     }
 
     #[test]

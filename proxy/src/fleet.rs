@@ -441,21 +441,20 @@ pub type ProbeClient = Client<
 >;
 
 /// A client for probes, verifying `https://` engines and peers with `[upstream]`'s CA bundle
-/// and presenting its client certificate. Should those files have become unusable since the
-/// configuration was checked, the error is logged and `https://` probes fail (no roots).
-pub fn probe_client(upstream: &crate::config::UpstreamConfig) -> ProbeClient {
-    let tls = crate::tls::UpstreamTls::from_config(upstream)
-        .and_then(|t| t.client_config())
-        .unwrap_or_else(|e| {
-            tracing::error!(error = %e, "upstream TLS files unusable: https:// probes will fail");
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .expect("ring supports rustls' default protocol versions")
-            .with_root_certificates(rustls::RootCertStore::empty())
-            .with_no_client_auth()
-        });
+/// and presenting its client certificate in force. Should the CA file have become unusable
+/// since the configuration was checked, the error is logged and `https://` probes fail (no
+/// roots).
+pub fn probe_client(upstream: &crate::tls::UpstreamTls) -> ProbeClient {
+    let tls = upstream.client_config().unwrap_or_else(|e| {
+        tracing::error!(error = %e, "upstream TLS files unusable: https:// probes will fail");
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports rustls' default protocol versions")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth()
+    });
     let connector = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()

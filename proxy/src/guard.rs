@@ -40,6 +40,11 @@ impl Gateway {
         let principal = auth
             .authenticate(header)
             .map_err(|e| self.refuse("unauthenticated", e))?;
+        if ctx.local_only {
+            // Forwarded by a trusted peer, which holds the key's slot for it already.
+            ctx.principal = Some(principal);
+            return Ok(());
+        }
         let slot = principal.enter().ok_or_else(|| {
             self.refuse(
                 "key_inflight",
@@ -58,10 +63,11 @@ impl Gateway {
     }
 
     /// With a key: 403 for a model the key may not use; the tenant's cache salt set in
-    /// `parsed` (the digest chain's namespace) and in the body the engine gets.
+    /// `parsed` (the digest chain's namespace) and in the body the engine gets (whose larger
+    /// size is charged to the body budget).
     pub(crate) fn apply_tenant(
         &self,
-        ctx: &Ctx,
+        ctx: &mut Ctx,
         parsed: &mut ParsedRequest,
         body: Bytes,
     ) -> std::result::Result<Bytes, ApiError> {
@@ -94,6 +100,11 @@ impl Gateway {
         }
         let salt = p.cache_salt(parsed.cache_salt.as_deref());
         let body = with_cache_salt(&body, &salt)?;
+        if let Some(permit) = ctx.body_permit.as_mut() {
+            if !permit.cover(body.len()) {
+                return Err(self.over_body_budget());
+            }
+        }
         parsed.cache_salt = Some(salt);
         Ok(body)
     }
@@ -105,6 +116,17 @@ impl Gateway {
         let Some(model) = ctx.plan.as_ref().map(|p| p.facts.model.clone()) else {
             return Ok(());
         };
+        // A request going to a peer proxy takes a slot there, not here (two sidecars
+        // forwarding to each other must not hold each other's slots while they wait).
+        let to_peer = ctx
+            .decision
+            .as_ref()
+            .and_then(|(c, d)| d.order.first().and_then(|&i| c.get(i)))
+            .and_then(|c| self.fleet.get(c.node))
+            .is_some_and(|e| e.via_peer());
+        if to_peer {
+            return Ok(());
+        }
         match self.model_gates.enter(&model).await {
             Ok(entered) => {
                 ctx.model_slot = entered.slot;
@@ -118,83 +140,102 @@ impl Gateway {
     }
 }
 
-/// `body` (a JSON object) with its `cache_salt` member set to `salt`. A body without one gets
-/// it spliced in after the opening brace; otherwise the document is rewritten (a second
-/// member would be a duplicate key, which engines read differently).
-pub fn with_cache_salt(body: &[u8], salt: &str) -> std::result::Result<Bytes, ApiError> {
-    let quoted = serde_json::to_string(salt).unwrap_or_else(|_| "\"\"".into());
-    let open = body.iter().position(|&b| b == b'{');
-    let mentions = memchr_str(body, b"\"cache_salt\"");
-    match open {
-        Some(i) if !mentions => {
-            let mut out = Vec::with_capacity(body.len() + quoted.len() + 16);
-            out.extend_from_slice(&body[..=i]);
-            out.extend_from_slice(b"\"cache_salt\":");
-            out.extend_from_slice(quoted.as_bytes());
-            // `{}` cannot reach here (a parsed request has a model), but stay valid anyway.
-            let rest = &body[i + 1..];
-            if rest.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
-                out.push(b',');
+/// The top-level members of a JSON object: names decoded (escapes and all), values as the
+/// raw text they were sent as (never materialised: a large prompt costs one validating pass).
+struct Members<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
             }
-            out.extend_from_slice(rest);
-            Ok(Bytes::from(out))
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) =
+                    map.next_entry::<String, &'de serde_json::value::RawValue>()?
+                {
+                    out.push((k, v));
+                }
+                Ok(Members(out))
+            }
         }
-        _ => {
-            let mut doc: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
-                .map_err(|e| {
-                    ApiError::new(
-                        ErrorKind::InvalidRequest,
-                        format!("request body is not a JSON object: {e}"),
-                    )
-                })?;
-            doc.insert("cache_salt".into(), serde_json::Value::String(salt.into()));
-            serde_json::to_vec(&doc).map(Bytes::from).map_err(|e| {
-                ApiError::new(ErrorKind::Internal, format!("re-encoding the body: {e}"))
-            })
-        }
+        d.deserialize_map(Visit)
     }
 }
 
-fn memchr_str(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+/// `body` (a JSON object) with one `cache_salt` member, `salt`: every member whose name decodes
+/// to `cache_salt` (however it is escaped, e.g. `cache\u005fsalt`, and whatever its value) is
+/// dropped, the others are kept byte for byte in their order, and `salt` is added last. Engines
+/// read duplicate names differently (first, last, or refused), so none is left.
+pub fn with_cache_salt(body: &[u8], salt: &str) -> std::result::Result<Bytes, ApiError> {
+    let Members(members) = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!("request body is not a JSON object: {e}"),
+        )
+    })?;
+    let mut out = Vec::with_capacity(body.len() + salt.len() + 16);
+    out.push(b'{');
+    for (name, value) in members.iter().filter(|(n, _)| n != "cache_salt") {
+        // A name is re-encoded from its decoded form: the same text for what clients send.
+        let quoted = serde_json::to_string(name).map_err(|e| {
+            ApiError::new(ErrorKind::Internal, format!("re-encoding the body: {e}"))
+        })?;
+        out.extend_from_slice(quoted.as_bytes());
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"cache_salt\":");
+    let quoted = serde_json::to_string(salt)
+        .map_err(|e| ApiError::new(ErrorKind::Internal, format!("re-encoding the body: {e}")))?;
+    out.extend_from_slice(quoted.as_bytes());
+    out.push(b'}');
+    Ok(Bytes::from(out))
 }
 
 #[cfg(test)]
 mod tests {
     use super::with_cache_salt;
 
-    fn salt_of(body: &[u8]) -> serde_json::Value {
-        let v: serde_json::Value = serde_json::from_slice(body).unwrap();
-        v["cache_salt"].clone()
+    fn parsed(body: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(body).unwrap()
     }
 
     #[test]
-    fn the_salt_is_set_once() {
-        let b = with_cache_salt(br#" {"model":"m","prompt":"x"}"#, "tenant/a").unwrap();
-        assert_eq!(salt_of(&b), "tenant/a");
+    fn exactly_one_salt_reaches_the_engine() {
+        let b = with_cache_salt(br#" {"model":"m","prompt":"x"} "#, "tenant/a").unwrap();
         assert_eq!(
             std::str::from_utf8(&b).unwrap(),
-            r#" {"cache_salt":"tenant/a","model":"m","prompt":"x"}"#
+            r#"{"model":"m","prompt":"x","cache_salt":"tenant/a"}"#
         );
-        // Present (even as null, or with escapes in the key's neighbourhood): rewritten, one key.
+        // The client's own member, however spelt, and whatever its value, is replaced.
         for body in [
             &br#"{"model":"m","cache_salt":"mine"}"#[..],
             br#"{"model":"m","cache_salt":null}"#,
+            br#"{"model":"m","cache\u005fsalt":"tenant/acme"}"#,
+            br#"{"cache\u005fsalt":1,"model":"m","cache_salt":"x","\u0063ache_salt":[]}"#,
         ] {
-            let b = with_cache_salt(body, "tenant/a/\"q\"").unwrap();
-            assert_eq!(salt_of(&b), "tenant/a/\"q\"");
-            assert_eq!(
-                std::str::from_utf8(&b)
-                    .unwrap()
-                    .matches("cache_salt")
-                    .count(),
-                1
-            );
+            let b = with_cache_salt(body, "tenant/b/\"q\"").unwrap();
+            let text = std::str::from_utf8(&b).unwrap();
+            assert_eq!(parsed(&b)["cache_salt"], "tenant/b/\"q\"", "{text}");
+            assert_eq!(text.matches("salt").count(), 1, "{text}");
+            assert!(!text.contains("\\u"), "{text}");
         }
-        // A string value that mentions the key stays as it was.
-        let b = with_cache_salt(br#"{"model":"m","prompt":"\"cache_salt\""}"#, "t").unwrap();
-        assert_eq!(salt_of(&b), "t");
-        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
-        assert_eq!(v["prompt"], "\"cache_salt\"");
+        // Everything else is kept as sent: numbers past f64, escapes in values, order.
+        let body = br#"{"seed":18446744073709551615,"big":123456789012345678901234567890,"prompt":"caf\u00e9 \"cache_salt\"","model":"m"}"#;
+        let b = with_cache_salt(body, "t").unwrap();
+        assert_eq!(
+            std::str::from_utf8(&b).unwrap(),
+            r#"{"seed":18446744073709551615,"big":123456789012345678901234567890,"prompt":"caf\u00e9 \"cache_salt\"","model":"m","cache_salt":"t"}"#
+        );
+        assert!(with_cache_salt(b"[1]", "t").is_err());
+        assert!(with_cache_salt(b"{\"a\":", "t").is_err());
     }
 }

@@ -13,13 +13,13 @@ use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::cluster;
-use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig, UpstreamConfig};
+use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
 use kvmesh_proxy::reload::Reloader;
 use kvmesh_proxy::service::Gateway;
-use kvmesh_proxy::tls::ListenerTls;
+use kvmesh_proxy::tls::{ListenerTls, UpstreamTls};
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here
@@ -56,7 +56,7 @@ enum Command {
 
 /// Periodic work beside the request path: engine health probes and residency TTL sweeps.
 struct Housekeeping {
-    upstream: UpstreamConfig,
+    upstream: Arc<UpstreamTls>,
     fleet: Arc<Fleet>,
     index: Arc<ResidencyIndex>,
     interval: Duration,
@@ -90,7 +90,8 @@ fn main() -> anyhow::Result<()> {
         std::io::stdin()
             .read_line(&mut line)
             .context("reading the key from stdin")?;
-        let key = line.trim_end_matches(['\r', '\n']);
+        // Surrounding whitespace is never part of a presented key either.
+        let key = line.trim();
         anyhow::ensure!(!key.is_empty(), "no key on stdin");
         println!("{}", kvmesh_proxy::auth::hash_key(key));
         return Ok(());
@@ -137,8 +138,10 @@ fn main() -> anyhow::Result<()> {
     }
     let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
     let metrics = Arc::new(Metrics::new().context("metrics registry")?);
+    let upstream_tls =
+        Arc::new(UpstreamTls::from_config(&cfg.upstream).context("`[upstream]` TLS")?);
     if cfg.mode == Mode::Picker {
-        return run_picker(cfg, fleet, index, metrics);
+        return run_picker(cfg, fleet, index, metrics, upstream_tls);
     }
     // Pingora binds inside its worker threads, retries a busy address for half a minute and
     // then panics there, leaving a process that serves nothing. Bind first and fail clearly.
@@ -160,7 +163,7 @@ fn main() -> anyhow::Result<()> {
     server.bootstrap();
 
     let housekeeping = Housekeeping {
-        upstream: cfg.upstream.clone(),
+        upstream: upstream_tls.clone(),
         fleet: fleet.clone(),
         index: index.clone(),
         interval: Duration::from_millis(cfg.health.interval_ms),
@@ -173,6 +176,7 @@ fn main() -> anyhow::Result<()> {
         fleet: fleet.clone(),
         index: index.clone(),
         metrics: metrics.clone(),
+        upstream_tls: upstream_tls.clone(),
     });
     warn_if_open(&cfg);
     let listener_tls = if cfg.tls.enabled() {
@@ -180,8 +184,13 @@ fn main() -> anyhow::Result<()> {
     } else {
         None
     };
-    let gateway = Gateway::new(cfg, fleet, index, metrics)?;
-    let reloader = Reloader::new(&gateway.cfg, listener_tls.clone(), gateway.auth.clone());
+    let gateway = Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?;
+    let reloader = Reloader::new(
+        &gateway.cfg,
+        listener_tls.clone(),
+        gateway.auth.clone(),
+        upstream_tls,
+    );
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
     match listener_tls {
         Some(tls) => proxy.add_tls_with_settings(&listen, None, tls.settings()?),
@@ -189,9 +198,7 @@ fn main() -> anyhow::Result<()> {
     }
     server.add_service(proxy);
     server.add_service(background_service("housekeeping", housekeeping));
-    if let Some(r) = reloader {
-        server.add_service(background_service("reload", r));
-    }
+    server.add_service(background_service("reload", reloader));
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }
@@ -207,6 +214,7 @@ fn run_picker(
     fleet: Arc<Fleet>,
     index: Arc<ResidencyIndex>,
     metrics: Arc<Metrics>,
+    upstream_tls: Arc<UpstreamTls>,
 ) -> anyhow::Result<()> {
     let threads = if cfg.threads == 0 {
         std::thread::available_parallelism().map_or(2, |n| n.get())
@@ -222,7 +230,7 @@ fn run_picker(
         let listeners = picker::Listeners::bind(&cfg.picker).await?;
         let (stop, shutdown) = tokio::sync::watch::channel(false);
         let housekeeping = Housekeeping {
-            upstream: cfg.upstream.clone(),
+            upstream: upstream_tls.clone(),
             fleet: fleet.clone(),
             index: index.clone(),
             interval: Duration::from_millis(cfg.health.interval_ms),
@@ -236,6 +244,7 @@ fn run_picker(
                 fleet: fleet.clone(),
                 index: index.clone(),
                 metrics: metrics.clone(),
+                upstream_tls: upstream_tls.clone(),
             };
             let rx = shutdown.clone();
             tokio::spawn(async move { gossip.start(rx).await });
@@ -248,7 +257,11 @@ fn run_picker(
                 .grace_period_secs
                 .saturating_add(cfg.shutdown.drain_timeout_secs),
         );
-        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics)?);
+        // SIGHUP must not kill the picker: it has nothing to reload but says so.
+        let reloader = Reloader::new(&cfg, None, None, upstream_tls.clone());
+        let rx = shutdown.clone();
+        tokio::spawn(async move { reloader.start(rx).await });
+        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics, upstream_tls)?);
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("shutting down");
@@ -302,17 +315,27 @@ async fn wait_for_signal() {
 }
 
 /// Logs to stderr with `cfg.log` as the filter, as text (coloured only on a terminal) or JSON.
+/// Pingora's own debug and trace events are never written, whatever the filter: they print
+/// whole request headers, `Authorization` included.
 fn init_logging(cfg: &ProxyConfig) -> anyhow::Result<()> {
     use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let filter =
         tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cfg.log_format {
-        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let no_header_dumps = tracing_subscriber::filter::filter_fn(|m| {
+        !(m.target().starts_with("pingora") && *m.level() > tracing::Level::INFO)
+    });
+    let layer = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let layer = match cfg.log_format {
+        LogFormat::Text => layer.with_ansi(std::io::stderr().is_terminal()).boxed(),
+        LogFormat::Json => layer.json().boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(layer.with_filter(filter).with_filter(no_header_dumps))
+        .try_init()
+        .context("starting the logger")?;
     Ok(())
 }
 

@@ -214,7 +214,14 @@ mod tests {
             e.mark_up();
         }
         let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
-        Gateway::new(cfg, fleet, index, Arc::new(Metrics::new().unwrap())).unwrap()
+        Gateway::new(
+            cfg,
+            fleet,
+            index,
+            Arc::new(Metrics::new().unwrap()),
+            Arc::new(crate::tls::UpstreamTls::from_config(&Default::default()).unwrap()),
+        )
+        .unwrap()
     }
 
     /// Facts for a long shared prompt to `model`.

@@ -1,6 +1,8 @@
-//! Reloading the listener's certificate and the API keys: on SIGHUP (always) and when their
-//! files change (checked every `tls.reload_interval_secs` / `auth.reload_interval_secs`). A
-//! file that does not load is refused with the reason and what was in force stays.
+//! Reloading the listener's certificate and client CA, the upstream client certificate and the
+//! API key file: on SIGHUP (always) and when their files change (checked every
+//! `tls.reload_interval_secs` / `auth.reload_interval_secs`). A file that does not load is
+//! refused with the reason and what was in force stays. The task runs whatever is configured,
+//! so that SIGHUP never terminates the process (its default action).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,43 +13,61 @@ use pingora::services::background::BackgroundService;
 
 use crate::auth::Auth;
 use crate::config::ProxyConfig;
-use crate::tls::ListenerTls;
+use crate::tls::{ListenerTls, UpstreamTls};
+
+/// The longest wait between two checks of the files.
+const MAX_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// The reload task.
 pub struct Reloader {
     tls: Option<Arc<ListenerTls>>,
     auth: Option<Arc<Auth>>,
+    upstream: Option<Arc<UpstreamTls>>,
     interval: Duration,
 }
 
 impl Reloader {
-    /// A reloader of what is configured; `None` when nothing can be reloaded.
+    /// A reloader of what is configured (possibly nothing: SIGHUP is then only logged).
     pub fn new(
         cfg: &ProxyConfig,
         tls: Option<Arc<ListenerTls>>,
         auth: Option<Arc<Auth>>,
-    ) -> Option<Self> {
-        let mut secs = u64::MAX;
-        if tls.is_some() {
-            secs = secs.min(cfg.tls.reload_interval_secs);
+        upstream: Arc<UpstreamTls>,
+    ) -> Self {
+        let mut interval = MAX_INTERVAL;
+        if tls.is_some() || upstream.has_client_cert() {
+            interval = interval.min(Duration::from_secs(cfg.tls.reload_interval_secs));
         }
         // Inline keys come with the configuration file, which is not reloaded: only a key file.
         let auth = auth.filter(|_| !cfg.auth.key_file.is_empty());
         if auth.is_some() {
-            secs = secs.min(cfg.auth.reload_interval_secs);
+            interval = interval.min(Duration::from_secs(cfg.auth.reload_interval_secs));
         }
-        (tls.is_some() || auth.is_some()).then(|| Reloader {
+        Reloader {
             tls,
             auth,
-            interval: Duration::from_secs(secs.max(1)),
-        })
+            upstream: upstream.has_client_cert().then_some(upstream),
+            interval: interval.max(Duration::from_secs(1)),
+        }
     }
 
     /// One pass: reloads what changed (everything, with `force`); logs what happened.
     pub fn reload(&self, force: bool) {
+        if force && self.tls.is_none() && self.auth.is_none() && self.upstream.is_none() {
+            tracing::info!("SIGHUP: nothing to reload (only [tls] files, the upstream client certificate and auth.key_file are)");
+        }
+        if let Some(u) = self.upstream.as_ref() {
+            match u.reload(force) {
+                Ok(true) => tracing::info!("upstream client certificate reloaded"),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "upstream client certificate not reloaded; the previous one stays in force")
+                }
+            }
+        }
         if let Some(t) = self.tls.as_ref() {
             match t.reload(force) {
-                Ok(true) => tracing::info!("TLS certificate and client CA reloaded"),
+                Ok(true) => tracing::info!("listener TLS certificate and client CA reloaded"),
                 Ok(false) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "TLS files not reloaded; the previous ones stay in force")
@@ -87,10 +107,7 @@ impl BackgroundService for Reloader {
             };
             tokio::select! {
                 _ = tick.tick() => self.reload(false),
-                Some(()) = sighup => {
-                    tracing::info!("SIGHUP: reloading");
-                    self.reload(true);
-                }
+                Some(()) = sighup => self.reload(true),
                 _ = shutdown.changed() => return,
             }
         }

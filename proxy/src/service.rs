@@ -75,25 +75,25 @@ pub struct Gateway {
     /// Per-model caps (`[admission]`).
     pub model_gates: ModelGates,
     /// TLS towards `https://` engines and peers.
-    pub upstream_tls: UpstreamTls,
+    pub upstream_tls: Arc<UpstreamTls>,
     /// The identity peers' certificates must carry (`accept_hop_from = "cluster_cert"`).
     pub peer_identity: Option<PeerIdentity>,
 }
 
 impl Gateway {
-    /// A gateway over `fleet` and `index` with `cfg`'s policy, limits, keys and TLS files (read
-    /// now: an error names the file or key that cannot be used).
+    /// A gateway over `fleet` and `index` with `cfg`'s policy, limits and keys (read now: an
+    /// error names the file or key that cannot be used), reaching `https://` engines and peers
+    /// with `upstream_tls`.
     pub fn new(
         cfg: ProxyConfig,
         fleet: Arc<Fleet>,
         index: Arc<ResidencyIndex>,
         metrics: Arc<Metrics>,
+        upstream_tls: Arc<UpstreamTls>,
     ) -> std::result::Result<Self, ConfigError> {
         let invalid =
             |what: &str, e: &dyn std::fmt::Display| ConfigError::Invalid(format!("{what}: {e}"));
         let auth = Auth::new(&cfg.auth).map_err(|e| invalid("`[auth]`", &e))?;
-        let upstream_tls =
-            UpstreamTls::from_config(&cfg.upstream).map_err(|e| invalid("`[upstream]` TLS", &e))?;
         let peer_identity = match cfg.sidecar.accept_hop_from {
             HopTrust::ClusterCert => Some(
                 PeerIdentity::parse(&cfg.sidecar.peer_identity)
@@ -147,7 +147,7 @@ pub struct Ctx {
     attempts: u32,
     pub(crate) dispatch: Option<Dispatch>,
     /// Forwarded by a peer: only local engines may serve it.
-    local_only: bool,
+    pub(crate) local_only: bool,
     /// Why the first choice is a peer (sidecar mode), for the forward metrics.
     pub(crate) forward_reason: &'static str,
     pub(crate) predicted_overlap: usize,
@@ -471,7 +471,7 @@ impl ProxyHttp for Gateway {
                 .map(|(h, _)| h)
                 .unwrap_or_default();
             let mut p = HttpPeer::new(engine.addr, true, host);
-            p.client_cert_key = self.upstream_tls.client.clone();
+            p.client_cert_key = self.upstream_tls.client_cert();
             p
         } else {
             HttpPeer::new(engine.addr, false, String::new())

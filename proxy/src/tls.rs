@@ -7,7 +7,6 @@
 //! and the old ones stay in force. Handshakes after the swap use the new files; connections
 //! already open keep theirs.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -104,17 +103,6 @@ fn check_validity(path: &str, der: &[u8]) -> Result<(), TlsError> {
     Ok(())
 }
 
-/// Size and modification time of a file: a change of either triggers a reload.
-type Stamp = Option<(u64, SystemTime)>;
-
-fn stamp(path: &str) -> Stamp {
-    if path.is_empty() {
-        return None;
-    }
-    let m = std::fs::metadata(Path::new(path)).ok()?;
-    Some((m.len(), m.modified().ok()?))
-}
-
 /// The files of the listener's TLS (`[tls]`).
 #[derive(Debug, Clone)]
 pub struct ListenerFiles {
@@ -128,7 +116,8 @@ pub struct ListenerFiles {
 struct Loaded {
     key: Arc<CertifiedKey>,
     verifier: Option<Arc<dyn ClientCertVerifier>>,
-    stamps: [Stamp; 3],
+    /// The files' contents as loaded: a reload happens when they change.
+    fingerprint: blake3::Hash,
 }
 
 impl ListenerFiles {
@@ -142,14 +131,14 @@ impl ListenerFiles {
         }
     }
 
-    fn stamps(&self) -> [Stamp; 3] {
-        [stamp(&self.cert), stamp(&self.key), stamp(&self.client_ca)]
+    fn fingerprint(&self) -> blake3::Hash {
+        fingerprint(&[&self.cert, &self.key, &self.client_ca])
     }
 
     /// Reads and checks every file: the chain parses and its leaf is valid now, the key
     /// matches the certificate, the client CA makes a verifier.
     fn load_all(&self) -> Result<Loaded, TlsError> {
-        let stamps = self.stamps();
+        let fingerprint = self.fingerprint();
         let certs = read_certs(&self.cert)?;
         check_validity(&self.cert, &certs[0])?;
         let key = read_key(&self.key)?;
@@ -185,7 +174,7 @@ impl ListenerFiles {
         Ok(Loaded {
             key: Arc::new(certified),
             verifier,
-            stamps,
+            fingerprint,
         })
     }
 
@@ -223,7 +212,7 @@ impl ListenerTls {
     /// Reloads the files when one changed (or always, with `force`): `Ok(true)` when new ones
     /// are in force, an error (and the old ones kept) when they do not load.
     pub fn reload(&self, force: bool) -> Result<bool, TlsError> {
-        if !force && self.files.stamps() == self.current.load().stamps {
+        if !force && self.files.fingerprint() == self.current.load().fingerprint {
             return Ok(false);
         }
         let loaded = self.files.load_all()?;
@@ -396,6 +385,11 @@ impl PeerIdentity {
                     "{s:?} is not a URI prefix such as spiffe://kvmesh.local/"
                 ));
             }
+            if !rest.contains('/') {
+                // Without a path separator, `spiffe://kvmesh.local` would also admit
+                // `spiffe://kvmesh.local.evil/...`.
+                return Err(format!("{s:?}: end the trust domain with `/`, e.g. {s}/"));
+            }
             return Ok(PeerIdentity::UriPrefix(s.to_string()));
         }
         let lower = s.to_ascii_lowercase();
@@ -428,23 +422,47 @@ impl PeerIdentity {
     }
 }
 
-/// TLS towards `https://` engines and peers (`[upstream]`): the CA bundle (Pingora's connector
-/// and the health probes use it) and the client certificate presented.
-#[derive(Clone, Default)]
+/// The client certificate in force, for rustls clients (the health probes).
+#[derive(Debug, Default)]
+struct ClientCert(ArcSwap<Option<Arc<CertifiedKey>>>);
+
+impl rustls::client::ResolvesClientCert for ClientCert {
+    fn resolve(
+        &self,
+        _root_hint_subjects: &[&[u8]],
+        _sigschemes: &[SignatureScheme],
+    ) -> Option<Arc<CertifiedKey>> {
+        self.0.load().as_ref().clone()
+    }
+
+    fn has_certs(&self) -> bool {
+        self.0.load().is_some()
+    }
+}
+
+/// The upstream client certificate as both TLS stacks want it.
+struct ClientPair {
+    pingora: Arc<CertKey>,
+    rustls: Arc<CertifiedKey>,
+}
+
+/// TLS towards `https://` engines and peers (`[upstream]`): the CA bundle (read at start: the
+/// Pingora connector and the health probes use it) and the client certificate presented, which
+/// a reload replaces (SIGHUP, or a change of its files).
 pub struct UpstreamTls {
-    /// `upstream.ca_file`, empty for the system's roots.
-    pub ca_file: String,
-    /// The client certificate and key, for mTLS to peers.
-    pub client: Option<Arc<CertKey>>,
-    client_chain: Vec<CertificateDer<'static>>,
-    client_key: Option<Arc<PrivateKeyDer<'static>>>,
+    ca_file: String,
+    cert_file: String,
+    key_file: String,
+    client: ArcSwap<Option<Arc<CertKey>>>,
+    resolver: Arc<ClientCert>,
+    fingerprint: parking_lot::Mutex<Option<blake3::Hash>>,
 }
 
 impl std::fmt::Debug for UpstreamTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UpstreamTls")
             .field("ca_file", &self.ca_file)
-            .field("client_cert", &self.client.is_some())
+            .field("client_cert_file", &self.cert_file)
             .finish()
     }
 }
@@ -455,26 +473,71 @@ impl UpstreamTls {
         if !cfg.ca_file.is_empty() {
             read_roots(&cfg.ca_file)?;
         }
-        let mut out = UpstreamTls {
+        let out = UpstreamTls {
             ca_file: cfg.ca_file.clone(),
-            ..Default::default()
+            cert_file: cfg.client_cert_file.clone(),
+            key_file: cfg.client_key_file.clone(),
+            client: ArcSwap::from_pointee(None),
+            resolver: Arc::new(ClientCert::default()),
+            fingerprint: parking_lot::Mutex::new(None),
         };
-        if !cfg.client_cert_file.is_empty() {
-            let certs = read_certs(&cfg.client_cert_file)?;
-            check_validity(&cfg.client_cert_file, &certs[0])?;
-            let key = read_key(&cfg.client_key_file)?;
-            out.client = Some(Arc::new(CertKey::new(
-                certs.iter().map(|c| c.to_vec()).collect(),
-                key.secret_der().to_vec(),
-            )));
-            out.client_chain = certs;
-            out.client_key = Some(Arc::new(key));
-        }
+        out.reload(true)?;
         Ok(out)
     }
 
-    /// A rustls client configuration with these roots and client certificate (the health
-    /// probes' HTTPS).
+    /// Whether a client certificate is configured.
+    pub fn has_client_cert(&self) -> bool {
+        !self.cert_file.is_empty()
+    }
+
+    /// The client certificate for Pingora's upstream connections, if any.
+    pub fn client_cert(&self) -> Option<Arc<CertKey>> {
+        self.client.load().as_ref().clone()
+    }
+
+    fn load_client(&self) -> Result<ClientPair, TlsError> {
+        let certs = read_certs(&self.cert_file)?;
+        check_validity(&self.cert_file, &certs[0])?;
+        let key = read_key(&self.key_file)?;
+        let signing = rustls::crypto::ring::default_provider()
+            .key_provider
+            .load_private_key(key.clone_key())
+            .map_err(|e| file_error(&self.key_file, format!("unsupported private key: {e}")))?;
+        let certified = CertifiedKey::new(certs.clone(), signing);
+        certified.keys_match().map_err(|e| {
+            TlsError::Invalid(format!(
+                "{} does not match the certificate in {}: {e}",
+                self.key_file, self.cert_file
+            ))
+        })?;
+        Ok(ClientPair {
+            pingora: Arc::new(CertKey::new(
+                certs.iter().map(|c| c.to_vec()).collect(),
+                key.secret_der().to_vec(),
+            )),
+            rustls: Arc::new(certified),
+        })
+    }
+
+    /// Reloads the client certificate when its files changed (or always, with `force`):
+    /// `Ok(true)` when a new one is in force; an error (the old one kept) when they do not load.
+    pub fn reload(&self, force: bool) -> Result<bool, TlsError> {
+        if !self.has_client_cert() {
+            return Ok(false);
+        }
+        let now = fingerprint(&[&self.cert_file, &self.key_file]);
+        if !force && *self.fingerprint.lock() == Some(now) {
+            return Ok(false);
+        }
+        let pair = self.load_client()?;
+        self.client.store(Arc::new(Some(pair.pingora)));
+        self.resolver.0.store(Arc::new(Some(pair.rustls)));
+        *self.fingerprint.lock() = Some(now);
+        Ok(true)
+    }
+
+    /// A rustls client configuration with these roots, presenting the client certificate in
+    /// force at each handshake (the health probes' HTTPS).
     pub fn client_config(&self) -> Result<rustls::ClientConfig, TlsError> {
         let mut roots = RootCertStore::empty();
         if self.ca_file.is_empty() {
@@ -489,13 +552,28 @@ impl UpstreamTls {
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Invalid(e.to_string()))?
         .with_root_certificates(roots);
-        match self.client_key.as_deref() {
-            Some(key) => builder
-                .with_client_auth_cert(self.client_chain.clone(), key.clone_key())
-                .map_err(|e| TlsError::Invalid(format!("the upstream client certificate: {e}"))),
-            None => Ok(builder.with_no_client_auth()),
-        }
+        Ok(if self.has_client_cert() {
+            builder.with_client_cert_resolver(self.resolver.clone())
+        } else {
+            builder.with_no_client_auth()
+        })
     }
+}
+
+/// A digest of the files' contents (missing files count as empty): any edit changes it,
+/// whatever their size and modification time say.
+pub(crate) fn fingerprint(paths: &[&str]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    for p in paths {
+        let bytes = if p.is_empty() {
+            Vec::new()
+        } else {
+            std::fs::read(p).unwrap_or_default()
+        };
+        h.update(&(bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
+    }
+    h.finalize()
 }
 
 #[cfg(test)]
@@ -523,6 +601,10 @@ mod tests {
         let exact = PeerIdentity::parse("Node-A.kvmesh.svc").unwrap();
         assert!(exact.matches(&cert(&[], &["node-a.kvmesh.svc"])));
         assert!(!exact.matches(&cert(&[], &["node-b.kvmesh.svc"])));
+        assert!(
+            PeerIdentity::parse("spiffe://kvmesh.local").is_err(),
+            "no boundary"
+        );
         for bad in ["", "://x", "spiffe://", "a..b", "*.", "a b"] {
             assert!(PeerIdentity::parse(bad).is_err(), "{bad:?}");
         }

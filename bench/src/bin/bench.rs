@@ -480,6 +480,11 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The `overhead` rows whose listener speaks TLS (the client keeps its connections: the rows
+/// measure the record layer, not handshakes).
+const TLS_NGINX: &str = "nginx (TLS)";
+const TLS_KVMESH: &str = "kvmesh-proxy (TLS)";
+
 async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     let zero = ["--instant", "--default-max-tokens", "1"];
     let sim = procs::sim(
@@ -489,9 +494,15 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     // Every proxy gets one worker thread: the machine also runs the engine and the client.
     let mut targets: Vec<(String, std::net::SocketAddr, Option<procs::Proc>)> =
         vec![("direct".into(), sim.addr, None)];
+    // The TLS rows (`https://`): a throw-away CA; the client trusts it.
+    let pki = kvmesh_bench::tls::BenchPki::new()?;
     match procs::nginx(&[sim.addr]).await {
         Ok(p) => targets.push(("nginx".into(), p.addr, Some(p))),
         Err(e) => println!("nginx: skipped ({e:#})"),
+    }
+    match procs::nginx_with(&[sim.addr], Some(&pki)).await {
+        Ok(p) => targets.push((TLS_NGINX.into(), p.addr, Some(p))),
+        Err(e) => println!("nginx (TLS): skipped ({e:#})"),
     }
     let rr = procs::EnvoyRouting::RoundRobin;
     match procs::envoy(&a.peers_venv, &[sim.addr], rr, 1).await {
@@ -534,11 +545,14 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     ));
     let proxy = procs::kvmesh("prefix", &[sim.addr], 1, 1000).await?;
     targets.push(("kvmesh-proxy".into(), proxy.addr, Some(proxy)));
+    let proxy = procs::kvmesh_with("prefix", &[sim.addr], 1, 1000, Some(&pki)).await?;
+    targets.push((TLS_KVMESH.into(), proxy.addr, Some(proxy)));
+    let tls = pki.client_config()?;
     let body = bytes::Bytes::from_static(
         br#"{"model":"sim-model","messages":[{"role":"user","content":"hello there, a short prompt"}],"max_tokens":1}"#,
     );
     println!(
-        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); nginx, Envoy, the picker and the Pingora proxies have 1 worker, the peer routers their defaults\n",
+        "zero-latency kvmesh-sim-engine, non-streamed chat, closed loop; per row the median of {} interleaved rounds of {} requests (after 200 warm-up); nginx, Envoy, the picker and the Pingora proxies have 1 worker, the peer routers their defaults; the TLS rows (TLS 1.3, ECDSA P-256, kept-alive connections) against the same engine over https\n",
         a.rounds, a.requests
     );
     println!("| concurrency | target | req/s | p50 ms | p99 ms | added p50 us | added p99 us |");
@@ -548,9 +562,14 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         // the median round (by p50).
         let mut runs: Vec<Vec<Summary>> = vec![Vec::new(); targets.len()];
         for _ in 0..a.rounds {
-            for (i, (_, addr, _)) in targets.iter().enumerate() {
-                let client = load::client(c);
-                let url = format!("http://{addr}/v1/chat/completions");
+            for (i, (name, addr, _)) in targets.iter().enumerate() {
+                let client = load::client_with_tls(c, tls.clone());
+                let scheme = if [TLS_NGINX, TLS_KVMESH].contains(&name.as_str()) {
+                    "https"
+                } else {
+                    "http"
+                };
+                let url = format!("{scheme}://{addr}/v1/chat/completions");
                 let b = body.clone();
                 let urls = std::slice::from_ref(&url);
                 load::closed_loop(&client, urls, 200, c, move |_| b.clone()).await;

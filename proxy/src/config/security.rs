@@ -149,6 +149,13 @@ pub fn check_keys(keys: &[ApiKeyConfig]) -> Result<(), String> {
         if !names.insert(k.name.as_str()) {
             return Err(format!("API key name {:?} appears twice", k.name));
         }
+        if k.tenant.is_empty() && keys.iter().any(|o| o.tenant == k.name) {
+            return Err(format!(
+                "API key {:?} has no tenant, so its tenant is its name, which another key names as \
+                 its tenant: set `tenant` on {:?} to share that cache deliberately, or rename it",
+                k.name, k.name
+            ));
+        }
         if !hashes.insert(k.sha256.to_ascii_lowercase()) {
             return Err(format!(
                 "API key {:?}: the same key (hash) is listed twice",
@@ -238,6 +245,17 @@ mod tests {
         let mut k = key("a", &h);
         k.tenant = "x/y".into();
         assert!(check_keys(&[k]).unwrap_err().contains("tenant"));
+        // `b` (no tenant: tenant "b") would silently share with `c`'s explicit tenant "b".
+        let mut c = key("c", &"c".repeat(64));
+        c.tenant = "b".into();
+        let e = check_keys(&[key("b", &"b".repeat(64)), c.clone()]).unwrap_err();
+        assert!(e.contains("tenant"), "{e}");
+        let mut b = key("b", &"b".repeat(64));
+        b.tenant = "b".into();
+        assert!(
+            check_keys(&[b, c]).is_ok(),
+            "an explicit shared tenant is fine"
+        );
     }
 
     #[test]
