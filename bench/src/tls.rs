@@ -21,26 +21,18 @@ pub struct BenchPki {
 impl BenchPki {
     /// Makes the CA and the certificate under a fresh temp directory.
     pub fn new() -> anyhow::Result<Self> {
-        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        use kvmesh_tls::testing::{Ca, Validity};
         let dir = std::env::temp_dir().join(format!("kvmesh-bench-pki-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        let ca_key = KeyPair::generate()?;
-        let mut ca = CertificateParams::new(Vec::<String>::new())?;
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca_cert = ca.self_signed(&ca_key)?;
-        let issuer = Issuer::new(ca, ca_key);
-        let key = KeyPair::generate()?;
-        let leaf =
-            CertificateParams::new(vec!["127.0.0.1".to_string()])?.signed_by(&key, &issuer)?;
-        let cert_file = dir.join("server.crt");
-        let key_file = dir.join("server.key");
-        std::fs::write(&cert_file, leaf.pem())?;
-        std::fs::write(&key_file, key.serialize_pem())?;
+        let ca = Ca::new("kvmesh bench CA");
+        let (cert_file, key_file) = ca
+            .leaf("127.0.0.1", &["127.0.0.1"], &[], Validity::Now)
+            .write(&dir, "server");
         Ok(BenchPki {
             dir,
             cert_file,
             key_file,
-            ca_pem: ca_cert.pem(),
+            ca_pem: ca.pem.clone(),
         })
     }
 

@@ -127,6 +127,12 @@ struct EngineConfig {
     /// A file whose first line is kvagent's engine token (kvagent's `auth.token_file`), sent
     /// as `authorization: Bearer` with every call; empty: none.
     kvagent_token_file: PathBuf,
+    /// PEM CA bundle an `https://` kvagent is verified against (for the URL's host).
+    kvagent_ca_file: String,
+    /// PEM client certificate shown to kvagent (when its `tls.client_ca_file` asks); empty: none.
+    kvagent_client_cert_file: String,
+    /// Its PEM private key.
+    kvagent_client_key_file: String,
     /// Log filter.
     log: String,
 }
@@ -156,6 +162,9 @@ impl Default for EngineConfig {
             kv_mac_key: String::new(),
             kv_mac_key_file: PathBuf::new(),
             kvagent_token_file: PathBuf::new(),
+            kvagent_ca_file: String::new(),
+            kvagent_client_cert_file: String::new(),
+            kvagent_client_key_file: String::new(),
             log: "info".into(),
         }
     }
@@ -226,6 +235,24 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
         "set kv_mac_key or kv_mac_key_file, not both"
     );
     Ok(cfg)
+}
+
+/// TLS towards kvagent: needed for an `https://` URL, refused for `http://`.
+fn kvagent_tls(cfg: &EngineConfig) -> anyhow::Result<Option<kvagent::ClientTls>> {
+    let https = cfg.kvagent_url.starts_with("https://");
+    anyhow::ensure!(
+        https != cfg.kvagent_ca_file.is_empty(),
+        "kvagent_ca_file goes with an https:// kvagent_url (and an https:// one needs it)"
+    );
+    anyhow::ensure!(
+        cfg.kvagent_client_cert_file.is_empty() == cfg.kvagent_client_key_file.is_empty(),
+        "kvagent_client_cert_file and kvagent_client_key_file go together"
+    );
+    Ok(https.then(|| kvagent::ClientTls {
+        ca_file: cfg.kvagent_ca_file.clone(),
+        cert_file: cfg.kvagent_client_cert_file.clone(),
+        key_file: cfg.kvagent_client_key_file.clone(),
+    }))
 }
 
 /// kvagent's engine token, from `kvagent_token_file`.
@@ -334,15 +361,17 @@ fn run() -> anyhow::Result<()> {
     } else {
         let fetch_timeout = Duration::from_millis(cfg.kvagent_fetch_timeout_ms);
         let token = kvagent_token(&cfg)?;
+        let tls = kvagent_tls(&cfg)?;
         let mut client = rt
             // The timer is made inside the runtime (it needs its time driver).
             .block_on(async {
                 tokio::time::timeout(
                     fetch_timeout,
-                    kvagent::connect_with_token(
+                    kvagent::connect_with(
                         cfg.kvagent_url.clone(),
                         64 << 20,
                         token.as_deref(),
+                        tls.as_ref(),
                     ),
                 )
                 .await

@@ -58,6 +58,11 @@ fn start(mut cmd: Command, extra: &[&str]) -> Proc {
 }
 
 fn kvagent(dir: &std::path::Path) -> Proc {
+    kvagent_with(dir, None)
+}
+
+/// [`kvagent`] with a configuration file (its listen address still the env's).
+fn kvagent_with(dir: &std::path::Path, config: Option<&std::path::Path>) -> Proc {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -68,7 +73,11 @@ fn kvagent(dir: &std::path::Path) -> Proc {
         .unwrap()
         .join("kvagent");
     assert!(bin.exists(), "run `cargo build --workspace --bins` first");
-    let child = Command::new(bin)
+    let mut cmd = Command::new(bin);
+    if let Some(c) = config {
+        cmd.arg("--config").arg(c);
+    }
+    let child = cmd
         .env("KVAGENT_LISTEN", format!("127.0.0.1:{port}"))
         .env("KVAGENT_METRICS_LISTEN", "")
         .env("KVAGENT_SSD_DIR", dir)
@@ -402,9 +411,18 @@ fn blocks_paged_in_from_kvagent_give_the_recomputed_answer() {
 
 /// Blocks kvagent holds (RAM and SSD), from its Stats RPC.
 fn kvagent_stored_blocks(agent: SocketAddr) -> u64 {
+    kvagent_stored_blocks_with(&format!("http://{agent}"), None, None)
+}
+
+/// [`kvagent_stored_blocks`] at `url`, with a token and TLS.
+fn kvagent_stored_blocks_with(
+    url: &str,
+    token: Option<&str>,
+    tls: Option<&kvagent::ClientTls>,
+) -> u64 {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let mut c = kvagent::connect(format!("http://{agent}"), 64 << 20)
+        let mut c = kvagent::connect_with(url.to_string(), 64 << 20, token, tls)
             .await
             .unwrap();
         let s = c
@@ -414,6 +432,80 @@ fn kvagent_stored_blocks(agent: SocketAddr) -> u64 {
             .into_inner();
         s.ram_blocks + s.ssd_blocks
     })
+}
+
+/// Paging through a kvagent that speaks TLS and wants a token: the engine (configured with the
+/// CA and the token) writes through and pages in as over plaintext; an engine with a wrong token
+/// refuses to start, naming the setting.
+#[test]
+fn blocks_page_in_through_a_tls_kvagent_with_a_token() {
+    use kvmesh_tls::testing::{Ca, Validity};
+    let dir = std::env::temp_dir().join(format!("engine-shim-kvagent-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ca = Ca::new("kvagent CA");
+    let (cert, key) = ca
+        .leaf("kvagent", &["127.0.0.1"], &[], Validity::Now)
+        .write(&dir, "kvagent");
+    let ca_file = temp_file("kvagent-ca.pem", &ca.pem);
+    let token = "engine-token-for-the-tls-test";
+    let token_file = temp_file("kvagent.token", token);
+    let agent_cfg = temp_file(
+        "kvagent-tls.toml",
+        &format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n[auth]\ntoken_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            token_file.display()
+        ),
+    );
+    let agent = kvagent_with(&dir.join("ssd"), Some(&agent_cfg));
+    let url = format!("https://127.0.0.1:{}", agent.addr.port());
+    let key_file = temp_file("tls-paged.key", MAC_KEY_HEX);
+    let engine_cfg = |token_file: &std::path::Path| {
+        temp_file(
+            &format!("engine-tls-{}.toml", token_file.file_name().unwrap().to_string_lossy()),
+            &format!(
+                "kvagent_url = \"{url}\"\nkvagent_ca_file = \"{}\"\nkvagent_token_file = \"{}\"\nkv_mac_key_file = \"{}\"\n",
+                ca_file.display(),
+                token_file.display(),
+                key_file.display()
+            ),
+        )
+    };
+    let good = engine_cfg(&token_file);
+    let doc = document();
+    let q1 = format!("{doc}Which district has 10 crates?");
+    let q2 = format!("{doc}How many crates are in district 20?");
+    let tls = kvagent::ClientTls {
+        ca_file: ca_file.display().to_string(),
+        ..Default::default()
+    };
+    {
+        let a = engine(&["-c", good.to_str().unwrap()]);
+        chat(a.addr, &q1, json!({}));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while kvagent_stored_blocks_with(&url, Some(token), Some(&tls)) < 40 {
+            assert!(Instant::now() < deadline, "no write-through over TLS");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let b = engine(&["-c", good.to_str().unwrap()]);
+    let v = chat(b.addr, &q2, json!({}));
+    assert!(cached(&v) >= 600, "paged in over TLS: {}", cached(&v));
+
+    let wrong = engine_cfg(&temp_file("wrong.token", "not-the-engine-token-at-all"));
+    let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
+        .current_dir(root())
+        .args(["--listen", "127.0.0.1:0", "-c", wrong.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "an engine with a wrong token started"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kvagent_token_file"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[test]

@@ -52,12 +52,54 @@ pub type Client = KvAgentClient<
 /// Why a client could not be made.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
-    /// The URL, or the connection.
+    /// The URL, the TLS settings, or the connection.
     #[error(transparent)]
     Transport(#[from] tonic::transport::Error),
     /// The token cannot go into a header.
     #[error("the kvagent token must be printable ASCII")]
     Token,
+    /// A TLS file cannot be read.
+    #[error("reading {path}: {source}")]
+    File {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// TLS towards an `https://` agent: the CA it is verified against (for the URL's host) and,
+/// for agents that ask for one, a client certificate.
+#[derive(Debug, Clone, Default)]
+pub struct ClientTls {
+    /// PEM CA bundle.
+    pub ca_file: String,
+    /// PEM client certificate chain; empty: none.
+    pub cert_file: String,
+    /// Its PEM private key.
+    pub key_file: String,
+}
+
+fn read(path: &str) -> Result<Vec<u8>, ConnectError> {
+    std::fs::read(path).map_err(|source| ConnectError::File {
+        path: path.to_string(),
+        source,
+    })
+}
+
+impl ClientTls {
+    fn config(&self) -> Result<tonic::transport::ClientTlsConfig, ConnectError> {
+        let mut c = tonic::transport::ClientTlsConfig::new().ca_certificate(
+            tonic::transport::Certificate::from_pem(read(&self.ca_file)?),
+        );
+        if !self.cert_file.is_empty() {
+            c = c.identity(tonic::transport::Identity::from_pem(
+                read(&self.cert_file)?,
+                read(&self.key_file)?,
+            ));
+        }
+        Ok(c)
+    }
 }
 
 /// Connects a client to the agent at `url` (`http://host:port`) with the HTTP/2 settings the
@@ -73,6 +115,16 @@ pub async fn connect_with_token(
     max_message_bytes: usize,
     token: Option<&str>,
 ) -> Result<Client, ConnectError> {
+    connect_with(url, max_message_bytes, token, None).await
+}
+
+/// [`connect_with_token`], over TLS with `tls` (for an `https://` URL).
+pub async fn connect_with(
+    url: String,
+    max_message_bytes: usize,
+    token: Option<&str>,
+    tls: Option<&ClientTls>,
+) -> Result<Client, ConnectError> {
     let bearer = match token {
         None => BearerToken(None),
         Some(t) => BearerToken(Some(
@@ -81,7 +133,11 @@ pub async fn connect_with_token(
                 .map_err(|_| ConnectError::Token)?,
         )),
     };
-    let channel = tonic::transport::Endpoint::from_shared(url)?
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url)?;
+    if let Some(t) = tls {
+        endpoint = endpoint.tls_config(t.config()?)?;
+    }
+    let channel = endpoint
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(32 << 20)
         .max_frame_size(1 << 20)

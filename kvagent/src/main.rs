@@ -130,21 +130,38 @@ async fn run() -> anyhow::Result<()> {
     .max_encoding_message_size(cfg.limits.max_message_bytes);
     tracing::info!(listen = %cfg.listen, metrics = %cfg.metrics_listen, epoch = store.epoch(), "kvagent serving");
     let mut stopped = stop_rx;
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .initial_stream_window_size(STREAM_WINDOW)
-            .initial_connection_window_size(CONNECTION_WINDOW)
-            .max_frame_size(MAX_FRAME)
-            .max_concurrent_streams(cfg.limits.max_concurrent_streams)
-            .add_service(health_service)
-            .add_service(service)
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                async move {
-                    let _ = stopped.wait_for(|s| *s).await;
-                },
-            ),
-    );
+    let stop = async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    };
+    let router = tonic::transport::Server::builder()
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_concurrent_streams(cfg.limits.max_concurrent_streams)
+        .add_service(health_service)
+        .add_service(service);
+    let tls = if cfg.tls.enabled() {
+        Some(kvmesh_tls::ServerTls::new(cfg.tls.files()).context("[tls]")?)
+    } else {
+        None
+    };
+    tokio::spawn(reload_on_hup(
+        tls.clone(),
+        Duration::from_secs(cfg.tls.reload_interval_secs.max(1)),
+    ));
+    let server = match tls {
+        Some(tls) => {
+            let mut config = tls.server_config().context("[tls]")?;
+            config.alpn_protocols = vec![b"h2".to_vec()];
+            let incoming =
+                tls_incoming(listener, tokio_rustls::TlsAcceptor::from(Arc::new(config)));
+            tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop))
+        }
+        None => tokio::spawn(router.serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            stop,
+        )),
+    };
     shutdown_signal().await;
     let _ = stop_tx.send(true);
     // In-flight calls get a bounded time to finish; clients that keep connections open do not
@@ -160,6 +177,81 @@ async fn run() -> anyhow::Result<()> {
     let (ram_blocks, _, ssd_blocks, _) = store.occupancy();
     tracing::info!(ram_blocks, ssd_blocks, "stopped");
     Ok(())
+}
+
+/// Most TLS handshakes in progress at once; connections past it are closed at once.
+const MAX_HANDSHAKES: usize = 256;
+/// Longest TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// TLS connections accepted on `listener`, handshakes bounded in number and time (a failed
+/// handshake is logged at debug and dropped: it never reaches the gRPC server).
+fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> tokio_stream::wrappers::ReceiverStream<
+    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
+> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accepting a gRPC connection failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            if tx.is_closed() {
+                return;
+            }
+            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                tracing::debug!(%peer, "too many TLS handshakes in progress; closing");
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                let _permit = permit;
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(stream)) => {
+                        let _ = tx.send(Ok(stream)).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// Reloads the TLS files when they change and on SIGHUP (which would otherwise end the
+/// process); files that do not load are refused and the old ones stay.
+async fn reload_on_hup(tls: Option<Arc<kvmesh_tls::ServerTls>>, every: Duration) {
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut tick = tokio::time::interval(every);
+    loop {
+        let force = tokio::select! {
+            _ = tick.tick() => false,
+            Some(()) = async {
+                match hup.as_mut() {
+                    Some(h) => h.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => true,
+        };
+        match tls.as_ref().map(|t| t.reload(force)) {
+            None if force => tracing::info!("SIGHUP: nothing to reload (only [tls] files are)"),
+            Some(Ok(true)) => tracing::info!("TLS certificate and client CA reloaded"),
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "TLS files not reloaded; the previous ones stay in force")
+            }
+            _ => {}
+        }
+    }
 }
 
 async fn shutdown_signal() {

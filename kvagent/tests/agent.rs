@@ -940,3 +940,110 @@ async fn tokens_gate_every_call() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("auth.token_file"), "{err}");
 }
+
+/// With `[tls]`, the port speaks TLS only: a client trusting the agent's CA works; plaintext and
+/// a client trusting another CA get no service; with `require_client_cert`, a client without a
+/// certificate of the client CA is refused at the handshake. SIGHUP reloads a replaced
+/// certificate.
+#[tokio::test]
+async fn tls_port_serves_only_verified_clients_and_reloads() {
+    use kvmesh_tls::testing::{Ca, Validity};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvagent test CA");
+    let other = Ca::new("another CA");
+    let (cert, key) = ca
+        .leaf("kvagent", &["127.0.0.1"], &[], Validity::Now)
+        .write(dir.path(), "server");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let other_file = dir.path().join("other.pem");
+    std::fs::write(&other_file, &other.pem).unwrap();
+    let (ccert, ckey) = ca
+        .leaf("engine", &["engine.local"], &[], Validity::Now)
+        .write(dir.path(), "client");
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\nrequire_client_cert = true\n",
+            cert.display(),
+            key.display(),
+            ca_file.display()
+        ),
+    )
+    .await;
+    let https = format!("https://127.0.0.1:{}", agent.port);
+    let tls = |ca: &std::path::Path, with_cert: bool| kvagent::ClientTls {
+        ca_file: ca.display().to_string(),
+        cert_file: if with_cert {
+            ccert.display().to_string()
+        } else {
+            String::new()
+        },
+        key_file: if with_cert {
+            ckey.display().to_string()
+        } else {
+            String::new()
+        },
+    };
+    let mut ok = kvagent::connect_with(https.clone(), 64 << 20, None, Some(&tls(&ca_file, true)))
+        .await
+        .unwrap();
+    assert_eq!(put(&mut ok, vec![block(7, 512)]).await.stored, 1);
+    assert_eq!(stats(&mut ok).await.ram_blocks, 1);
+
+    // Plaintext, another CA, no client certificate: no call gets through.
+    let refused = |what: &'static str, r: Result<kvagent::Client, kvagent::ConnectError>| async move {
+        if let Ok(mut c) = r {
+            let r = c.stats(pb::StatsRequest {}).await;
+            assert!(r.is_err(), "{what}: a call got through");
+        }
+    };
+    refused(
+        "plaintext",
+        kvagent::connect(format!("http://127.0.0.1:{}", agent.port), 64 << 20).await,
+    )
+    .await;
+    refused(
+        "another CA",
+        kvagent::connect_with(https.clone(), 64 << 20, None, Some(&tls(&other_file, true))).await,
+    )
+    .await;
+    refused(
+        "no client certificate",
+        kvagent::connect_with(https.clone(), 64 << 20, None, Some(&tls(&ca_file, false))).await,
+    )
+    .await;
+
+    // The certificate replaced by one of the other CA, and SIGHUP: new connections need that CA.
+    let rotated = other.leaf("kvagent", &["127.0.0.1"], &[], Validity::Now);
+    std::fs::write(&key, &rotated.key_pem).unwrap();
+    std::fs::write(&cert, &rotated.cert_pem).unwrap();
+    Command::new("kill")
+        .args(["-HUP", &agent.child.id().to_string()])
+        .status()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let c = kvagent::connect_with(https.clone(), 64 << 20, None, Some(&tls(&other_file, true)))
+            .await;
+        if let Ok(mut c) = c {
+            if c.stats(pb::StatsRequest {}).await.is_ok() {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reloaded certificate was not served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(agent_alive(&agent), "SIGHUP ended the agent");
+}
+
+fn agent_alive(agent: &Agent) -> bool {
+    Command::new("kill")
+        .args(["-0", &agent.child.id().to_string()])
+        .status()
+        .unwrap()
+        .success()
+}

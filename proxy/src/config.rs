@@ -685,7 +685,7 @@ impl ProxyConfig {
             );
         }
         if t.enabled() {
-            crate::tls::ListenerFiles::from_config(t)
+            crate::tls::listener_files(t)
                 .load()
                 .map_err(|e| ConfigError::Invalid(format!("`[tls]`: {e}")))?;
         }

@@ -55,6 +55,8 @@ pub struct Engine {
     reported_pending: AtomicU64,
     /// A peer that refused a connection stays down until then (ms since `Fleet::epoch`).
     down_until_ms: AtomicU64,
+    /// Recent time to first byte through this engine, microseconds (an EWMA; 0: none seen).
+    ttft_ewma_us: AtomicU64,
 }
 
 impl Engine {
@@ -63,6 +65,25 @@ impl Engine {
         self.inflight
             .load(Ordering::Relaxed)
             .max(self.reported_inflight.load(Ordering::Relaxed))
+    }
+
+    /// Folds one observed time to first byte into the engine's estimate (weight 1/5).
+    pub fn observe_ttft(&self, ttft: Duration) {
+        let us = u64::try_from(ttft.as_micros()).unwrap_or(u64::MAX).max(1);
+        let _ = self
+            .ttft_ewma_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(if old == 0 { us } else { old - old / 5 + us / 5 })
+            });
+    }
+
+    /// The engine's recent time to first byte (an EWMA of what went through this proxy);
+    /// `None` before the first answer.
+    pub fn ttft_estimate(&self) -> Option<Duration> {
+        match self.ttft_ewma_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
     }
 
     /// Uncached prompt bytes dispatched here whose first response byte has not come back yet
@@ -189,6 +210,7 @@ impl Fleet {
                     reported_inflight: AtomicU64::new(0),
                     reported_pending: AtomicU64::new(0),
                     down_until_ms: AtomicU64::new(0),
+                    ttft_ewma_us: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -315,6 +337,7 @@ impl Fleet {
             reported_inflight: AtomicU64::new(p.inflight),
             reported_pending: AtomicU64::new(p.pending_prefill_bytes),
             down_until_ms: AtomicU64::new(0),
+            ttft_ewma_us: AtomicU64::new(0),
         });
         let mut next: Vec<Arc<Engine>> = engines
             .iter()

@@ -109,6 +109,55 @@ impl Gateway {
         Ok(body)
     }
 
+    /// With a deadline header: 400 for a value that is not milliseconds, 429 (counted as
+    /// `deadline`) when the chosen engine's recent time to first token is over it. Engines
+    /// with no answer yet are given the benefit of the doubt.
+    pub(crate) fn check_deadline(
+        &self,
+        session: &Session,
+        ctx: &Ctx,
+    ) -> std::result::Result<(), ApiError> {
+        let name = self.cfg.admission.deadline_header.as_str();
+        if name.is_empty() {
+            return Ok(());
+        }
+        let Some(value) = session.req_header().headers.get(name) else {
+            return Ok(());
+        };
+        let deadline = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(std::time::Duration::from_millis)
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("the {name} header must be a whole number of milliseconds"),
+                )
+            })?;
+        let estimate = ctx
+            .decision
+            .as_ref()
+            .and_then(|(c, d)| d.order.first().and_then(|&i| c.get(i)))
+            .and_then(|c| self.fleet.get(c.node))
+            .and_then(|e| e.ttft_estimate().map(|t| (e, t)));
+        match estimate {
+            Some((engine, t)) if t > deadline => Err(self.refuse(
+                "deadline",
+                ApiError::new(
+                    ErrorKind::Overloaded,
+                    format!(
+                        "the first token would likely come after the {} ms deadline (engine {} answers in about {} ms now); retry shortly",
+                        deadline.as_millis(),
+                        engine.name,
+                        t.as_millis()
+                    ),
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The model's admission slot (waiting in its queue if need be), or the counted 429. It
     /// runs after the decision, so that only models the fleet serves get a gate; a request that
     /// waited is decided again (load has moved meanwhile).

@@ -19,7 +19,7 @@ use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
 use kvmesh_proxy::reload::Reloader;
 use kvmesh_proxy::service::Gateway;
-use kvmesh_proxy::tls::{ListenerTls, UpstreamTls};
+use kvmesh_proxy::tls::{ServerTls, UpstreamTls};
 
 // glibc malloc showed up at about a fifth of the proxy's instructions per request (Pingora
 // allocates and frees many buffers per request); mimalloc is measured faster here
@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     });
     warn_if_open(&cfg);
     let listener_tls = if cfg.tls.enabled() {
-        Some(ListenerTls::new(&cfg.tls).context("`[tls]`")?)
+        Some(ServerTls::new(kvmesh_proxy::tls::listener_files(&cfg.tls)).context("`[tls]`")?)
     } else {
         None
     };
@@ -193,7 +193,9 @@ fn main() -> anyhow::Result<()> {
     );
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
     match listener_tls {
-        Some(tls) => proxy.add_tls_with_settings(&listen, None, tls.settings()?),
+        Some(tls) => {
+            proxy.add_tls_with_settings(&listen, None, kvmesh_proxy::tls::listener_settings(&tls)?)
+        }
         None => proxy.add_tcp(&listen),
     }
     server.add_service(proxy);

@@ -306,7 +306,7 @@ impl Metrics {
 /// rather than no data.
 pub mod labels {
     /// `reason` of `kvmesh_admission_rejections_total`.
-    pub const REFUSALS: [&str; 9] = [
+    pub const REFUSALS: [&str; 10] = [
         "max_inflight",
         "body_budget",
         "body_timeout",
@@ -316,5 +316,6 @@ pub mod labels {
         "model_forbidden",
         "model_queue_full",
         "model_queue_timeout",
+        "deadline",
     ];
 }

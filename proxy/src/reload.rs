@@ -13,14 +13,14 @@ use pingora::services::background::BackgroundService;
 
 use crate::auth::Auth;
 use crate::config::ProxyConfig;
-use crate::tls::{ListenerTls, UpstreamTls};
+use crate::tls::{ServerTls, UpstreamTls};
 
 /// The longest wait between two checks of the files.
 const MAX_INTERVAL: Duration = Duration::from_secs(3600);
 
 /// The reload task.
 pub struct Reloader {
-    tls: Option<Arc<ListenerTls>>,
+    tls: Option<Arc<ServerTls>>,
     auth: Option<Arc<Auth>>,
     upstream: Option<Arc<UpstreamTls>>,
     interval: Duration,
@@ -30,7 +30,7 @@ impl Reloader {
     /// A reloader of what is configured (possibly nothing: SIGHUP is then only logged).
     pub fn new(
         cfg: &ProxyConfig,
-        tls: Option<Arc<ListenerTls>>,
+        tls: Option<Arc<ServerTls>>,
         auth: Option<Arc<Auth>>,
         upstream: Arc<UpstreamTls>,
     ) -> Self {

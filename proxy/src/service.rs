@@ -392,6 +392,9 @@ impl ProxyHttp for Gateway {
         if let Err(e) = self.decide(ctx) {
             return respond_error(session, ctx, e).await;
         }
+        if let Err(e) = self.check_deadline(session, ctx) {
+            return respond_error(session, ctx, e).await;
+        }
         if let Err(e) = self.enter_model(ctx).await {
             return respond_error(session, ctx, e).await;
         }
@@ -610,6 +613,7 @@ impl ProxyHttp for Gateway {
                     .observe(ttft.as_secs_f64());
                 if let Some(d) = ctx.dispatch.as_mut() {
                     d.prefill_done();
+                    d.engine().observe_ttft(ttft);
                 }
             }
             if let Some(u) = ctx.usage.as_mut() {

@@ -228,7 +228,7 @@ models = ["another-model"]
     .enumerate()
     {
         let own = format!("{} case {i}", text(100 + i as u64, 6000));
-        let mut salted = |key: &str, extra: &str| {
+        let salted = |key: &str, extra: &str| {
             chat_as(proxy.addr, Some(key), &chat_body("sim-model", &own, extra))
         };
         let acme = salted("sk-acme-one", "");
@@ -368,11 +368,8 @@ fn a_burst_past_a_models_cap_queues_then_gets_429_and_nothing_admitted_is_lost()
         std::thread::spawn(move || {
             while sampling.load(Ordering::Relaxed) {
                 if let Ok(r) = get(addr, "/metrics") {
-                    let now = String::from_utf8_lossy(&r.body)
-                        .lines()
-                        .filter(|l| l.starts_with("kvmesh_engine_inflight{"))
-                        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                        .sum::<f64>();
+                    let now =
+                        metric_sum(&String::from_utf8_lossy(&r.body), "kvmesh_engine_inflight{");
                     peak.fetch_max(now as u64, Ordering::Relaxed);
                 }
                 std::thread::sleep(Duration::from_millis(5));
@@ -641,23 +638,9 @@ url = "http://{engine}"
     Proxy::start_with(&toml, port, false)
 }
 
-fn udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn tls_metric(addr: SocketAddr, cfg: &Arc<rustls::ClientConfig>, prefix: &str) -> f64 {
     https_get(addr, cfg, "/metrics")
-        .map(|r| {
-            String::from_utf8_lossy(&r.body)
-                .lines()
-                .filter(|l| l.starts_with(prefix))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        })
+        .map(|r| metric_sum(&String::from_utf8_lossy(&r.body), prefix))
         .unwrap_or(-1.0)
 }
 
@@ -882,4 +865,46 @@ fn bad_security_configs_name_the_problem() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(words), "case {i}: want {words:?} in {err}");
     }
+}
+
+#[test]
+fn a_deadline_the_engine_cannot_meet_is_refused_at_once() {
+    // About 75 ms of prefill per long prompt: the engine's recent TTFT is well over 1 ms.
+    let sim = Sim::start("e0", &[]);
+    let proxy = Proxy::start("", &[&sim], true);
+    let long = |i: u64| chat_body("sim-model", &text(500 + i, 6000), "");
+    let with_deadline = |ms: &str, body: &[u8]| {
+        request(
+            proxy.addr,
+            "POST",
+            CHAT,
+            body,
+            Framing::Length,
+            &[("x-kvmesh-ttft-deadline-ms", ms)],
+        )
+        .unwrap()
+    };
+    // Before any answer there is no estimate: the request is served.
+    assert_eq!(with_deadline("1", &long(0)).status, 200);
+    for i in 1..4 {
+        assert_eq!(post(proxy.addr, CHAT, &long(i)).status, 200);
+    }
+    let r = with_deadline("1", &long(10));
+    assert_eq!(r.status, 429, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("deadline"));
+    assert_eq!(with_deadline("600000", &long(11)).status, 200);
+    let r = with_deadline("soon", &long(12));
+    assert_eq!(r.status, 400);
+    assert_eq!(
+        proxy.metric("kvmesh_admission_rejections_total{reason=\"deadline\"}"),
+        1.0
+    );
+    // Exported at zero from the start, like every refusal reason.
+    assert!(String::from_utf8(get(proxy.addr, "/metrics").unwrap().body)
+        .unwrap()
+        .contains("kvmesh_admission_rejections_total{reason=\"model_queue_full\"} 0"));
 }

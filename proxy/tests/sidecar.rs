@@ -14,14 +14,6 @@ const CHAT: &str = "/v1/chat/completions";
 /// The test cluster's gossip key (tests only; real clusters make theirs with gossip-keygen).
 const GOSSIP_KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 
-fn udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 struct Node {
     name: String,
     proxy: Proxy,

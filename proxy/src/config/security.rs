@@ -178,6 +178,10 @@ pub struct AdmissionConfig {
     pub queue_depth: u64,
     /// Longest wait for a model's slot, milliseconds; then 429 with `Retry-After`.
     pub queue_timeout_ms: u64,
+    /// The request header carrying a time-to-first-token deadline in milliseconds: a request
+    /// whose chosen engine's recent TTFT (an EWMA) is over it gets 429 at once instead of
+    /// waiting for an answer that would come too late. Empty: deadlines are not read.
+    pub deadline_header: String,
 }
 
 impl Default for AdmissionConfig {
@@ -187,6 +191,7 @@ impl Default for AdmissionConfig {
             default_model_max_inflight: 0,
             queue_depth: 64,
             queue_timeout_ms: 2000,
+            deadline_header: "x-kvmesh-ttft-deadline-ms".into(),
         }
     }
 }
@@ -211,6 +216,14 @@ impl AdmissionConfig {
         }
         if self.queue_timeout_ms > 600_000 {
             return Err("`admission.queue_timeout_ms` must be at most 600000".into());
+        }
+        if !self.deadline_header.is_empty()
+            && http::HeaderName::from_bytes(self.deadline_header.as_bytes()).is_err()
+        {
+            return Err(format!(
+                "`admission.deadline_header` = {:?} is not a header name",
+                self.deadline_header
+            ));
         }
         Ok(())
     }

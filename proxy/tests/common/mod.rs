@@ -86,6 +86,24 @@ impl Drop for Sim {
     }
 }
 
+/// Sum of the samples in a Prometheus text exposition whose line starts with `prefix`.
+pub fn metric_sum(exposition: &str, prefix: &str) -> f64 {
+    exposition
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A free UDP port on loopback (gossip).
+pub fn udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -176,10 +194,7 @@ impl Proxy {
     /// Sum of a metric's samples whose line starts with `prefix`.
     pub fn metric(&self, prefix: &str) -> f64 {
         let body = String::from_utf8(get(self.addr, "/metrics").unwrap().body).unwrap();
-        body.lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&body, prefix)
     }
 }
 
