@@ -153,8 +153,7 @@ async fn run() -> anyhow::Result<()> {
         Some(tls) => {
             let mut config = tls.server_config().context("[tls]")?;
             config.alpn_protocols = vec![b"h2".to_vec()];
-            let incoming =
-                tls_incoming(listener, tokio_rustls::TlsAcceptor::from(Arc::new(config)));
+            let incoming = kvmesh_tls::incoming::accept(listener, Arc::new(config));
             tokio::spawn(router.serve_with_incoming_shutdown(incoming, stop))
         }
         None => tokio::spawn(router.serve_with_incoming_shutdown(
@@ -177,55 +176,6 @@ async fn run() -> anyhow::Result<()> {
     let (ram_blocks, _, ssd_blocks, _) = store.occupancy();
     tracing::info!(ram_blocks, ssd_blocks, "stopped");
     Ok(())
-}
-
-/// Most TLS handshakes in progress at once; connections past it are closed at once.
-const MAX_HANDSHAKES: usize = 256;
-/// Longest TLS handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// TLS connections accepted on `listener`, handshakes bounded in number and time (a failed
-/// handshake is logged at debug and dropped: it never reaches the gRPC server).
-fn tls_incoming(
-    listener: tokio::net::TcpListener,
-    acceptor: tokio_rustls::TlsAcceptor,
-) -> tokio_stream::wrappers::ReceiverStream<
-    std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>,
-> {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(async move {
-        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-        loop {
-            let (tcp, peer) = match listener.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accepting a gRPC connection failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            if tx.is_closed() {
-                return;
-            }
-            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                tracing::debug!(%peer, "too many TLS handshakes in progress; closing");
-                continue;
-            };
-            let _ = tcp.set_nodelay(true);
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
-            tokio::spawn(async move {
-                let _permit = permit;
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(stream)).await;
-                    }
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
 /// Reloads the TLS files when they change and on SIGHUP (which would otherwise end the

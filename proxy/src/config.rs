@@ -710,13 +710,6 @@ impl ProxyConfig {
         }
         if self.mode == Mode::Picker {
             let a = &self.admission;
-            if t.enabled() {
-                return bad(
-                    "`[tls]` is not supported in `mode = \"picker\"` yet (the picker's ports are \
-                     plaintext gRPC and HTTP): keep them on loopback or the pod network"
-                        .into(),
-                );
-            }
             if !a.model_max_inflight.is_empty() || a.default_model_max_inflight > 0 {
                 return bad(
                     "`[admission]` per-model caps are not supported in `mode = \"picker\"` yet"

@@ -259,8 +259,13 @@ fn run_picker(
                 .grace_period_secs
                 .saturating_add(cfg.shutdown.drain_timeout_secs),
         );
-        // SIGHUP must not kill the picker: it has nothing to reload but says so.
-        let reloader = Reloader::new(&cfg, None, None, upstream_tls.clone());
+        let tls = if cfg.tls.enabled() {
+            Some(ServerTls::new(kvmesh_proxy::tls::listener_files(&cfg.tls)).context("`[tls]`")?)
+        } else {
+            None
+        };
+        // Reloads the TLS files (and keeps SIGHUP from ending the picker).
+        let reloader = Reloader::new(&cfg, tls.clone(), None, upstream_tls.clone());
         let rx = shutdown.clone();
         tokio::spawn(async move { reloader.start(rx).await });
         let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics, upstream_tls)?);
@@ -275,7 +280,7 @@ fn run_picker(
         // which the picker reports NOT_SERVING but still serves), streams in flight get
         // `shutdown.drain_timeout_secs` to finish, then the process exits regardless.
         tokio::select! {
-            r = picker::serve(gateway, listeners, shutdown) => r?,
+            r = picker::serve(gateway, listeners, shutdown, tls) => r?,
             _ = async {
                 let _ = stopping.wait_for(|s| *s).await;
                 tokio::time::sleep(drain).await;

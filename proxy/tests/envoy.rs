@@ -47,6 +47,17 @@ impl Envoy {
     /// Envoy in front of `picker`; `fallback` are the three engines of the example's
     /// fail-open route.
     fn start(pickers: &[&Picker], fallback: [&Sim; 3], fail_open: bool) -> Envoy {
+        Envoy::start_with(pickers, fallback, fail_open, None)
+    }
+
+    /// [`Envoy::start`], reaching the pickers with `picker_transport` (a `transport_socket`
+    /// YAML block for the picker cluster) when given.
+    fn start_with(
+        pickers: &[&Picker],
+        fallback: [&Sim; 3],
+        fail_open: bool,
+        picker_transport: Option<&str>,
+    ) -> Envoy {
         let port = free_port();
         let mut yaml = include_str!("../../examples/envoy/envoy.yaml").to_string();
         let mut replace = |from: &str, to: &str| {
@@ -76,6 +87,10 @@ impl Envoy {
         }
         if fail_open {
             replace("failure_mode_allow: false", "failure_mode_allow: true");
+        }
+        if let Some(t) = picker_transport {
+            let anchor = "    load_assignment:\n      cluster_name: kvmesh-picker\n";
+            replace(anchor, &format!("{t}{anchor}"));
         }
         let config =
             std::env::temp_dir().join(format!("kvmesh-envoy-{}-{port}.yaml", std::process::id()));
@@ -781,4 +796,85 @@ mod grpc {
             s.close();
         });
     }
+}
+
+/// The picker's gRPC ports over TLS, requiring a client certificate: Envoy, configured with the
+/// CA and its own certificate, health-checks the picker and routes through it; a client without
+/// a certificate, or speaking plaintext, gets nothing from the ext_proc port.
+#[test]
+fn envoy_reaches_a_tls_picker_with_its_certificate_and_nothing_else_does() {
+    use common::pki::{client_config, https, Ca, Scratch, Validity};
+    let dir = Scratch::new("picker-tls");
+    let ca = Ca::new("picker CA");
+    let (cert, key) = ca
+        .leaf("picker", &["127.0.0.1"], &[], Validity::Now)
+        .write(&dir.0, "picker");
+    let (ecert, ekey) = ca
+        .leaf("envoy", &["envoy.local"], &[], Validity::Now)
+        .write(&dir.0, "envoy");
+    let ca_file = dir.file("ca.pem", &ca.pem);
+    let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
+    let picker = Picker::start(
+        &[&sims[0], &sims[1], &sims[2]],
+        &format!(
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\nrequire_client_cert = true\n",
+            cert.display(),
+            key.display(),
+            ca_file.display()
+        ),
+    );
+    let transport = format!(
+        r#"    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: [h2]
+          tls_certificates:
+          - certificate_chain: {{ filename: "{}" }}
+            private_key: {{ filename: "{}" }}
+          validation_context:
+            trusted_ca: {{ filename: "{}" }}
+            match_typed_subject_alt_names:
+            - san_type: IP_ADDRESS
+              matcher: {{ exact: "127.0.0.1" }}
+"#,
+        ecert.display(),
+        ekey.display(),
+        ca_file.display()
+    );
+    let envoy = Envoy::start_with(
+        &[&picker],
+        [&sims[0], &sims[1], &sims[2]],
+        false,
+        Some(&transport),
+    );
+    // Envoy marks the picker healthy over TLS (its gRPC health port), then routes through it.
+    assert!(
+        eventually(Duration::from_secs(20), || envoy.chat("warm up").status
+            == 200),
+        "no request passed Envoy and the TLS picker"
+    );
+    let prefix = long_prefix(9);
+    let first = served_by(&envoy.chat(&format!("{prefix} q0")));
+    assert_eq!(served_by(&envoy.chat(&format!("{prefix} q1"))), first);
+    assert!(picker.metric("kvmesh_requests_total{route=\"chat\",status=\"200\"}") >= 2.0);
+
+    let ext_proc: SocketAddr = format!("127.0.0.1:{}", picker.ext_proc).parse().unwrap();
+    let no_cert = https(
+        ext_proc,
+        &client_config(&ca.pem, None),
+        "GET",
+        "/",
+        b"",
+        &[],
+    );
+    assert!(
+        no_cert.is_err(),
+        "a client without a certificate got through"
+    );
+    assert!(
+        get(ext_proc, "/").map_or(true, |r| r.status == 0),
+        "plaintext was answered"
+    );
 }

@@ -22,6 +22,7 @@ use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureS
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
+pub mod incoming;
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -65,6 +65,9 @@ pub enum PickerError {
     /// A gRPC server failed.
     #[error("gRPC server on {0} failed: {1}")]
     Serve(SocketAddr, tonic::transport::Error),
+    /// The `[tls]` files do not make a server configuration.
+    #[error("`[tls]`: {0}")]
+    Tls(String),
 }
 
 /// The ext_proc service.
@@ -233,11 +236,26 @@ impl Listeners {
 /// Serves the picker on `listeners`. When `shutdown` turns true, the health services report
 /// NOT_SERVING, streams are still accepted for `shutdown.grace_period_secs`, then the listeners
 /// close (streams in flight run on; the caller bounds how long).
+///
+/// With `tls` (the `[tls]` table), the ext_proc and gRPC health ports speak TLS (HTTP/2 by
+/// ALPN), verifying client certificates when `tls.client_ca_file` is set; the metrics port
+/// stays plaintext HTTP.
 pub async fn serve(
     gw: Arc<Gateway>,
     listeners: Listeners,
     shutdown: watch::Receiver<bool>,
+    tls: Option<Arc<kvmesh_tls::ServerTls>>,
 ) -> Result<(), PickerError> {
+    let tls = match tls {
+        Some(t) => {
+            let mut config = t
+                .server_config()
+                .map_err(|e| PickerError::Tls(e.to_string()))?;
+            config.alpn_protocols = vec![b"h2".to_vec()];
+            Some(Arc::new(config))
+        }
+        None => None,
+    };
     let (reporter, health_service) = tonic_health::server::health_reporter();
     reporter
         .set_service_status("liveness", ServingStatus::Serving)
@@ -292,21 +310,37 @@ pub async fn serve(
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let ext_proc = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(max_streams))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .add_service(picker)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listeners.ext_proc)
-                .with_nodelay(Some(true)),
-            stopped(stop.clone()),
-        );
-    let health = tonic::transport::Server::builder()
-        .add_service(health_service)
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listeners.health),
-            stopped(stop.clone()),
-        );
+    type Served = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>,
+    >;
+    let serve_on = |router: tonic::transport::server::Router,
+                    listener: tokio::net::TcpListener,
+                    stop: watch::Receiver<bool>|
+     -> Served {
+        match tls.as_ref() {
+            Some(config) => Box::pin(router.serve_with_incoming_shutdown(
+                kvmesh_tls::incoming::accept(listener, config.clone()),
+                stopped(stop),
+            )),
+            None => Box::pin(router.serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                stopped(stop),
+            )),
+        }
+    };
+    let ext_proc = serve_on(
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(max_streams))
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_service(picker),
+        listeners.ext_proc,
+        stop.clone(),
+    );
+    let health = serve_on(
+        tonic::transport::Server::builder().add_service(health_service),
+        listeners.health,
+        stop.clone(),
+    );
     let metrics = serve_metrics(gw, listeners.metrics, stop);
     let unspecified = || SocketAddr::from(([0, 0, 0, 0], 0));
     let (a, b, ()) = tokio::join!(ext_proc, health, metrics);

@@ -624,10 +624,7 @@ impl Picker {
 
     pub fn metric(&self, prefix: &str) -> f64 {
         let body = String::from_utf8(get(self.metrics, "/metrics").unwrap().body).unwrap();
-        body.lines()
-            .filter(|l| l.starts_with(prefix))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_sum(&body, prefix)
     }
 
     pub fn kill(&mut self) {
