@@ -59,7 +59,8 @@ pub struct SimConfig {
     #[arg(long, default_value = "sim-model")]
     pub model: String,
     /// Name of this replica, returned in the `x-sim-engine` response header (beside
-    /// `x-sim-body-blake3`, `x-sim-body-len` and `x-sim-body-framing`: what it received).
+    /// `x-sim-body-blake3`, `x-sim-body-len`, `x-sim-body-framing` and
+    /// `x-sim-saw-authorization`: what it received).
     #[arg(long, default_value = "sim")]
     pub name: String,
     /// Tokens per KV block.
@@ -442,6 +443,12 @@ async fn handle(
             } else {
                 "chunked"
             };
+            // Whether credentials reached the engine (never their value).
+            let saw_auth = if req.headers().contains_key(hyper::header::AUTHORIZATION) {
+                "yes"
+            } else {
+                "no"
+            };
             let body =
                 match http_body_util::Limited::new(req.into_body(), engine.cfg.max_body_bytes)
                     .collect()
@@ -457,6 +464,10 @@ async fn handle(
             resp.headers_mut().insert(
                 "x-sim-body-framing",
                 hyper::header::HeaderValue::from_static(framing),
+            );
+            resp.headers_mut().insert(
+                "x-sim-saw-authorization",
+                hyper::header::HeaderValue::from_static(saw_auth),
             );
             resp
         }

@@ -239,7 +239,14 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
 
 /// TLS towards kvagent: needed for an `https://` URL, refused for `http://`.
 fn kvagent_tls(cfg: &EngineConfig) -> anyhow::Result<Option<kvagent::ClientTls>> {
-    let https = cfg.kvagent_url.starts_with("https://");
+    let https = cfg
+        .kvagent_url
+        .get(..8)
+        .is_some_and(|s| s.eq_ignore_ascii_case("https://"));
+    anyhow::ensure!(
+        https || cfg.kvagent_client_cert_file.is_empty(),
+        "kvagent_client_cert_file needs an https:// kvagent_url"
+    );
     anyhow::ensure!(
         https != cfg.kvagent_ca_file.is_empty(),
         "kvagent_ca_file goes with an https:// kvagent_url (and an https:// one needs it)"

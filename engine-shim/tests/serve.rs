@@ -493,6 +493,33 @@ fn blocks_page_in_through_a_tls_kvagent_with_a_token() {
     let v = chat(b.addr, &q2, json!({}));
     assert!(cached(&v) >= 600, "paged in over TLS: {}", cached(&v));
 
+    // An engine that trusts another CA does not talk to this kvagent at all.
+    let other_ca = temp_file("other-ca.pem", &Ca::new("other CA").pem);
+    let distrusting = temp_file(
+        "engine-other-ca.toml",
+        &format!(
+            "kvagent_url = \"{url}\"\nkvagent_ca_file = \"{}\"\nkvagent_token_file = \"{}\"\n",
+            other_ca.display(),
+            token_file.display()
+        ),
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
+        .current_dir(root())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "-c",
+            distrusting.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "an engine trusting another CA started"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kvagent"), "{err}");
+
     let wrong = engine_cfg(&temp_file("wrong.token", "not-the-engine-token-at-all"));
     let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
         .current_dir(root())

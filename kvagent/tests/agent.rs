@@ -964,7 +964,7 @@ async fn tls_port_serves_only_verified_clients_and_reloads() {
     let agent = Agent::start(
         dir.path(),
         &format!(
-            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\nrequire_client_cert = true\n",
+            "[tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\nrequire_client_cert = true\nreload_interval_secs = 3600\n",
             cert.display(),
             key.display(),
             ca_file.display()

@@ -57,6 +57,18 @@ pub struct Engine {
     down_until_ms: AtomicU64,
     /// Recent time to first byte through this engine, microseconds (an EWMA; 0: none seen).
     ttft_ewma_us: AtomicU64,
+    /// When it was last updated ([`mono_ms`]).
+    ttft_at_ms: AtomicU64,
+}
+
+/// How long a TTFT estimate stands without a new answer: after it, the engine gets the benefit
+/// of the doubt again (so that refusing by an old estimate cannot lock an engine out for good).
+pub const TTFT_ESTIMATE_TTL: Duration = Duration::from_secs(10);
+
+/// Milliseconds since the first call (a process-wide monotonic clock for atomics).
+fn mono_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Engine {
@@ -67,9 +79,15 @@ impl Engine {
             .max(self.reported_inflight.load(Ordering::Relaxed))
     }
 
-    /// Folds one observed time to first byte into the engine's estimate (weight 1/5).
+    /// Folds one observed time to first byte into the engine's estimate (weight 1/5; a stale
+    /// estimate is replaced).
     pub fn observe_ttft(&self, ttft: Duration) {
         let us = u64::try_from(ttft.as_micros()).unwrap_or(u64::MAX).max(1);
+        let now = mono_ms();
+        let at = self.ttft_at_ms.swap(now, Ordering::Relaxed);
+        if now.saturating_sub(at) > TTFT_ESTIMATE_TTL.as_millis() as u64 {
+            self.ttft_ewma_us.store(0, Ordering::Relaxed);
+        }
         let _ = self
             .ttft_ewma_us
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
@@ -77,9 +95,14 @@ impl Engine {
             });
     }
 
-    /// The engine's recent time to first byte (an EWMA of what went through this proxy);
-    /// `None` before the first answer.
+    /// The engine's recent time to first byte (an EWMA of its answers through this proxy,
+    /// measured from dispatch); `None` before the first answer, or when the last is older than
+    /// [`TTFT_ESTIMATE_TTL`].
     pub fn ttft_estimate(&self) -> Option<Duration> {
+        let age = mono_ms().saturating_sub(self.ttft_at_ms.load(Ordering::Relaxed));
+        if age > TTFT_ESTIMATE_TTL.as_millis() as u64 {
+            return None;
+        }
         match self.ttft_ewma_us.load(Ordering::Relaxed) {
             0 => None,
             us => Some(Duration::from_micros(us)),
@@ -211,6 +234,7 @@ impl Fleet {
                     reported_pending: AtomicU64::new(0),
                     down_until_ms: AtomicU64::new(0),
                     ttft_ewma_us: AtomicU64::new(0),
+                    ttft_at_ms: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -338,6 +362,7 @@ impl Fleet {
             reported_pending: AtomicU64::new(p.pending_prefill_bytes),
             down_until_ms: AtomicU64::new(0),
             ttft_ewma_us: AtomicU64::new(0),
+            ttft_at_ms: AtomicU64::new(0),
         });
         let mut next: Vec<Arc<Engine>> = engines
             .iter()

@@ -8,6 +8,7 @@ use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::ParsedRequest;
 use pingora::proxy::Session;
 
+use crate::config::HopTrust;
 use crate::service::{Ctx, Gateway};
 
 /// The longest client `cache_salt` accepted with API keys (it is sent on to engines).
@@ -40,8 +41,10 @@ impl Gateway {
         let principal = auth
             .authenticate(header)
             .map_err(|e| self.refuse("unauthenticated", e))?;
-        if ctx.local_only {
-            // Forwarded by a trusted peer, which holds the key's slot for it already.
+        if ctx.local_only && self.cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
+            // Forwarded by a peer that proved itself with its cluster certificate, and that holds
+            // the key's slot for it already. (Loopback or member-IP trust proves no such thing:
+            // any local client could send the hop header to skip the key's cap.)
             ctx.principal = Some(principal);
             return Ok(());
         }
@@ -110,8 +113,9 @@ impl Gateway {
     }
 
     /// With a deadline header: 400 for a value that is not milliseconds, 429 (counted as
-    /// `deadline`) when the chosen engine's recent time to first token is over it. Engines
-    /// with no answer yet are given the benefit of the doubt.
+    /// `deadline`) when the time already spent on the request plus the chosen engine's recent
+    /// time to first token is over it. Engines with no recent answer are given the benefit of
+    /// the doubt.
     pub(crate) fn check_deadline(
         &self,
         session: &Session,
@@ -141,14 +145,16 @@ impl Gateway {
             .and_then(|(c, d)| d.order.first().and_then(|&i| c.get(i)))
             .and_then(|c| self.fleet.get(c.node))
             .and_then(|e| e.ttft_estimate().map(|t| (e, t)));
+        let spent = ctx.started.elapsed();
         match estimate {
-            Some((engine, t)) if t > deadline => Err(self.refuse(
+            Some((engine, t)) if t.saturating_add(spent) > deadline => Err(self.refuse(
                 "deadline",
                 ApiError::new(
                     ErrorKind::Overloaded,
                     format!(
-                        "the first token would likely come after the {} ms deadline (engine {} answers in about {} ms now); retry shortly",
+                        "the first token would likely come after the {} ms deadline ({} ms spent here; engine {} answers in about {} ms now); retry shortly",
                         deadline.as_millis(),
+                        spent.as_millis(),
                         engine.name,
                         t.as_millis()
                     ),
@@ -162,9 +168,9 @@ impl Gateway {
     /// runs after the decision, so that only models the fleet serves get a gate; a request that
     /// waited is decided again (load has moved meanwhile).
     pub(crate) async fn enter_model(&self, ctx: &mut Ctx) -> std::result::Result<(), ApiError> {
-        let Some(model) = ctx.plan.as_ref().map(|p| p.facts.model.clone()) else {
+        if ctx.plan.is_none() {
             return Ok(());
-        };
+        }
         // A request going to a peer proxy takes a slot there, not here (two sidecars
         // forwarding to each other must not hold each other's slots while they wait).
         let to_peer = ctx
@@ -176,45 +182,67 @@ impl Gateway {
         if to_peer {
             return Ok(());
         }
+        if self.take_model_slot(ctx).await? {
+            self.decide(ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the model's admission slot for `ctx` (none when the model has no cap), waiting in
+    /// its queue if need be: `Ok(true)` when it waited. The refusal is counted.
+    pub(crate) async fn take_model_slot(
+        &self,
+        ctx: &mut Ctx,
+    ) -> std::result::Result<bool, ApiError> {
+        let Some(model) = ctx.plan.as_ref().map(|p| p.facts.model.clone()) else {
+            return Ok(false);
+        };
         match self.model_gates.enter(&model).await {
             Ok(entered) => {
                 ctx.model_slot = entered.slot;
-                if entered.waited {
-                    self.decide(ctx)?;
-                }
-                Ok(())
+                Ok(entered.waited)
             }
             Err(r) => Err(self.refuse(r.label(), r.error(&model))),
         }
     }
 }
 
-/// The top-level members of a JSON object: names decoded (escapes and all), values as the
-/// raw text they were sent as (never materialised: a large prompt costs one validating pass).
-struct Members<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+/// Copies a JSON object's top-level members into `out` as it reads them (names decoded,
+/// escapes and all; values as the raw text they were sent as, never materialised), leaving out
+/// those named `cache_salt`; each member is followed by a comma. Nothing but the output grows
+/// with the body.
+struct CopyMembers<'o>(&'o mut Vec<u8>);
 
-impl<'de> serde::Deserialize<'de> for Members<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Members<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
+impl<'de> serde::de::DeserializeSeed<'de> for CopyMembers<'_> {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for CopyMembers<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<(), A::Error> {
+        use serde::de::Error as _;
+        while let Some(name) = map.next_key::<String>()? {
+            let value: &'de serde_json::value::RawValue = map.next_value()?;
+            if name == "cache_salt" {
+                continue;
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> std::result::Result<Self::Value, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) =
-                    map.next_entry::<String, &'de serde_json::value::RawValue>()?
-                {
-                    out.push((k, v));
-                }
-                Ok(Members(out))
-            }
+            // A name is re-encoded from its decoded form: the same text for what clients send.
+            let quoted = serde_json::to_string(&name).map_err(A::Error::custom)?;
+            self.0.extend_from_slice(quoted.as_bytes());
+            self.0.push(b':');
+            self.0.extend_from_slice(value.get().as_bytes());
+            self.0.push(b',');
         }
-        d.deserialize_map(Visit)
+        Ok(())
     }
 }
 
@@ -223,24 +251,20 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
 /// dropped, the others are kept byte for byte in their order, and `salt` is added last. Engines
 /// read duplicate names differently (first, last, or refused), so none is left.
 pub fn with_cache_salt(body: &[u8], salt: &str) -> std::result::Result<Bytes, ApiError> {
-    let Members(members) = serde_json::from_slice(body).map_err(|e| {
+    use serde::de::DeserializeSeed as _;
+    let not_an_object = |e: serde_json::Error| {
         ApiError::new(
             ErrorKind::InvalidRequest,
             format!("request body is not a JSON object: {e}"),
         )
-    })?;
+    };
     let mut out = Vec::with_capacity(body.len() + salt.len() + 16);
     out.push(b'{');
-    for (name, value) in members.iter().filter(|(n, _)| n != "cache_salt") {
-        // A name is re-encoded from its decoded form: the same text for what clients send.
-        let quoted = serde_json::to_string(name).map_err(|e| {
-            ApiError::new(ErrorKind::Internal, format!("re-encoding the body: {e}"))
-        })?;
-        out.extend_from_slice(quoted.as_bytes());
-        out.push(b':');
-        out.extend_from_slice(value.get().as_bytes());
-        out.push(b',');
-    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    CopyMembers(&mut out)
+        .deserialize(&mut de)
+        .map_err(not_an_object)?;
+    de.end().map_err(not_an_object)?;
     out.extend_from_slice(b"\"cache_salt\":");
     let quoted = serde_json::to_string(salt)
         .map_err(|e| ApiError::new(ErrorKind::Internal, format!("re-encoding the body: {e}")))?;

@@ -121,7 +121,7 @@ impl Gateway {
 
 /// Per-request state.
 pub struct Ctx {
-    started: Instant,
+    pub(crate) started: Instant,
     pub(crate) route: &'static str,
     /// The admission slot, held from admission to `logging`.
     admitted: Option<Admitted>,
@@ -154,6 +154,9 @@ pub struct Ctx {
     pub(crate) prediction_settled: bool,
     response_started: bool,
     pub(crate) status: u16,
+    /// When the current attempt was sent to its engine (its time to first byte is measured
+    /// from here, not from the client's request).
+    dispatched_at: Option<Instant>,
     /// Where the response's `usage` is looked for (successful responses).
     pub(crate) usage: Option<UsageScan>,
     error: Option<ApiError>,
@@ -210,6 +213,7 @@ impl Ctx {
             prediction_settled: false,
             response_started: false,
             status: 0,
+            dispatched_at: None,
             usage: None,
             error: None,
             request_id: String::new(),
@@ -398,6 +402,10 @@ impl ProxyHttp for Gateway {
         if let Err(e) = self.enter_model(ctx).await {
             return respond_error(session, ctx, e).await;
         }
+        // Again after a wait for the model's slot (the engine may have changed, time passed).
+        if let Err(e) = self.check_deadline(session, ctx) {
+            return respond_error(session, ctx, e).await;
+        }
         Ok(false)
     }
 
@@ -448,7 +456,19 @@ impl ProxyHttp for Gateway {
                 .with_label_values(&[&peer.node_id, reason])
                 .inc();
         }
+        // The model's slot follows the attempt: released when it goes to a peer (whose caps
+        // apply), taken (waiting if need be) when it falls to a local engine.
+        if engine.via_peer() {
+            ctx.model_slot = None;
+        } else if ctx.model_slot.is_none() {
+            if let Err(e) = self.take_model_slot(ctx).await {
+                let err = pingora_error(e.kind, &e.message);
+                ctx.error = Some(e);
+                return Err(err);
+            }
+        }
         ctx.access.engine = Some(engine.name.clone());
+        ctx.dispatched_at = Some(Instant::now());
         ctx.predicted_overlap = cand.overlap_blocks;
         ctx.prediction_settled = engine.pending_prefill() == 0;
         let (chain, total) = ctx
@@ -500,6 +520,11 @@ impl ProxyHttp for Gateway {
         // One hop at most: the peer serves it locally. A client's own hop header (trusted, or
         // the request was refused) never travels further.
         req.remove_header(HOP_HEADER);
+        // With `[auth]` the client's key is kvmesh's: engines never see it (a peer proxy needs
+        // it, to authenticate the request again).
+        if self.auth.is_some() && !ctx.engine().is_some_and(|e| e.via_peer()) {
+            req.remove_header(&header::AUTHORIZATION);
+        }
         if ctx.engine().is_some_and(|e| e.via_peer()) {
             req.insert_header(HOP_HEADER, "1")?;
         }
@@ -613,7 +638,13 @@ impl ProxyHttp for Gateway {
                     .observe(ttft.as_secs_f64());
                 if let Some(d) = ctx.dispatch.as_mut() {
                     d.prefill_done();
-                    d.engine().observe_ttft(ttft);
+                    // Only answers feed the estimate: an overloaded engine's fast errors must
+                    // not make it look fast.
+                    if (200..300).contains(&ctx.status) {
+                        if let Some(at) = ctx.dispatched_at {
+                            d.engine().observe_ttft(at.elapsed());
+                        }
+                    }
                 }
             }
             if let Some(u) = ctx.usage.as_mut() {

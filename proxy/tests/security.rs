@@ -153,6 +153,10 @@ models = ["another-model"]
         assert_eq!(r.header("www-authenticate"), Some("Bearer"), "{case}");
     }
     // A key limited to another model: 403 naming the parameter; its /v1/models is empty.
+    // The key is kvmesh's: the engine never receives it.
+    let r = chat_as(proxy.addr, Some("sk-beta"), &body);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-sim-saw-authorization"), Some("no"));
     let r = chat_as(proxy.addr, Some("sk-limited"), &body);
     assert_eq!(r.status, 403, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["error"]["param"], "model");

@@ -235,11 +235,19 @@ impl ServerTls {
         ))
         .with_safe_default_protocol_versions()
         .map_err(|e| TlsError::Invalid(e.to_string()))?;
-        let builder = match self.client_verifier() {
+        let verifies = self.client_verifier();
+        let builder = match verifies.clone() {
             Some(v) => builder.with_client_cert_verifier(v),
             None => builder.with_no_client_auth(),
         };
-        Ok(builder.with_cert_resolver(self.cert_resolver()))
+        let mut config = builder.with_cert_resolver(self.cert_resolver());
+        if verifies.is_some() {
+            // A resumed session keeps the client identity it was made with: with client
+            // certificates, every connection is verified against the CA in force.
+            config.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+            config.send_tls13_tickets = 0;
+        }
+        Ok(config)
     }
 }
 
@@ -378,10 +386,10 @@ impl PeerIdentity {
                     "{s:?} is not a URI prefix such as spiffe://kvmesh.local/"
                 ));
             }
-            if !rest.contains('/') {
-                // Without a path separator, `spiffe://kvmesh.local` would also admit
-                // `spiffe://kvmesh.local.evil/...`.
-                return Err(format!("{s:?}: end the trust domain with `/`, e.g. {s}/"));
+            if !s.ends_with('/') {
+                // Without the separator, `spiffe://kvmesh.local` would also admit
+                // `spiffe://kvmesh.local.evil/...` (and `.../node` would admit `.../node-evil/`).
+                return Err(format!("{s:?}: end the prefix with `/`, e.g. {s}/"));
             }
             return Ok(PeerIdentity::UriPrefix(s.to_string()));
         }

@@ -162,3 +162,27 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 pub fn https_get(addr: SocketAddr, cfg: &Arc<rustls::ClientConfig>, path: &str) -> Option<Resp> {
     https(addr, cfg, "GET", path, b"", &[]).ok().map(|r| r.0)
 }
+
+/// Whether a TLS server at `addr` keeps a connection made with `cfg` after the handshake: in
+/// TLS 1.3 a client finishes first, so a server that refuses the client's certificate (or its
+/// absence) says so with an alert right after; a server that accepts it waits for the client.
+pub fn tls_accepted(addr: SocketAddr, cfg: &Arc<rustls::ClientConfig>) -> bool {
+    let name = ServerName::IpAddress(addr.ip().into());
+    let Ok(conn) = rustls::ClientConnection::new(cfg.clone(), name) else {
+        return false;
+    };
+    let Ok(tcp) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = tcp.set_read_timeout(Some(Duration::from_millis(1500)));
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    let mut buf = [0u8; 64];
+    match tls.read(&mut buf) {
+        Err(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+        // The server spoke first (an HTTP/2 server's SETTINGS): it kept the connection.
+        Ok(n) => n > 0,
+    }
+}
