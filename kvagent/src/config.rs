@@ -56,50 +56,7 @@ pub struct AgentConfig {
     pub tls: TlsConfig,
 }
 
-/// The `[tls]` table: TLS (and optionally client certificates) on the gRPC port.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct TlsConfig {
-    /// PEM certificate chain, leaf first. Empty: plaintext HTTP/2.
-    pub cert_file: String,
-    /// Its PEM private key.
-    pub key_file: String,
-    /// PEM CA bundle client certificates are verified against; empty: none asked for.
-    pub client_ca_file: String,
-    /// Refuse clients without a certificate signed by `client_ca_file`.
-    pub require_client_cert: bool,
-    /// How often the files are checked for changes, seconds (SIGHUP reloads at once).
-    pub reload_interval_secs: u64,
-}
-
-impl Default for TlsConfig {
-    fn default() -> Self {
-        TlsConfig {
-            cert_file: String::new(),
-            key_file: String::new(),
-            client_ca_file: String::new(),
-            require_client_cert: false,
-            reload_interval_secs: 10,
-        }
-    }
-}
-
-impl TlsConfig {
-    /// Whether the gRPC port speaks TLS.
-    pub fn enabled(&self) -> bool {
-        !self.cert_file.is_empty()
-    }
-
-    /// The files, for [`kvmesh_tls::ServerTls`].
-    pub fn files(&self) -> kvmesh_tls::ServerFiles {
-        kvmesh_tls::ServerFiles {
-            cert: self.cert_file.clone(),
-            key: self.key_file.clone(),
-            client_ca: self.client_ca_file.clone(),
-            require_client_cert: self.require_client_cert,
-        }
-    }
-}
+pub use kvmesh_tls::TlsConfig;
 
 /// The `[auth]` table: bearer tokens on every gRPC call (see [`crate::access`]).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -347,24 +304,7 @@ impl AgentConfig {
                 self.metrics_listen
             ));
         }
-        let t = &self.tls;
-        if t.enabled() == t.key_file.is_empty() {
-            return bad("tls.cert_file and tls.key_file go together: set both or neither".into());
-        }
-        if (!t.client_ca_file.is_empty() || t.require_client_cert) && !t.enabled() {
-            return bad("tls.client_ca_file and tls.require_client_cert need tls.cert_file".into());
-        }
-        if t.require_client_cert && t.client_ca_file.is_empty() {
-            return bad("tls.require_client_cert needs tls.client_ca_file".into());
-        }
-        if t.reload_interval_secs == 0 {
-            return bad("tls.reload_interval_secs must be > 0".into());
-        }
-        if t.enabled() {
-            t.files()
-                .load()
-                .map_err(|e| ConfigError::Invalid(format!("[tls]: {e}")))?;
-        }
+        self.tls.check().map_err(ConfigError::Invalid)?;
         let access = crate::access::AccessControl::from_config(&self.auth)?;
         if !self.listen.ip().is_loopback() && !access.enabled() && !self.auth.insecure_no_auth {
             return bad(format!(

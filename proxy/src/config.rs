@@ -668,26 +668,9 @@ impl ProxyConfig {
     fn validate_security(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let t = &self.tls;
-        if t.enabled() == t.key_file.is_empty() {
-            return bad(
-                "`tls.cert_file` and `tls.key_file` go together: set both or neither".into(),
-            );
-        }
-        if !t.client_ca_file.is_empty() && !t.enabled() {
-            return bad("`tls.client_ca_file` needs `tls.cert_file` and `tls.key_file`".into());
-        }
-        if t.require_client_cert && t.client_ca_file.is_empty() {
-            return bad("`tls.require_client_cert` needs `tls.client_ca_file`".into());
-        }
-        if t.reload_interval_secs == 0 || self.auth.reload_interval_secs == 0 {
-            return bad(
-                "`tls.reload_interval_secs` and `auth.reload_interval_secs` must be > 0".into(),
-            );
-        }
-        if t.enabled() {
-            crate::tls::listener_files(t)
-                .load()
-                .map_err(|e| ConfigError::Invalid(format!("`[tls]`: {e}")))?;
+        t.check().map_err(ConfigError::Invalid)?;
+        if self.auth.reload_interval_secs == 0 {
+            return bad("`auth.reload_interval_secs` must be > 0".into());
         }
         let u = &self.upstream;
         if u.client_cert_file.is_empty() != u.client_key_file.is_empty() {

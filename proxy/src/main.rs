@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     });
     warn_if_open(&cfg);
     let listener_tls = if cfg.tls.enabled() {
-        Some(ServerTls::new(kvmesh_proxy::tls::listener_files(&cfg.tls)).context("`[tls]`")?)
+        Some(ServerTls::new(cfg.tls.files()).context("`[tls]`")?)
     } else {
         None
     };
@@ -260,7 +260,7 @@ fn run_picker(
                 .saturating_add(cfg.shutdown.drain_timeout_secs),
         );
         let tls = if cfg.tls.enabled() {
-            Some(ServerTls::new(kvmesh_proxy::tls::listener_files(&cfg.tls)).context("`[tls]`")?)
+            Some(ServerTls::new(cfg.tls.files()).context("`[tls]`")?)
         } else {
             None
         };

@@ -1,15 +1,19 @@
 //! The request path of the gateway, one Pingora hook per phase, top to bottom:
 //!
-//! 1. `request_filter`: local endpoints; admission (a hard cap on requests in flight, taken
-//!    before the body is read); read and bound the body (its bytes reserved from a global body
-//!    budget as they arrive, the whole read under one deadline); parse it in one streaming
-//!    pass; hash the leading blocks of the canonical prompt into the digest chain. Early
+//! 1. `request_filter`: local endpoints; the hop header's trust; the API key and its in-flight
+//!    slot ([`crate::guard`]); admission (a hard cap on requests in flight, taken before the
+//!    body is read); read and bound the body (its bytes reserved from a global body budget as
+//!    they arrive, the whole read under one deadline); parse it in one streaming pass; the
+//!    key's model allow-list and its tenant's cache salt (set in the body); hash the leading
+//!    blocks of the canonical prompt into the digest chain; decide; the TTFT deadline and the
+//!    model's admission slot (a bounded wait, then a fresh decision). Early
 //!    refusals read and discard the rest of the body, bounded, before closing (a lingering
 //!    close), so that the client sees the error, not a reset; refusals for overload or a slow
 //!    client drain far less.
 //! 2. `upstream_peer`: rank the engines once (policy over the residency index and live load;
 //!    in sidecar mode, keep the local engine unless a peer saves enough), then take the next
-//!    untried engine: the first call, and again after each failover. A peer's engine is reached
+//!    untried engine: the first call, and again after each failover (the model's slot follows
+//!    the attempt: none for a peer, one for a local engine); `https://` engines get TLS. A peer's engine is reached
 //!    through the peer proxy, with `x-kvmesh-hop: 1` so that it serves the request locally.
 //! 3. `upstream_request_filter` / `request_body_filter`: send the original body bytes.
 //! 4. `upstream_response_filter` / `response_body_filter`: stream the response through as it
@@ -23,7 +27,8 @@
 //! (`fail_to_connect`) and failures while sending the request (`error_while_proxy`).
 //!
 //! The hooks call into one module per concern: [`crate::admin`] (local endpoints),
-//! [`crate::trust`] (the hop header), [`crate::body`] (reading, bounding and staging the body,
+//! [`crate::trust`] (the hop header), [`crate::guard`] (keys, tenants, per-model admission,
+//! deadlines), [`crate::body`] (reading, bounding and staging the body,
 //! admission and the body budget, the lingering close), [`crate::plan`] (planning and the
 //! decision), [`crate::placement`] (the sidecar rule, the cold home) and [`crate::feedback`]
 //! (settling `usage` into the residency index).

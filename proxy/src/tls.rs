@@ -16,17 +16,7 @@ use rustls::{RootCertStore, SignatureScheme};
 use kvmesh_tls::{check_validity, file_error, read_certs, read_key, read_roots};
 pub use kvmesh_tls::{fingerprint, PeerCert, PeerIdentity, ServerFiles, ServerTls, TlsError};
 
-use crate::config::{TlsConfig, UpstreamConfig};
-
-/// The listener's files, as `[tls]` names them.
-pub fn listener_files(cfg: &TlsConfig) -> ServerFiles {
-    ServerFiles {
-        cert: cfg.cert_file.clone(),
-        key: cfg.key_file.clone(),
-        client_ca: cfg.client_ca_file.clone(),
-        require_client_cert: cfg.require_client_cert,
-    }
-}
+use crate::config::UpstreamConfig;
 
 /// Pingora listener settings that take the certificate and verifier in force at each
 /// handshake and record the client certificate's identity ([`PeerCert`]).

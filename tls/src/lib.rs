@@ -22,9 +22,12 @@ use rustls::{DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureS
 use x509_parser::extensions::GeneralName;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
+pub mod config;
 pub mod incoming;
 #[cfg(feature = "testing")]
 pub mod testing;
+
+pub use config::TlsConfig;
 
 /// Why TLS files cannot be used.
 #[derive(Debug, thiserror::Error)]

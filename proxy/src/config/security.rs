@@ -8,44 +8,7 @@ use serde::{Deserialize, Serialize};
 /// The most API keys one configuration (file and key file together) may hold.
 pub const MAX_API_KEYS: usize = 100_000;
 
-/// The `[tls]` table: TLS (and optionally client certificates) on the OpenAI listener. Off
-/// while `cert_file` is empty.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TlsConfig {
-    /// PEM certificate chain of the listener, leaf first. Empty: plaintext HTTP.
-    pub cert_file: String,
-    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of the listener.
-    pub key_file: String,
-    /// PEM CA bundle that client certificates are verified against (the cluster CA, for mTLS
-    /// between kvmesh nodes). Empty: client certificates are not asked for.
-    pub client_ca_file: String,
-    /// Refuse clients without a valid certificate (signed by `client_ca_file`) at the handshake.
-    /// Off: clients may connect without one; only a certificate they do present is checked.
-    pub require_client_cert: bool,
-    /// How often the certificate, key and CA files are checked for changes, seconds (they are
-    /// also reloaded on SIGHUP). New handshakes use the new files; open connections continue.
-    pub reload_interval_secs: u64,
-}
-
-impl Default for TlsConfig {
-    fn default() -> Self {
-        TlsConfig {
-            cert_file: String::new(),
-            key_file: String::new(),
-            client_ca_file: String::new(),
-            require_client_cert: false,
-            reload_interval_secs: 10,
-        }
-    }
-}
-
-impl TlsConfig {
-    /// Whether the listener speaks TLS.
-    pub fn enabled(&self) -> bool {
-        !self.cert_file.is_empty()
-    }
-}
+pub use kvmesh_tls::TlsConfig;
 
 /// The `[auth]` table: bearer API keys. Off while neither `keys` nor `key_file` is set.
 #[derive(Debug, Clone, Serialize, Deserialize)]
