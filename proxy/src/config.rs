@@ -488,9 +488,76 @@ pub struct EngineAddr {
     pub models: Vec<String>,
 }
 
+/// Command-line overrides of the common keys, applied after the file and the environment.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    /// `--listen`: `listen`.
+    pub listen: Option<String>,
+    /// `--engine URL`, repeated: replaces `[[engines]]` with engines named `engine-0`, ...
+    pub engines: Vec<String>,
+    /// `--policy`: `policy`.
+    pub policy: Option<String>,
+    /// `--mode`: `mode`.
+    pub mode: Option<String>,
+    /// `--log-format`: `log_format`.
+    pub log_format: Option<String>,
+}
+
+/// `value` as one of a unit enum's snake_case names; the error names `flag` and the choices.
+fn enum_value<T: serde::de::DeserializeOwned>(
+    flag: &str,
+    value: &str,
+    choices: &str,
+) -> Result<T, ConfigError> {
+    use serde::de::IntoDeserializer;
+    let de: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
+        value.into_deserializer();
+    T::deserialize(de)
+        .map_err(|_| ConfigError::Invalid(format!("{flag} {value:?}: expected one of {choices}")))
+}
+
+impl Overrides {
+    fn apply(&self, cfg: &mut ProxyConfig) -> Result<(), ConfigError> {
+        if let Some(v) = &self.listen {
+            cfg.listen.clone_from(v);
+        }
+        if !self.engines.is_empty() {
+            cfg.engines = self
+                .engines
+                .iter()
+                .enumerate()
+                .map(|(i, url)| EngineConfig {
+                    name: format!("engine-{i}"),
+                    url: url.clone(),
+                    models: Vec::new(),
+                })
+                .collect();
+        }
+        if let Some(v) = &self.policy {
+            cfg.policy = enum_value(
+                "--policy",
+                v,
+                "prefix, round_robin, least_inflight, power_of_two, session",
+            )?;
+        }
+        if let Some(v) = &self.mode {
+            cfg.mode = enum_value("--mode", v, "gateway, sidecar, picker")?;
+        }
+        if let Some(v) = &self.log_format {
+            cfg.log_format = enum_value("--log-format", v, "text, json")?;
+        }
+        Ok(())
+    }
+}
+
 impl ProxyConfig {
     /// Reads `path` (or defaults when `None`), applies env overrides, validates.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_with(path, &Overrides::default())
+    }
+
+    /// [`Self::load`], with command-line `overrides` applied after the environment.
+    pub fn load_with(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
         let mut cfg = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
@@ -529,6 +596,7 @@ impl ProxyConfig {
                 .map(String::from)
                 .collect();
         }
+        overrides.apply(&mut cfg)?;
         cfg.validate()?;
         Ok(cfg)
     }

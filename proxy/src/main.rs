@@ -13,7 +13,7 @@ use pingora::server::{Server, ShutdownWatch};
 use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::cluster;
-use kvmesh_proxy::config::{LogFormat, Mode, ProxyConfig};
+use kvmesh_proxy::config::{LogFormat, Mode, Overrides, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
@@ -27,16 +27,40 @@ use kvmesh_proxy::tls::{ServerTls, UpstreamTls};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// The version and the commit it was built from (`--version`).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("KVMESH_GIT_HASH"),
+    ")"
+);
+
 #[derive(Parser)]
 #[command(
     name = "kvmesh-proxy",
-    version,
+    version = VERSION,
     about = "KV-cache-aware L7 proxy for OpenAI-compatible LLM engines"
 )]
 struct Cli {
     /// TOML configuration file (see docs/configuration.md).
     #[arg(long, short = 'c', env = "KVMESH_CONFIG")]
     config: Option<PathBuf>,
+    /// Overrides `listen` (and `KVMESH_LISTEN`), e.g. `0.0.0.0:8080`.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+    /// An engine's URL; repeat for more. Replaces the file's `[[engines]]` (named engine-0,
+    /// engine-1, ... in that order).
+    #[arg(long = "engine", value_name = "URL")]
+    engines: Vec<String>,
+    /// Overrides `policy`: prefix, round_robin, least_inflight, power_of_two, session.
+    #[arg(long)]
+    policy: Option<String>,
+    /// Overrides `mode`: gateway, sidecar, picker.
+    #[arg(long)]
+    mode: Option<String>,
+    /// Overrides `log_format` (and `KVMESH_LOG_FORMAT`): text, json.
+    #[arg(long, value_name = "FORMAT")]
+    log_format: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -124,7 +148,15 @@ fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let cfg = ProxyConfig::load(cli.config.as_deref()).context("invalid configuration")?;
+    let overrides = Overrides {
+        listen: cli.listen.clone(),
+        engines: cli.engines.clone(),
+        policy: cli.policy.clone(),
+        mode: cli.mode.clone(),
+        log_format: cli.log_format.clone(),
+    };
+    let cfg = ProxyConfig::load_with(cli.config.as_deref(), &overrides)
+        .context("invalid configuration")?;
     init_logging(&cfg)?;
     let fleet = Fleet::new(
         cfg.engine_addrs()?,

@@ -621,3 +621,81 @@ fn every_request_gets_an_access_line_and_a_request_id() {
     let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(&config);
 }
+
+/// The common keys as flags, no configuration file: `--listen`, `--engine` (repeated),
+/// `--policy`, `--log-format`; a bad value is refused naming the flag and the choices;
+/// `--version` names the commit.
+#[test]
+fn flags_alone_run_a_gateway_and_bad_values_are_named() {
+    let sims = [Sim::instant("e0"), Sim::instant("e1")];
+    let port = free_port();
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _proxy = Killed(
+        std::process::Command::new(bin("kvmesh-proxy"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--engine", &sims[0].url(), "--engine", &sims[1].url()])
+            .args(["--policy", "round_robin", "--log-format", "json"])
+            .env_remove("KVMESH_CONFIG")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    assert!(eventually(Duration::from_secs(20), || get(addr, "/ready")
+        .is_ok_and(|r| r.status == 200)));
+    let mut served = std::collections::HashSet::new();
+    for i in 0..4 {
+        let r = post(
+            addr,
+            "/v1/chat/completions",
+            &chat_body("sim-model", &format!("q{i}"), ""),
+        );
+        assert_eq!(r.status, 200);
+        served.insert(r.header("x-kvmesh-engine").unwrap().to_string());
+    }
+    // Round robin over engine-0 and engine-1, the names the flags give.
+    assert_eq!(
+        served,
+        ["engine-0", "engine-1"]
+            .map(String::from)
+            .into_iter()
+            .collect()
+    );
+    let metrics = String::from_utf8(get(addr, "/metrics").unwrap().body).unwrap();
+    assert!(metrics.contains("policy=\"round_robin\""), "{metrics}");
+
+    for (flag, value, words) in [
+        ("--policy", "fastest", "round_robin"),
+        ("--mode", "mesh", "sidecar"),
+        ("--log-format", "xml", "json"),
+        ("--engine", "ftp://x", "http://"),
+    ] {
+        let out = std::process::Command::new(bin("kvmesh-proxy"))
+            .args([flag, value])
+            .args(["--engine", "http://127.0.0.1:9", "--listen", "127.0.0.1:0"])
+            .env_remove("KVMESH_CONFIG")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{flag} {value} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(words), "{flag} {value}: {err}");
+    }
+    let out = std::process::Command::new(bin("kvmesh-proxy"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    let v = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        v.starts_with(&format!("kvmesh-proxy {} (", env!("CARGO_PKG_VERSION")))
+            && v.trim_end().ends_with(')'),
+        "{v}"
+    );
+}

@@ -1,0 +1,30 @@
+//! Records the commit the binary is built from, for `kvmesh-proxy --version`.
+
+use std::path::Path;
+use std::process::Command;
+
+fn main() {
+    let hash = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown commit".to_string());
+    println!("cargo:rustc-env=KVMESH_GIT_HASH={hash}");
+    // Rebuilt when HEAD moves: a checkout changes HEAD, a commit changes the branch it names.
+    let git = Path::new("../.git");
+    println!("cargo:rerun-if-changed=../.git/HEAD");
+    if let Ok(head) = std::fs::read_to_string(git.join("HEAD")) {
+        if let Some(r) = head.trim().strip_prefix("ref: ") {
+            // (A path that does not exist would make every build rerun this script.)
+            for path in [r, "packed-refs"] {
+                if git.join(path).exists() {
+                    println!("cargo:rerun-if-changed=../.git/{path}");
+                }
+            }
+        }
+    }
+}
