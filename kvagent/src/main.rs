@@ -181,27 +181,13 @@ async fn run() -> anyhow::Result<()> {
 /// Reloads the TLS files when they change and on SIGHUP (which would otherwise end the
 /// process); files that do not load are refused and the old ones stay.
 async fn reload_on_hup(tls: Option<Arc<kvmesh_tls::ServerTls>>, every: Duration) {
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
-    let mut tick = tokio::time::interval(every);
-    loop {
-        let force = tokio::select! {
-            _ = tick.tick() => false,
-            Some(()) = async {
-                match hup.as_mut() {
-                    Some(h) => h.recv().await,
-                    None => std::future::pending().await,
-                }
-            } => true,
-        };
-        match tls.as_ref().map(|t| t.reload(force)) {
-            None if force => tracing::info!("SIGHUP: nothing to reload (only [tls] files are)"),
-            Some(Ok(true)) => tracing::info!("TLS certificate and client CA reloaded"),
-            Some(Err(e)) => {
-                tracing::error!(error = %e, "TLS files not reloaded; the previous ones stay in force")
-            }
-            _ => {}
-        }
-    }
+    use kvmesh_tls::reload::{every_and_on_hup, log_outcome};
+    every_and_on_hup(every, std::future::pending(), |force| match tls.as_ref() {
+        Some(t) => log_outcome("TLS certificate and client CA", t.reload(force)),
+        None if force => tracing::info!("SIGHUP: nothing to reload (only [tls] files are)"),
+        None => {}
+    })
+    .await;
 }
 
 async fn shutdown_signal() {

@@ -40,6 +40,8 @@ pub struct Engine {
     pub url: String,
     /// Resolved address.
     pub addr: SocketAddr,
+    /// For an `https://` URL, its host: the SNI and the name its certificate must carry.
+    pub tls_host: Option<String>,
     /// A stable key for session hashing (from the name).
     pub key: u64,
     inflight: AtomicU64,
@@ -64,6 +66,13 @@ pub struct Engine {
 /// How long a TTFT estimate stands without a new answer: after it, the engine gets the benefit
 /// of the doubt again (so that refusing by an old estimate cannot lock an engine out for good).
 pub const TTFT_ESTIMATE_TTL: Duration = Duration::from_secs(10);
+
+/// The host of an `https://` URL (checked when the engine is added); `None` for `http://`.
+fn tls_host(url: &str) -> Option<String> {
+    crate::config::url_is_tls(url)
+        .then(|| crate::config::engine_url_host(url).map(|(h, _)| h).ok())
+        .flatten()
+}
 
 /// Milliseconds since the first call (a process-wide monotonic clock for atomics).
 fn mono_ms() -> u64 {
@@ -221,6 +230,7 @@ impl Fleet {
                     id: NodeId(i as u32),
                     key: name_key(&a.name),
                     name: a.name,
+                    tls_host: tls_host(&a.url),
                     url: a.url,
                     addr: a.addr,
                     inflight: AtomicU64::new(0),
@@ -346,6 +356,7 @@ impl Fleet {
             id,
             name: p.node_id.clone(),
             url: p.url.clone(),
+            tls_host: tls_host(&p.url),
             addr: p.addr,
             key: name_key(&p.node_id),
             inflight: AtomicU64::new(0),

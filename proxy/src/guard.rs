@@ -112,6 +112,13 @@ impl Gateway {
         Ok(body)
     }
 
+    /// The engine the decision ranked first, if any.
+    fn first_ranked(&self, ctx: &Ctx) -> Option<std::sync::Arc<crate::fleet::Engine>> {
+        let (cands, decision) = ctx.decision.as_ref()?;
+        let first = cands.get(*decision.order.first()?)?;
+        self.fleet.get(first.node)
+    }
+
     /// With a deadline header: 400 for a value that is not milliseconds, 429 (counted as
     /// `deadline`) when the time already spent on the request plus the chosen engine's recent
     /// time to first token is over it. Engines with no recent answer are given the benefit of
@@ -139,11 +146,8 @@ impl Gateway {
                     format!("the {name} header must be a whole number of milliseconds"),
                 )
             })?;
-        let estimate = ctx
-            .decision
-            .as_ref()
-            .and_then(|(c, d)| d.order.first().and_then(|&i| c.get(i)))
-            .and_then(|c| self.fleet.get(c.node))
+        let estimate = self
+            .first_ranked(ctx)
             .and_then(|e| e.ttft_estimate().map(|t| (e, t)));
         let spent = ctx.started.elapsed();
         match estimate {
@@ -173,12 +177,7 @@ impl Gateway {
         }
         // A request going to a peer proxy takes a slot there, not here (two sidecars
         // forwarding to each other must not hold each other's slots while they wait).
-        let to_peer = ctx
-            .decision
-            .as_ref()
-            .and_then(|(c, d)| d.order.first().and_then(|&i| c.get(i)))
-            .and_then(|c| self.fleet.get(c.node))
-            .is_some_and(|e| e.via_peer());
+        let to_peer = self.first_ranked(ctx).is_some_and(|e| e.via_peer());
         if to_peer {
             return Ok(());
         }

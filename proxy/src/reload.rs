@@ -13,6 +13,8 @@ use pingora::services::background::BackgroundService;
 
 use crate::auth::Auth;
 use crate::config::ProxyConfig;
+use kvmesh_tls::reload::{every_and_on_hup, log_outcome};
+
 use crate::tls::{ServerTls, UpstreamTls};
 
 /// The longest wait between two checks of the files.
@@ -57,31 +59,13 @@ impl Reloader {
             tracing::info!("SIGHUP: nothing to reload (only [tls] files, the upstream client certificate and auth.key_file are)");
         }
         if let Some(u) = self.upstream.as_ref() {
-            match u.reload(force) {
-                Ok(true) => tracing::info!("upstream client certificate reloaded"),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::error!(error = %e, "upstream client certificate not reloaded; the previous one stays in force")
-                }
-            }
+            log_outcome("upstream client certificate", u.reload(force));
         }
         if let Some(t) = self.tls.as_ref() {
-            match t.reload(force) {
-                Ok(true) => tracing::info!("listener TLS certificate and client CA reloaded"),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::error!(error = %e, "TLS files not reloaded; the previous ones stay in force")
-                }
-            }
+            log_outcome("listener TLS certificate and client CA", t.reload(force));
         }
         if let Some(a) = self.auth.as_ref() {
-            match a.reload(force) {
-                Ok(true) => tracing::info!(keys = a.len(), "API keys reloaded"),
-                Ok(false) => {}
-                Err(e) => {
-                    tracing::error!(error = %e, "API keys not reloaded; the previous ones stay in force")
-                }
-            }
+            log_outcome("API key file", a.reload(force));
         }
     }
 }
@@ -89,27 +73,9 @@ impl Reloader {
 #[async_trait]
 impl BackgroundService for Reloader {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-            Ok(s) => Some(s),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch SIGHUP; files are still polled");
-                None
-            }
+        let stop = async move {
+            let _ = shutdown.changed().await;
         };
-        let mut tick = tokio::time::interval(self.interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            let sighup = async {
-                match hup.as_mut() {
-                    Some(s) => s.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                _ = tick.tick() => self.reload(false),
-                Some(()) = sighup => self.reload(true),
-                _ = shutdown.changed() => return,
-            }
-        }
+        every_and_on_hup(self.interval, stop, |force| self.reload(force)).await;
     }
 }

@@ -493,16 +493,13 @@ impl ProxyHttp for Gateway {
         }
         self.index
             .record(engine.id, chain, Source::Optimistic, Instant::now());
-        let mut peer = if crate::config::url_is_tls(&engine.url) {
-            // SNI and the name verified: the URL's host (checked when the engine was added).
-            let host = crate::config::engine_url_host(&engine.url)
-                .map(|(h, _)| h)
-                .unwrap_or_default();
-            let mut p = HttpPeer::new(engine.addr, true, host);
-            p.client_cert_key = self.upstream_tls.client_cert();
-            p
-        } else {
-            HttpPeer::new(engine.addr, false, String::new())
+        let mut peer = match engine.tls_host.as_ref() {
+            Some(host) => {
+                let mut p = HttpPeer::new(engine.addr, true, host.clone());
+                p.client_cert_key = self.upstream_tls.client_cert();
+                p
+            }
+            None => HttpPeer::new(engine.addr, false, String::new()),
         };
         peer.options.connection_timeout =
             Some(Duration::from_millis(self.cfg.upstream.connect_timeout_ms));

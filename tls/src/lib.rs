@@ -24,6 +24,7 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 
 pub mod config;
 pub mod incoming;
+pub mod reload;
 #[cfg(feature = "testing")]
 pub mod testing;
 
