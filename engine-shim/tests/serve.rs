@@ -503,36 +503,25 @@ fn blocks_page_in_through_a_tls_kvagent_with_a_token() {
             token_file.display()
         ),
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
-        .current_dir(root())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "-c",
-            distrusting.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        !out.status.success(),
-        "an engine trusting another CA started"
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_start(&distrusting, "an engine trusting another CA started");
     assert!(err.contains("kvagent"), "{err}");
 
     let wrong = engine_cfg(&temp_file("wrong.token", "not-the-engine-token-at-all"));
-    let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
-        .current_dir(root())
-        .args(["--listen", "127.0.0.1:0", "-c", wrong.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        !out.status.success(),
-        "an engine with a wrong token started"
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_start(&wrong, "an engine with a wrong token started");
     assert!(err.contains("kvagent_token_file"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Starts engine-shim with the configuration file `config`, which must make it exit with an
+/// error (else `started` is the failure); its stderr.
+fn refused_start(config: &std::path::Path, started: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_engine-shim"))
+        .current_dir(root())
+        .args(["--listen", "127.0.0.1:0", "-c", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "{started}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]

@@ -32,10 +32,6 @@ fn envoy_bin() -> PathBuf {
     })
 }
 
-fn python() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/bin/python")
-}
-
 /// A running Envoy on the shipped example config (ports rewritten); killed on drop.
 struct Envoy {
     child: Child,
@@ -167,20 +163,7 @@ fn the_openai_client_chats_through_envoy_streamed_and_not() {
     let (_sims, picker, envoy) = stack();
     let base = format!("http://{}/v1", envoy.addr);
     for mode in ["chat", "stream"] {
-        let out = Command::new(python())
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/support/openai_client.py"
-            ))
-            .args([base.as_str(), mode, "hello through envoy"])
-            .output()
-            .expect("run the openai client");
-        assert!(
-            out.status.success(),
-            "{mode}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = openai_client(&base, mode, "hello through envoy", &[]);
         assert!(
             v["engine"].as_str().is_some_and(|e| e.starts_with('e')),
             "{v}"

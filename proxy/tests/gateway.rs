@@ -528,36 +528,16 @@ fn every_request_gets_an_access_line_and_a_request_id() {
     let sim = Sim::instant("e0");
     let port = free_port();
     let log = std::env::temp_dir().join(format!("kvmesh-access-{}-{port}.log", std::process::id()));
-    let config =
-        std::env::temp_dir().join(format!("kvmesh-access-{}-{port}.toml", std::process::id()));
-    std::fs::write(
-        &config,
-        format!(
+    let proxy = Proxy::start_logged(
+        &format!(
             "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn,kvmesh::access=info\"\nlog_format = \"json\"\n[health]\ninterval_ms = 200\n{}",
             engines_toml(&[&sim])
         ),
-    )
-    .unwrap();
-    // Killed on drop, also when an assertion fails.
-    struct Killed(std::process::Child);
-    impl Drop for Killed {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _proxy = Killed(
-        std::process::Command::new(bin("kvmesh-proxy"))
-            .arg("--config")
-            .arg(&config)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+        port,
+        true,
+        Some(&log),
     );
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    assert!(eventually(Duration::from_secs(20), || get(addr, "/ready")
-        .is_ok_and(|r| r.status == 200)));
+    let addr = proxy.addr;
     let body = chat_body("sim-model", "hello access log", "");
     let given = request(
         addr,
@@ -619,7 +599,6 @@ fn every_request_gets_an_access_line_and_a_request_id() {
         (Some(404), Some(""))
     );
     let _ = std::fs::remove_file(&log);
-    let _ = std::fs::remove_file(&config);
 }
 
 /// The common keys as flags, no configuration file: `--listen`, `--engine` (repeated),
@@ -629,13 +608,6 @@ fn every_request_gets_an_access_line_and_a_request_id() {
 fn flags_alone_run_a_gateway_and_bad_values_are_named() {
     let sims = [Sim::instant("e0"), Sim::instant("e1")];
     let port = free_port();
-    struct Killed(std::process::Child);
-    impl Drop for Killed {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let _proxy = Killed(
         std::process::Command::new(bin("kvmesh-proxy"))
             .args(["--listen", &format!("127.0.0.1:{port}")])

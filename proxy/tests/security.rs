@@ -456,26 +456,12 @@ fn tls_listener_serves_the_openai_client_refuses_bad_clients_and_rotates_without
 
     // The reference client, trusting our CA.
     let ca_file = dir.file("ca.pem", &ca.pem);
-    let out =
-        Command::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/bin/python"))
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/support/openai_client.py"
-            ))
-            .args([
-                &format!("https://127.0.0.1:{}/v1", proxy.addr.port()),
-                "stream",
-                "hello over tls",
-            ])
-            .env("SSL_CERT_FILE", &ca_file)
-            .output()
-            .expect("run the openai client");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let v = openai_client(
+        &format!("https://127.0.0.1:{}/v1", proxy.addr.port()),
+        "stream",
+        "hello over tls",
+        &[("SSL_CERT_FILE", ca_file.as_path())],
     );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["engine"], "e0", "{v}");
     assert_eq!(v["chunks"], 4, "{v}");
 

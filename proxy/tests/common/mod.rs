@@ -112,6 +112,43 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// Runs the reference `openai` client (`tests/support/openai_client.py`, from `.venv-peers`)
+/// against `base` (`http(s)://host:port/v1`) in `mode` (`chat` or `stream`) with `env` set;
+/// its JSON report (engine, text, chunks, usage). Fails the test if the client fails.
+pub fn openai_client(
+    base: &str,
+    mode: &str,
+    prompt: &str,
+    env: &[(&str, &std::path::Path)],
+) -> serde_json::Value {
+    let out =
+        Command::new(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-peers/bin/python"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/support/openai_client.py"
+            ))
+            .args([base, mode, prompt])
+            .envs(env.iter().copied())
+            .output()
+            .expect("run the openai client");
+    assert!(
+        out.status.success(),
+        "{mode}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// A child process killed (and reaped) on drop, also when an assertion fails.
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A running proxy; killed on drop.
 pub struct Proxy {
     pub child: Child,
