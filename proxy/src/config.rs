@@ -8,6 +8,7 @@ use std::time::Duration;
 use kvmesh_filters::route::{Policy, PrefixParams};
 use serde::{Deserialize, Serialize};
 
+pub mod env;
 pub mod security;
 
 pub use security::{AdmissionConfig, ApiKeyConfig, AuthConfig, TlsConfig};
@@ -558,36 +559,21 @@ impl ProxyConfig {
 
     /// [`Self::load`], with command-line `overrides` applied after the environment.
     pub fn load_with(path: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
-        let mut cfg = match path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+        let (text, origin) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
                     path: p.display().to_string(),
                     source,
-                })?;
-                Self::from_toml(&text).map_err(|message| ConfigError::Parse {
-                    path: p.display().to_string(),
-                    message,
-                })?
-            }
-            None => ProxyConfig::default(),
+                })?,
+                p.display().to_string(),
+            ),
+            None => (String::new(), "(no file)".to_string()),
         };
-        if let Ok(v) = std::env::var("KVMESH_LISTEN") {
-            cfg.listen = v;
-        }
-        if let Ok(v) = std::env::var("KVMESH_LOG") {
-            cfg.log = v;
-        }
-        if let Ok(v) = std::env::var("KVMESH_LOG_FORMAT") {
-            cfg.log_format = match v.as_str() {
-                "text" => LogFormat::Text,
-                "json" => LogFormat::Json,
-                other => {
-                    return Err(ConfigError::Invalid(format!(
-                        "KVMESH_LOG_FORMAT = {other:?}: expected \"text\" or \"json\""
-                    )))
-                }
-            };
-        }
+        let mut cfg =
+            Self::from_toml_with_env(&text, utf8_env()).map_err(|message| ConfigError::Parse {
+                path: origin,
+                message,
+            })?;
         if let Ok(v) = std::env::var("KVMESH_GOSSIP_KEYS") {
             cfg.cluster.gossip_keys = v
                 .split(',')
@@ -604,6 +590,26 @@ impl ProxyConfig {
     /// Parses TOML text (no env, no validation).
     pub fn from_toml(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// Parses TOML text with the `KVMESH_*` overrides among `vars` applied ([`env`]; no
+    /// validation). Without overrides the text's own errors (with its line numbers) are
+    /// reported.
+    pub fn from_toml_with_env(
+        text: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, String> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let schema = toml::Table::try_from(ProxyConfig::default())
+            .map_err(|e| format!("internal: the default configuration as TOML: {e}"))?;
+        let applied = env::apply(&mut table, &schema, vars).map_err(|e| e.to_string())?;
+        if applied.is_empty() {
+            return Self::from_toml(text);
+        }
+        // Re-read as text so errors name the key (toml reports paths from documents).
+        let merged = toml::to_string(&table).map_err(|e| e.to_string())?;
+        Self::from_toml(&merged)
+            .map_err(|e| format!("with the overrides {}: {e}", applied.join(", ")))
     }
 
     /// Checks every value; the error names the key.
@@ -812,12 +818,7 @@ impl ProxyConfig {
         let advertise: SocketAddr = if c.advertise.is_empty() {
             listen
         } else {
-            c.advertise.parse().map_err(|_| {
-                bad(format!(
-                    "`cluster.advertise` = {:?} is not an IP:port address",
-                    c.advertise
-                ))
-            })?
+            resolve_advertise(&c.advertise).map_err(bad)?
         };
         if advertise.ip().is_unspecified() {
             return Err(bad(
@@ -905,22 +906,44 @@ impl ProxyConfig {
             .collect()
     }
 
-    /// This proxy's node id in the cluster.
+    /// This proxy's node id in the cluster (default: `kvmesh-<reachable listen address>`).
     pub fn node_id(&self) -> String {
         if self.cluster.node_id.is_empty() {
-            format!("kvmesh-{}", self.listen)
+            format!("kvmesh-{}", self.reachable_listen())
         } else {
             self.cluster.node_id.clone()
         }
     }
 
-    /// The URL peers forward to (`https://` when the listener speaks TLS).
+    /// The URL peers forward to (default: `http(s)://<reachable listen address>`; `https://`
+    /// when the listener speaks TLS).
     pub fn proxy_url(&self) -> String {
         if self.cluster.proxy_url.is_empty() {
             let scheme = if self.tls.enabled() { "https" } else { "http" };
-            format!("{scheme}://{}", self.listen)
+            format!("{scheme}://{}", self.reachable_listen())
         } else {
             self.cluster.proxy_url.clone()
+        }
+    }
+
+    /// `listen`, with an unspecified IP (`0.0.0.0`, `::`) replaced by the advertised gossip IP:
+    /// a peer cannot forward to `0.0.0.0`, and every container listening on `0.0.0.0:8080`
+    /// would otherwise default to the same node id.
+    fn reachable_listen(&self) -> String {
+        let Ok(listen) = self.listen.parse::<SocketAddr>() else {
+            return self.listen.clone();
+        };
+        if !listen.ip().is_unspecified() {
+            return self.listen.clone();
+        }
+        let gossip = if self.cluster.advertise.is_empty() {
+            &self.cluster.gossip_listen
+        } else {
+            &self.cluster.advertise
+        };
+        match resolve_advertise(gossip) {
+            Ok(a) if !a.ip().is_unspecified() => SocketAddr::new(a.ip(), listen.port()).to_string(),
+            _ => self.listen.clone(),
         }
     }
 
@@ -943,6 +966,32 @@ pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
         .map_err(|e| format!("url {url:?}: cannot resolve host: {e}"))?
         .next()
         .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
+}
+
+/// The process environment's variables that are valid UTF-8 (a `KVMESH_*` override never
+/// needs more; others are not ours to judge).
+fn utf8_env() -> impl Iterator<Item = (String, String)> {
+    std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+}
+
+/// `cluster.advertise`: an `IP:port`, or a `host:port` resolved once at start (a container's
+/// or pod's own name), IPv4 preferred.
+fn resolve_advertise(value: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = value.parse() {
+        return Ok(addr);
+    }
+    let addrs: Vec<SocketAddr> = value
+        .to_socket_addrs()
+        .map_err(|e| {
+            format!("`cluster.advertise` = {value:?} is neither IP:port nor a host:port that resolves: {e}")
+        })?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| format!("`cluster.advertise` = {value:?} resolves to no address"))
 }
 
 /// Checks an engine or peer URL (`http://host[:port]` or `https://host[:port]`, no path)
@@ -978,6 +1027,52 @@ pub fn url_is_tls(url: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn env_overrides_reach_every_table_and_unspecified_listen_defaults_are_reachable() {
+        let vars = [
+            ("KVMESH_LISTEN", "0.0.0.0:8080"),
+            ("KVMESH_MODE", "sidecar"),
+            (
+                "KVMESH_ENGINES",
+                r#"[{ name = "e", url = "http://127.0.0.1:9" }]"#,
+            ),
+            ("KVMESH_CLUSTER__ENABLED", "true"),
+            ("KVMESH_CLUSTER__INSECURE_PLAINTEXT", "true"),
+            ("KVMESH_CLUSTER__GOSSIP_LISTEN", "0.0.0.0:7946"),
+            ("KVMESH_CLUSTER__ADVERTISE", "localhost:7946"),
+            ("KVMESH_SIDECAR__ACCEPT_HOP_FROM", "members"),
+            ("KVMESH_ADMISSION__MODEL_MAX_INFLIGHT", "{ m = 2 }"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let c = ProxyConfig::from_toml_with_env("policy = \"round_robin\"\n", vars).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.mode, Mode::Sidecar);
+        assert_eq!(c.policy, Policy::RoundRobin, "the file's keys stay");
+        assert_eq!(c.sidecar.accept_hop_from, HopTrust::Members);
+        assert_eq!(c.admission.cap("m"), Some(2));
+        // Not 0.0.0.0: the advertised host's address, with the listen port.
+        let gossip = c.cluster_config().unwrap();
+        assert!(gossip.advertise.ip().is_loopback(), "{}", gossip.advertise);
+        let ip = gossip.advertise.ip();
+        assert_eq!(c.proxy_url(), format!("http://{ip}:8080"));
+        assert_eq!(c.node_id(), format!("kvmesh-{ip}:8080"));
+        let err = ProxyConfig::from_toml_with_env(
+            "",
+            [("KVMESH_ROUTING__BLOCK_BYTE".to_string(), "1".to_string())],
+        )
+        .unwrap_err();
+        assert!(err.contains("KVMESH_ROUTING__BLOCK_BYTES"), "{err}");
+        let err = ProxyConfig::from_toml_with_env(
+            "",
+            [("KVMESH_POLICY".to_string(), "fastest".to_string())],
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("KVMESH_POLICY") && err.contains("policy"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn minimal_config_gets_defaults() {

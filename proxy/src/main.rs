@@ -76,6 +76,43 @@ enum Command {
     GossipKeygen,
     /// Read an API key from stdin (one line) and print its SHA-256 for `[[auth.keys]]` `sha256`.
     HashKey,
+    /// GET a URL and exit 0 on a 2xx answer, 1 otherwise: the container healthcheck (images
+    /// carry no curl), e.g. `kvmesh-proxy probe http://127.0.0.1:8080/ready`.
+    Probe {
+        /// `http://` or `https://` URL.
+        url: String,
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+        /// CA bundle (PEM) that verifies an `https://` URL's certificate.
+        #[arg(long, value_name = "FILE")]
+        ca_file: Option<String>,
+    },
+}
+
+/// `kvmesh-proxy probe`: one GET with the health probes' client; the status line is printed.
+fn probe(url: &str, timeout: Duration, ca_file: Option<&str>) -> anyhow::Result<()> {
+    let uri: http::Uri = url
+        .parse()
+        .with_context(|| format!("{url:?} is not a URL"))?;
+    let upstream = UpstreamTls::from_config(&kvmesh_proxy::config::UpstreamConfig {
+        ca_file: ca_file.unwrap_or_default().to_string(),
+        ..Default::default()
+    })
+    .context("--ca-file")?;
+    let client = fleet::probe_client(&upstream);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime")?;
+    let status = rt
+        .block_on(async { tokio::time::timeout(timeout, client.get(uri)).await })
+        .map_err(|_| anyhow::anyhow!("{url}: no answer within {} ms", timeout.as_millis()))?
+        .with_context(|| format!("{url}: request failed"))?
+        .status();
+    println!("{url}: {status}");
+    anyhow::ensure!(status.is_success(), "{url} answered {status}");
+    Ok(())
 }
 
 /// Periodic work beside the request path: engine health probes and residency TTL sweeps.
@@ -119,6 +156,14 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(!key.is_empty(), "no key on stdin");
         println!("{}", kvmesh_proxy::auth::hash_key(key));
         return Ok(());
+    }
+    if let Some(Command::Probe {
+        url,
+        timeout_ms,
+        ca_file,
+    }) = &cli.command
+    {
+        return probe(url, Duration::from_millis(*timeout_ms), ca_file.as_deref());
     }
     if let Some(Command::GossipKeygen) = cli.command {
         println!("{}", kvmesh_cluster::Keyring::generate_base64());
