@@ -331,6 +331,8 @@ fn run() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
         )
         .with_writer(std::io::stderr)
+        // No colour codes in files and container logs.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // The listen socket first: a busy address fails now, before the model is loaded, and
     // nothing announces listening before the bind succeeded.

@@ -83,6 +83,8 @@ async fn run() -> anyhow::Result<()> {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
         )
+        // No colour codes in files and container logs.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
         .init();
 
     // Both ports first: a second agent started by mistake on a busy port must exit before it

@@ -487,6 +487,9 @@ pub struct EngineAddr {
     pub addr: SocketAddr,
     /// Statically configured models (empty: discover).
     pub models: Vec<String>,
+    /// Why the host did not resolve at start (`addr` is then `0.0.0.0:port`, and the engine
+    /// stays down until a health probe resolves it).
+    pub unresolved: Option<String>,
 }
 
 /// Command-line overrides of the common keys, applied after the file and the environment.
@@ -631,7 +634,9 @@ impl ProxyConfig {
             if !names.insert(e.name.as_str()) {
                 return bad(format!("engine name {:?} appears twice", e.name));
             }
-            parse_engine_url(&e.url)
+            // Syntax only: a name that does not resolve yet (a container or pod not started)
+            // is resolved again at every health probe.
+            engine_url_host(&e.url)
                 .map_err(|m| ConfigError::Invalid(format!("engine {:?}: {m}", e.name)))?;
         }
         if self.max_body_bytes == 0 {
@@ -793,12 +798,21 @@ impl ProxyConfig {
         self.engines
             .iter()
             .map(|e| {
-                let addr = parse_engine_url(&e.url)
-                    .map_err(|m| ConfigError::Invalid(format!("engine {:?}: {m}", e.name)))?;
+                let invalid = |m: String| ConfigError::Invalid(format!("engine {:?}: {m}", e.name));
+                let (_, port) = engine_url_host(&e.url).map_err(invalid)?;
+                let (addr, unresolved) = match parse_engine_url(&e.url) {
+                    Ok(addr) => (addr, None),
+                    // Down until a probe resolves it.
+                    Err(m) => (
+                        SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, port)),
+                        Some(m),
+                    ),
+                };
                 Ok(EngineAddr {
                     name: e.name.clone(),
                     url: e.url.clone(),
                     addr,
+                    unresolved,
                     models: e.models.clone(),
                 })
             })
@@ -1270,7 +1284,7 @@ mod tests {
             ("polcy = \"prefix\"", "unknown field `polcy`"),
             ("policy = \"fastest\"", "fastest"),
             ("", "`engines` is empty"),
-            ("[[engines]]\nname = \"a\"\nurl = \"https://x:1\"", "https"),
+            ("[[engines]]\nname = \"a\"\nurl = \"ftp://x:1\"", "must start with http:// or https://"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1/v1\"", "path"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:2\"", "twice"),
             ("max_body_bytes = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_body_bytes"),

@@ -38,8 +38,9 @@ pub struct Engine {
     pub name: String,
     /// Configured URL.
     pub url: String,
-    /// Resolved address.
-    pub addr: SocketAddr,
+    /// Resolved address; a configured engine named by host is resolved again at each health
+    /// probe (a restarted container or pod may come back on another IP).
+    addr: ArcSwap<SocketAddr>,
     /// For an `https://` URL, its host: the SNI and the name its certificate must carry.
     pub tls_host: Option<String>,
     /// A stable key for session hashing (from the name).
@@ -151,6 +152,36 @@ impl Engine {
         self.healthy.store(false, Ordering::Relaxed);
     }
 
+    /// Where requests to it go.
+    pub fn addr(&self) -> SocketAddr {
+        **self.addr.load()
+    }
+
+    /// Resolves a configured engine's host name again and switches to its new address, if it
+    /// has one (an IP literal, a peer or a failed lookup changes nothing: the next probe
+    /// retries).
+    async fn re_resolve(&self) {
+        if self.peer.is_some() {
+            return;
+        }
+        let Ok((host, port)) = crate::config::engine_url_host(&self.url) else {
+            return;
+        };
+        if host.parse::<std::net::IpAddr>().is_ok() {
+            return;
+        }
+        let Ok(mut addrs) = tokio::net::lookup_host((host.as_str(), port)).await else {
+            return;
+        };
+        let current = self.addr();
+        let Some(new) = addrs.next() else { return };
+        // Keep the current address while the name still resolves to it (round-robin DNS).
+        if new != current && !addrs.any(|a| a == current) {
+            tracing::info!(engine = %self.name, url = %self.url, old = %current, new = %new, "engine address changed");
+            self.addr.store(Arc::new(new));
+        }
+    }
+
     /// Marks the engine healthy, as a successful probe would (unit tests of the decision).
     #[cfg(test)]
     pub(crate) fn mark_up(&self) {
@@ -225,6 +256,9 @@ impl Fleet {
             .into_iter()
             .enumerate()
             .map(|(i, a)| {
+                if let Some(why) = &a.unresolved {
+                    tracing::warn!(engine = %a.name, "{why}; down until it resolves");
+                }
                 let static_models = !a.models.is_empty();
                 Arc::new(Engine {
                     id: NodeId(i as u32),
@@ -232,7 +266,7 @@ impl Fleet {
                     name: a.name,
                     tls_host: tls_host(&a.url),
                     url: a.url,
-                    addr: a.addr,
+                    addr: ArcSwap::from_pointee(a.addr),
                     inflight: AtomicU64::new(0),
                     pending_prefill: AtomicU64::new(0),
                     healthy: AtomicBool::new(false),
@@ -338,7 +372,7 @@ impl Fleet {
             .iter()
             .find(|e| e.peer.as_ref().is_some_and(|l| l.node_id == p.node_id))
         {
-            if e.addr == p.addr && e.via_peer() == p.via_peer {
+            if e.addr() == p.addr && e.via_peer() == p.via_peer {
                 e.reported_inflight.store(p.inflight, Ordering::Relaxed);
                 e.reported_pending
                     .store(p.pending_prefill_bytes, Ordering::Relaxed);
@@ -357,7 +391,7 @@ impl Fleet {
             name: p.node_id.clone(),
             url: p.url.clone(),
             tls_host: tls_host(&p.url),
-            addr: p.addr,
+            addr: ArcSwap::from_pointee(p.addr),
             key: name_key(&p.node_id),
             inflight: AtomicU64::new(0),
             pending_prefill: AtomicU64::new(0),
@@ -431,7 +465,13 @@ impl Fleet {
         for e in self.engines.load().iter().filter(|e| e.peer.is_none()) {
             let (e, health) = (e.clone(), health.clone());
             probes.spawn(async move {
-                let result = health.check(&e).await;
+                e.re_resolve().await;
+                // Never resolved: down whatever a probe by name would say.
+                let result = if e.addr().ip().is_unspecified() {
+                    None
+                } else {
+                    health.check(&e).await
+                };
                 match result {
                     Some(models) => {
                         if !e.static_models {
@@ -576,12 +616,14 @@ mod tests {
                     url: "http://127.0.0.1:1".into(),
                     addr: "127.0.0.1:1".parse().unwrap(),
                     models: vec!["m".into()],
+                    unresolved: None,
                 },
                 EngineAddr {
                     name: "b".into(),
                     url: "http://127.0.0.1:2".into(),
                     addr: "127.0.0.1:2".parse().unwrap(),
                     models: vec!["m".into()],
+                    unresolved: None,
                 },
             ],
             Duration::from_secs(5),
@@ -628,7 +670,7 @@ mod tests {
     #[async_trait]
     impl HealthCheck for FakeHealth {
         async fn check(&self, engine: &Engine) -> Option<Vec<String>> {
-            (engine.addr.port() == 1).then(|| vec!["x".to_string()])
+            (engine.addr().port() == 1).then(|| vec!["x".to_string()])
         }
     }
 
@@ -641,12 +683,14 @@ mod tests {
                     url: "http://127.0.0.1:1".into(),
                     addr: "127.0.0.1:1".parse().unwrap(),
                     models: vec![],
+                    unresolved: None,
                 },
                 EngineAddr {
                     name: "b".into(),
                     url: "http://127.0.0.1:2".into(),
                     addr: "127.0.0.1:2".parse().unwrap(),
                     models: vec![],
+                    unresolved: None,
                 },
             ],
             Duration::from_secs(5),

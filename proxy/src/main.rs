@@ -176,7 +176,12 @@ fn main() -> anyhow::Result<()> {
                 file.display()
             )
         })?;
-        cfg.engine_addrs()?;
+        // A check also wants every engine's name to resolve now.
+        for e in cfg.engine_addrs()? {
+            if let Some(why) = e.unresolved {
+                anyhow::bail!("engine {:?}: {why}", e.name);
+            }
+        }
         let listen = if cfg.mode == Mode::Picker {
             format!("ext_proc {}", cfg.picker.listen)
         } else {

@@ -207,6 +207,7 @@ mod tests {
                 url: format!("http://127.0.0.1:{}", i + 1),
                 addr: format!("127.0.0.1:{}", i + 1).parse().unwrap(),
                 models: vec!["m".into()],
+                unresolved: None,
             })
             .collect();
         let fleet = Fleet::new(addrs, Duration::from_secs(5));

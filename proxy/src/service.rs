@@ -495,11 +495,11 @@ impl ProxyHttp for Gateway {
             .record(engine.id, chain, Source::Optimistic, Instant::now());
         let mut peer = match engine.tls_host.as_ref() {
             Some(host) => {
-                let mut p = HttpPeer::new(engine.addr, true, host.clone());
+                let mut p = HttpPeer::new(engine.addr(), true, host.clone());
                 p.client_cert_key = self.upstream_tls.client_cert();
                 p
             }
-            None => HttpPeer::new(engine.addr, false, String::new()),
+            None => HttpPeer::new(engine.addr(), false, String::new()),
         };
         peer.options.connection_timeout =
             Some(Duration::from_millis(self.cfg.upstream.connect_timeout_ms));

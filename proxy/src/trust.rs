@@ -37,7 +37,7 @@ impl Gateway {
                 .engines()
                 .iter()
                 .filter(|e| e.peer.is_some())
-                .map(|e| e.addr.ip())
+                .map(|e| e.addr().ip())
                 .collect()
         })
     }

@@ -362,7 +362,7 @@ impl Exchange {
         let engine = engines[0].clone();
         self.reason = ranking.decision.reason.label();
         self.bytes_in = body.len();
-        let endpoints: Vec<String> = engines.iter().map(|e| e.addr.to_string()).collect();
+        let endpoints: Vec<String> = engines.iter().map(|e| e.addr().to_string()).collect();
         let digests = gw.forwarded_digests(&facts);
         self.route_to(engine, facts, first.overlap_blocks);
         let mut replies = vec![envoy::routed_headers(
@@ -428,7 +428,7 @@ impl Exchange {
     fn in_subset(&self, e: &Engine) -> bool {
         self.subset
             .as_ref()
-            .is_none_or(|s| s.contains(&e.addr.to_string()))
+            .is_none_or(|s| s.contains(&e.addr().to_string()))
     }
 
     /// Envoy names the endpoint that served (GIE v1.0.0): when it is not the choice (a data
@@ -440,11 +440,11 @@ impl Exchange {
         let Some(r) = self.routed.as_ref() else {
             return;
         };
-        if r.engine.addr.to_string() == served {
+        if r.engine.addr().to_string() == served {
             return;
         }
         let engines = self.gw.fleet.engines();
-        let Some(engine) = engines.iter().find(|e| e.addr.to_string() == served) else {
+        let Some(engine) = engines.iter().find(|e| e.addr().to_string() == served) else {
             tracing::debug!(%served, "Envoy served an endpoint the picker does not know");
             return;
         };
