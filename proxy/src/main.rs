@@ -176,10 +176,14 @@ fn main() -> anyhow::Result<()> {
                 file.display()
             )
         })?;
-        // A check also wants every engine's name to resolve now.
+        // The proxy starts with such an engine down (retried at each probe): a warning, since
+        // the check may run where the engines' names do not resolve (outside their network).
         for e in cfg.engine_addrs()? {
             if let Some(why) = e.unresolved {
-                anyhow::bail!("engine {:?}: {why}", e.name);
+                eprintln!(
+                    "warning: engine {:?}: {why} (here; it stays down until it resolves)",
+                    e.name
+                );
             }
         }
         let listen = if cfg.mode == Mode::Picker {

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The Docker part of the test suite (scripts/test.sh runs it last): builds the images, then runs
+# compose/tests/test_stacks.py against a real Docker engine: the image, every compose profile's
+# config, the gateway and mesh stacks (kill, partition), a broken config, the engine-shim
+# profile with the real model, and the Kubernetes manifests against the 1.37 schemas.
+#
+# Installs docker.io, docker-compose and debootstrap from Debian when missing, and starts dockerd
+# when no daemon answers (as root, or through sudo); what it started it stops at the end, pass or
+# fail, with every compose project it created. Where Docker cannot be started it fails, saying so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+
+need=()
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+if ((${#need[@]})); then
+  echo "test-docker: installing ${need[*]}" >&2
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+dockerd_pid=""
+log_dir=$(mktemp -d)
+cleanup() {
+  local rc=$?
+  for p in $(docker ps -a --filter label=com.docker.compose.project --format '{{.Label "com.docker.compose.project"}}' 2>/dev/null | sort -u | grep '^kvmeshtest-' || true); do
+    docker-compose -p "$p" -f compose/gateway/docker-compose.yml down -v --remove-orphans >/dev/null 2>&1 || true
+    docker ps -aq --filter "label=com.docker.compose.project=$p" | xargs -r docker rm -f >/dev/null 2>&1 || true
+  done
+  if [ -n "$dockerd_pid" ]; then
+    echo "test-docker: stopping the dockerd it started (pid $dockerd_pid)" >&2
+    $SUDO kill "$dockerd_pid" 2>/dev/null || true
+    for _ in $(seq 1 30); do $SUDO kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+  fi
+  rm -rf "$log_dir"
+  exit $rc
+}
+trap cleanup EXIT
+
+if ! docker info >/dev/null 2>&1; then
+  echo "test-docker: no Docker daemon answers; starting dockerd" >&2
+  $SUDO sh -c "dockerd >'$log_dir/dockerd.log' 2>&1 & echo \$! >'$log_dir/pid'"
+  dockerd_pid=$(cat "$log_dir/pid")
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  if ! docker info >/dev/null 2>&1; then
+    echo "test-docker: FAIL: Docker could not be started on this machine; dockerd said:" >&2
+    tail -20 "$log_dir/dockerd.log" >&2 || true
+    exit 1
+  fi
+fi
+
+# The Kubernetes schema validator (ships the schemas: no network at validation time).
+K8S_VALIDATE_VERSION=1.37.0
+if [ ! -x .venv-k8s/bin/kubernetes-validate ] || \
+   [ "$(.venv-k8s/bin/python -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))' 2>/dev/null)" != "$K8S_VALIDATE_VERSION" ]; then
+  echo "test-docker: installing kubernetes-validate $K8S_VALIDATE_VERSION into .venv-k8s" >&2
+  rm -rf .venv-k8s && python3 -m venv .venv-k8s
+  .venv-k8s/bin/pip install -q --disable-pip-version-check "kubernetes-validate==$K8S_VALIDATE_VERSION"
+fi
+
+if ! scripts/docker-image.sh --engine-shim >"$log_dir/image.log" 2>&1; then
+  echo "test-docker: FAIL: building the images failed:" >&2
+  tail -40 "$log_dir/image.log" >&2
+  exit 1
+fi
+grep '^docker-image:' "$log_dir/image.log" >&2 || true
+K8S_VALIDATE=.venv-k8s/bin/kubernetes-validate .venv-peers/bin/python compose/tests/test_stacks.py "$@"
