@@ -14,19 +14,28 @@ ARG RUST_IMAGE=rust:1-bookworm
 
 # What every image shares: the user, the config directory, the healthcheck, the entry point.
 FROM ${BASE_IMAGE} AS base
-RUN groupadd --system --gid 10001 kvmesh \
+# The system CA bundle, for https:// engines and peers verified against public roots (the
+# debootstrap base of scripts/docker-image.sh already has it; slim images need the network).
+RUN if [ ! -s /etc/ssl/certs/ca-certificates.crt ]; then \
+      apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi \
+ && groupadd --system --gid 10001 kvmesh \
  && useradd --system --uid 10001 --gid kvmesh --home-dir /var/lib/kvmesh --shell /usr/sbin/nologin kvmesh \
  && mkdir -p /etc/kvmesh /var/lib/kvmesh \
  && chown kvmesh:kvmesh /var/lib/kvmesh
-ENV KVMESH_CONFIG=/etc/kvmesh/kvmesh.toml
 WORKDIR /var/lib/kvmesh
 USER 10001:10001
 EXPOSE 8080 7946/udp
-# /ready: 200 once an engine is up (the proxy answers /health as soon as it runs). Engines and
-# kvagent override this in compose (kvmesh-proxy probe works for any HTTP URL).
+# /ready on the default container port: 200 once an engine is up (/health answers as soon as
+# the proxy runs). Another port, TLS (add --ca-file), engines and kvagent: override it, as the
+# compose files do (kvmesh-proxy probe GETs any URL).
 HEALTHCHECK --interval=5s --timeout=3s --start-period=10s --retries=3 \
   CMD ["kvmesh-proxy", "probe", "http://127.0.0.1:8080/ready"]
 ENTRYPOINT ["kvmesh-proxy"]
+# Replaced by any arguments: `docker run kvmesh:dev --engine http://e:8000 --listen
+# 0.0.0.0:8080` runs from flags alone, `docker run kvmesh:dev --version` prints the version.
+CMD ["--config", "/etc/kvmesh/kvmesh.toml"]
 
 # Host-built binaries (dist/bin, staged by scripts/docker-image.sh).
 FROM base AS runtime-prebuilt
@@ -43,6 +52,7 @@ EXPOSE 8000
 HEALTHCHECK --interval=5s --timeout=3s --start-period=60s --retries=3 \
   CMD ["kvmesh-proxy", "probe", "http://127.0.0.1:8000/v1/models"]
 ENTRYPOINT ["engine-shim"]
+CMD ["--config", "/etc/kvmesh/engine-shim.toml"]
 
 # From source: a release build of the three binaries (engine-shim needs libtorch, which this
 # stage does not install: build it on the host and use engine-shim-prebuilt).

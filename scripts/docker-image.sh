@@ -33,7 +33,7 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
     root=$(mktemp -d)
     trap 'rm -rf "$root"' EXIT
     echo "docker-image: debootstrap bookworm (minbase) -> $BASE" >&2
-    debootstrap --variant=minbase bookworm "$root" >"$root.log" 2>&1 \
+    debootstrap --variant=minbase --include=ca-certificates bookworm "$root" >"$root.log" 2>&1 \
       || { tail -20 "$root.log" >&2; exit 1; }
     rm -f "$root.log"
     # What a slim image leaves out: docs, manuals, locales, apt's caches.

@@ -5,11 +5,16 @@
 # profile with the real model, and the Kubernetes manifests against the 1.37 schemas.
 #
 # Installs docker.io, docker-compose and debootstrap from Debian when missing, and starts dockerd
-# when no daemon answers (as root, or through sudo); what it started it stops at the end, pass or
-# fail, with every compose project it created. Where Docker cannot be started it fails, saying so.
+# when no daemon answers (needs root); what it started it stops at the end, pass or fail, with
+# every compose project it created. Where Docker cannot be started it fails, saying so.
+# Arguments: test names of compose/tests/test_stacks.py to run only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+if [ "$(id -u)" -ne 0 ] && ! docker info >/dev/null 2>&1; then
+  echo "test-docker: FAIL: no Docker daemon this user can reach, and starting one needs root" >&2
+  exit 1
+fi
+[ -x .venv-peers/bin/python ] || { echo "test-docker: FAIL: .venv-peers missing (run scripts/setup.sh)" >&2; exit 1; }
 
 need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
@@ -17,22 +22,27 @@ command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 if ((${#need[@]})); then
   echo "test-docker: installing ${need[*]}" >&2
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
 dockerd_pid=""
 log_dir=$(mktemp -d)
+# Every container and network of the tests' compose projects (kvmeshtest-*), whatever state a
+# killed earlier run left them in.
+remove_test_projects() {
+  docker ps -a --filter label=com.docker.compose.project --format '{{.ID}} {{.Label "com.docker.compose.project"}}' 2>/dev/null \
+    | awk '$2 ~ /^kvmeshtest-/ {print $1}' | xargs -r docker rm -f >/dev/null 2>&1 || true
+  docker network ls --format '{{.Name}}' 2>/dev/null | grep '^kvmeshtest-' \
+    | xargs -r docker network rm >/dev/null 2>&1 || true
+}
 cleanup() {
   local rc=$?
-  for p in $(docker ps -a --filter label=com.docker.compose.project --format '{{.Label "com.docker.compose.project"}}' 2>/dev/null | sort -u | grep '^kvmeshtest-' || true); do
-    docker-compose -p "$p" -f compose/gateway/docker-compose.yml down -v --remove-orphans >/dev/null 2>&1 || true
-    docker ps -aq --filter "label=com.docker.compose.project=$p" | xargs -r docker rm -f >/dev/null 2>&1 || true
-  done
+  remove_test_projects
   if [ -n "$dockerd_pid" ]; then
     echo "test-docker: stopping the dockerd it started (pid $dockerd_pid)" >&2
-    $SUDO kill "$dockerd_pid" 2>/dev/null || true
-    for _ in $(seq 1 30); do $SUDO kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+    kill "$dockerd_pid" 2>/dev/null || true
+    for _ in $(seq 1 30); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
   fi
   rm -rf "$log_dir"
   exit $rc
@@ -41,7 +51,7 @@ trap cleanup EXIT
 
 if ! docker info >/dev/null 2>&1; then
   echo "test-docker: no Docker daemon answers; starting dockerd" >&2
-  $SUDO sh -c "dockerd >'$log_dir/dockerd.log' 2>&1 & echo \$! >'$log_dir/pid'"
+  sh -c "dockerd >'$log_dir/dockerd.log' 2>&1 & echo \$! >'$log_dir/pid'"
   dockerd_pid=$(cat "$log_dir/pid")
   for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   if ! docker info >/dev/null 2>&1; then
@@ -50,6 +60,8 @@ if ! docker info >/dev/null 2>&1; then
     exit 1
   fi
 fi
+
+remove_test_projects
 
 # The Kubernetes schema validator (ships the schemas: no network at validation time).
 K8S_VALIDATE_VERSION=1.37.0
@@ -66,4 +78,5 @@ if ! scripts/docker-image.sh --engine-shim >"$log_dir/image.log" 2>&1; then
   exit 1
 fi
 grep '^docker-image:' "$log_dir/image.log" >&2 || true
-K8S_VALIDATE=.venv-k8s/bin/kubernetes-validate .venv-peers/bin/python compose/tests/test_stacks.py "$@"
+# A bound on the whole run (it takes about 2 minutes): a hang fails, and cleanup still runs.
+K8S_VALIDATE=.venv-k8s/bin/kubernetes-validate timeout 1200 .venv-peers/bin/python compose/tests/test_stacks.py "$@"

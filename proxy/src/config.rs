@@ -572,8 +572,9 @@ impl ProxyConfig {
             ),
             None => (String::new(), "(no file)".to_string()),
         };
+        let vars = utf8_env()?;
         let mut cfg =
-            Self::from_toml_with_env(&text, utf8_env()).map_err(|message| ConfigError::Parse {
+            Self::from_toml_with_env(&text, vars).map_err(|message| ConfigError::Parse {
                 path: origin,
                 message,
             })?;
@@ -586,6 +587,15 @@ impl ProxyConfig {
                 .collect();
         }
         overrides.apply(&mut cfg)?;
+        // A host name is resolved once, here: node_id and proxy_url derive from it on every
+        // gossip round, which must not wait for DNS (nor disagree with the gossip identity).
+        if cfg.cluster.enabled
+            && !cfg.cluster.advertise.is_empty()
+            && cfg.cluster.advertise.parse::<SocketAddr>().is_err()
+        {
+            let addr = resolve_advertise(&cfg.cluster.advertise).map_err(ConfigError::Invalid)?;
+            cfg.cluster.advertise = addr.to_string();
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -602,6 +612,9 @@ impl ProxyConfig {
         text: &str,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, String> {
+        // The file's own errors first, with its line numbers, before any override can mask
+        // or be blamed for them.
+        Self::from_toml(text)?;
         let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
         let schema = toml::Table::try_from(ProxyConfig::default())
             .map_err(|e| format!("internal: the default configuration as TOML: {e}"))?;
@@ -982,10 +995,26 @@ pub fn parse_engine_url(url: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("url {url:?}: host resolves to no address"))
 }
 
-/// The process environment's variables that are valid UTF-8 (a `KVMESH_*` override never
-/// needs more; others are not ours to judge).
-fn utf8_env() -> impl Iterator<Item = (String, String)> {
-    std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+/// The process environment's variables that are valid UTF-8; a `KVMESH_*` one that is not is
+/// an error (it cannot be applied, and must not be ignored). Others are not ours to judge.
+fn utf8_env() -> Result<Vec<(String, String)>, ConfigError> {
+    let mut vars = Vec::new();
+    for (k, v) in std::env::vars_os() {
+        match (k.into_string(), v.into_string()) {
+            (Ok(k), Ok(v)) => vars.push((k, v)),
+            (Ok(k), Err(_)) if k.starts_with(env::PREFIX) => {
+                return Err(ConfigError::Invalid(format!("{k}: the value is not UTF-8")))
+            }
+            (Err(k), _) if k.as_encoded_bytes().starts_with(env::PREFIX.as_bytes()) => {
+                return Err(ConfigError::Invalid(format!(
+                    "{}: the variable's name is not UTF-8",
+                    k.to_string_lossy()
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(vars)
 }
 
 /// `cluster.advertise`: an `IP:port`, or a `host:port` resolved once at start (a container's

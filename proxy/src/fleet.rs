@@ -41,6 +41,10 @@ pub struct Engine {
     /// Resolved address; a configured engine named by host is resolved again at each health
     /// probe (a restarted container or pod may come back on another IP).
     addr: ArcSwap<SocketAddr>,
+    /// Its host name has not resolved yet (it never has since start): down until it does.
+    unresolved: AtomicBool,
+    /// When a failed lookup of its name was last logged (ms since the fleet's epoch).
+    unresolved_logged_ms: AtomicU64,
     /// For an `https://` URL, its host: the SNI and the name its certificate must carry.
     pub tls_host: Option<String>,
     /// A stable key for session hashing (from the name).
@@ -158,9 +162,10 @@ impl Engine {
     }
 
     /// Resolves a configured engine's host name again and switches to its new address, if it
-    /// has one (an IP literal, a peer or a failed lookup changes nothing: the next probe
-    /// retries).
-    async fn re_resolve(&self) {
+    /// has one (an IP literal or a peer changes nothing; a failed lookup keeps the address and
+    /// is logged at most every 30 s while the name has never resolved). `now_ms`: the fleet's
+    /// clock.
+    async fn re_resolve(&self, now_ms: u64) {
         if self.peer.is_some() {
             return;
         }
@@ -170,14 +175,28 @@ impl Engine {
         if host.parse::<std::net::IpAddr>().is_ok() {
             return;
         }
-        let Ok(mut addrs) = tokio::net::lookup_host((host.as_str(), port)).await else {
-            return;
+        let lookup = tokio::net::lookup_host((host.as_str(), port)).await;
+        let addrs: Vec<SocketAddr> = match lookup {
+            Ok(a) => a.collect(),
+            Err(e) => {
+                let last = self.unresolved_logged_ms.load(Ordering::Relaxed);
+                if self.unresolved.load(Ordering::Relaxed) && now_ms.saturating_sub(last) >= 30_000
+                {
+                    self.unresolved_logged_ms.store(now_ms, Ordering::Relaxed);
+                    tracing::warn!(engine = %self.name, url = %self.url, error = %e, "engine host does not resolve; down until it does");
+                }
+                return;
+            }
         };
         let current = self.addr();
-        let Some(new) = addrs.next() else { return };
+        let Some(&new) = addrs.first() else { return };
         // Keep the current address while the name still resolves to it (round-robin DNS).
-        if new != current && !addrs.any(|a| a == current) {
-            tracing::info!(engine = %self.name, url = %self.url, old = %current, new = %new, "engine address changed");
+        if self.unresolved.swap(false, Ordering::Relaxed) {
+            tracing::info!(engine = %self.name, url = %self.url, addr = %new, "engine host resolved");
+            self.addr.store(Arc::new(new));
+        } else if !addrs.contains(&current) {
+            // Where requests go changes: worth an operator's eye (DNS is trusted as at start).
+            tracing::warn!(engine = %self.name, url = %self.url, old = %current, new = %new, "engine address changed");
             self.addr.store(Arc::new(new));
         }
     }
@@ -267,6 +286,8 @@ impl Fleet {
                     tls_host: tls_host(&a.url),
                     url: a.url,
                     addr: ArcSwap::from_pointee(a.addr),
+                    unresolved: AtomicBool::new(a.unresolved.is_some()),
+                    unresolved_logged_ms: AtomicU64::new(0),
                     inflight: AtomicU64::new(0),
                     pending_prefill: AtomicU64::new(0),
                     healthy: AtomicBool::new(false),
@@ -392,6 +413,8 @@ impl Fleet {
             url: p.url.clone(),
             tls_host: tls_host(&p.url),
             addr: ArcSwap::from_pointee(p.addr),
+            unresolved: AtomicBool::new(false),
+            unresolved_logged_ms: AtomicU64::new(0),
             key: name_key(&p.node_id),
             inflight: AtomicU64::new(0),
             pending_prefill: AtomicU64::new(0),
@@ -462,12 +485,13 @@ impl Fleet {
     /// [`ModelsProbe`]: `GET /v1/models`). (Peers' engines are known through gossip.)
     pub async fn probe_all(&self, health: &Arc<dyn HealthCheck>) {
         let mut probes = tokio::task::JoinSet::new();
+        let now_ms = self.now_ms();
         for e in self.engines.load().iter().filter(|e| e.peer.is_none()) {
             let (e, health) = (e.clone(), health.clone());
             probes.spawn(async move {
-                e.re_resolve().await;
+                e.re_resolve(now_ms).await;
                 // Never resolved: down whatever a probe by name would say.
-                let result = if e.addr().ip().is_unspecified() {
+                let result = if e.unresolved.load(Ordering::Relaxed) {
                     None
                 } else {
                     health.check(&e).await

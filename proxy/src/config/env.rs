@@ -20,8 +20,8 @@ const NOT_KEYS: &[&str] = &["KVMESH_CONFIG", "KVMESH_GOSSIP_KEYS"];
 /// `schema` (the default configuration as TOML, which has every key) and each value against
 /// the type of the key's default. Returns the names applied.
 ///
-/// A variable whose name is one or two edits from a key, or that names a table but no key in
-/// it, is an error (a typo must not silently fall back to the file); other `KVMESH_*` names
+/// A variable whose name is an edit or two from a key (see [`nearest`]), or that names a
+/// table but no key in it, is an error (a typo must not silently fall back to the file); other `KVMESH_*` names
 /// (other programs' variables) are left alone.
 pub fn apply(
     table: &mut toml::Table,
@@ -100,12 +100,15 @@ fn var_name(path: &[String]) -> String {
     format!("{PREFIX}{}", path.join("__").to_ascii_uppercase())
 }
 
-/// The key of `table` at most two edits from `segment`, if one is.
+/// The key of `table` close to `segment`, if one is: one edit (a swap of neighbours is one)
+/// for keys of 6 to 9 letters, two from 10. Shorter keys get no suggestion, so other programs'
+/// `KVMESH_HOME` or `KVMESH_MODEL` are not taken for typos of `mode`.
 fn nearest<'a>(table: &'a toml::Table, segment: &str) -> Option<&'a str> {
     table
         .keys()
-        .map(|k| (strsim::levenshtein(k, segment), k))
-        .filter(|(d, _)| *d <= 2)
+        .filter(|k| k.len() >= 6)
+        .map(|k| (strsim::osa_distance(k, segment), k))
+        .filter(|(d, k)| *d <= if k.len() >= 10 { 2 } else { 1 })
         .min()
         .map(|(_, k)| k.as_str())
 }
@@ -167,6 +170,7 @@ mod tests {
         toml::from_str(
             r#"
             listen = "127.0.0.1:8080"
+            mode = "gateway"
             max_inflight = 4096
             engines = []
             [cluster]
@@ -204,6 +208,8 @@ mod tests {
                 ),
                 ("KVMESH_CONFIG", "/etc/kvmesh.toml"),
                 ("KVMESH_ENVOY", "/usr/bin/envoy"),
+                ("KVMESH_HOME", "/opt/kvmesh"),
+                ("KVMESH_MODEL", "m"),
                 ("PATH", "/bin"),
             ]),
         )
@@ -217,7 +223,9 @@ mod tests {
         assert_eq!(t["cluster"]["seeds"].as_array().unwrap().len(), 2);
         assert_eq!(t["cluster"]["phi_threshold"].as_float(), Some(9.0));
         assert_eq!(t["engines"][0]["url"].as_str(), Some("http://e:8000"));
-        assert!(t.get("config").is_none() && t.get("envoy").is_none());
+        assert!(["config", "envoy", "home", "model"]
+            .iter()
+            .all(|k| t.get(*k).is_none()));
     }
 
     #[test]
