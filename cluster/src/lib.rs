@@ -102,7 +102,15 @@ struct Published {
 impl Cluster {
     /// Opens the gossip socket and starts gossiping.
     pub async fn join(cfg: ClusterConfig) -> Result<Cluster, ClusterError> {
-        let stats = Arc::new(GossipStats::default());
+        Self::join_with_stats(cfg, Arc::new(GossipStats::default())).await
+    }
+
+    /// [`Self::join`], counting into `stats` (shared with whoever needs to know, for
+    /// example, which hosts gossip with us).
+    pub async fn join_with_stats(
+        cfg: ClusterConfig,
+        stats: Arc<GossipStats>,
+    ) -> Result<Cluster, ClusterError> {
         let incarnation = Self::spawn(&cfg, &stats).await?;
         Ok(Cluster {
             node_id: cfg.node_id.clone(),

@@ -107,6 +107,14 @@ impl GossipStats {
         lock(&self.senders).contains_key(&ip.to_canonical())
     }
 
+    /// Whether a datagram from `ip` passed authentication within the last `window`: a host
+    /// holding the cluster key gossips with us from there now.
+    pub fn heard_within(&self, ip: IpAddr, window: std::time::Duration) -> bool {
+        lock(&self.senders)
+            .get(&ip.to_canonical())
+            .is_some_and(|t| t.elapsed() <= window)
+    }
+
     fn heard_from(&self, ip: IpAddr) {
         let ip = ip.to_canonical();
         let mut senders = lock(&self.senders);

@@ -209,6 +209,8 @@ pub struct ClusterService {
     pub metrics: Arc<Metrics>,
     /// TLS towards `https://` peers (their probes).
     pub upstream_tls: Arc<crate::tls::UpstreamTls>,
+    /// Gossip counters and who gossips with us (shared with the hop trust check).
+    pub stats: Arc<kvmesh_cluster::GossipStats>,
 }
 
 /// Adds peers' engines to the fleet: through their proxy in sidecar mode, directly otherwise.
@@ -374,7 +376,9 @@ impl ClusterService {
 impl BackgroundService for ClusterService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let joined = match self.cfg.cluster_config() {
-            Ok(c) => Cluster::join(c).await.map_err(|e| e.to_string()),
+            Ok(c) => Cluster::join_with_stats(c, self.stats.clone())
+                .await
+                .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };
         let cluster = match joined {

@@ -257,12 +257,14 @@ fn main() -> anyhow::Result<()> {
     };
     let listen = cfg.listen.clone();
     let listener_tls_on = cfg.tls.enabled();
+    let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
     let gossip = cfg.cluster.enabled.then(|| cluster::ClusterService {
         cfg: cfg.clone(),
         fleet: fleet.clone(),
         index: index.clone(),
         metrics: metrics.clone(),
         upstream_tls: upstream_tls.clone(),
+        stats: gossip_stats.clone(),
     });
     warn_if_open(&cfg);
     let listener_tls = if cfg.tls.enabled() {
@@ -270,7 +272,10 @@ fn main() -> anyhow::Result<()> {
     } else {
         None
     };
-    let gateway = Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?;
+    let mut gateway = Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?;
+    if gateway.cfg.cluster.enabled {
+        gateway.gossip = Some(gossip_stats);
+    }
     let reloader = Reloader::new(
         &gateway.cfg,
         listener_tls.clone(),
@@ -333,6 +338,7 @@ fn run_picker(
                 index: index.clone(),
                 metrics: metrics.clone(),
                 upstream_tls: upstream_tls.clone(),
+                stats: Arc::new(kvmesh_cluster::GossipStats::default()),
             };
             let rx = shutdown.clone();
             tokio::spawn(async move { gossip.start(rx).await });

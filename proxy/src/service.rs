@@ -83,6 +83,9 @@ pub struct Gateway {
     pub upstream_tls: Arc<UpstreamTls>,
     /// The identity peers' certificates must carry (`accept_hop_from = "cluster_cert"`).
     pub peer_identity: Option<PeerIdentity>,
+    /// Who gossips with us (with `[cluster]`): `accept_hop_from = "members"` also trusts a
+    /// host that sent authenticated gossip lately, before its URL is admitted.
+    pub gossip: Option<Arc<kvmesh_cluster::GossipStats>>,
 }
 
 impl Gateway {
@@ -116,6 +119,7 @@ impl Gateway {
             auth,
             upstream_tls,
             peer_identity,
+            gossip: None,
             cfg,
             fleet,
             index,

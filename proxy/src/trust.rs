@@ -33,24 +33,30 @@ impl Gateway {
             return false;
         };
         hop_allowed(ip, self.cfg.sidecar.accept_hop_from, || {
-            self.fleet
-                .engines()
-                .iter()
-                .filter(|e| e.peer.is_some())
-                .map(|e| e.addr().ip())
-                .collect()
+            // A peer that rejoins (a healed partition, a restart) is admitted again only once
+            // its URL has been checked, while it may already forward to us: its authenticated
+            // gossip from that IP is the same proof of membership, and arrives first.
+            let gossiping = self
+                .gossip
+                .as_ref()
+                .is_some_and(|g| g.heard_within(ip, GOSSIP_TRUST_WINDOW));
+            gossiping
+                || self
+                    .fleet
+                    .engines()
+                    .iter()
+                    .any(|e| e.peer.is_some() && e.addr().ip() == ip)
         })
     }
 }
 
-/// Whether a request with the hop header from `ip` is trusted under `trust`; `members` lists
-/// the IPs of live peers (computed only when needed).
-fn hop_allowed(
-    ip: std::net::IpAddr,
-    trust: HopTrust,
-    members: impl FnOnce() -> Vec<std::net::IpAddr>,
-) -> bool {
-    ip.is_loopback() || (trust == HopTrust::Members && members().contains(&ip))
+/// How recent a host's authenticated gossip must be for its hop requests to be trusted.
+const GOSSIP_TRUST_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a request with the hop header from `ip` is trusted under `trust`; `member` says
+/// whether `ip` is a live peer's (asked only when needed).
+fn hop_allowed(ip: std::net::IpAddr, trust: HopTrust, member: impl FnOnce() -> bool) -> bool {
+    ip.is_loopback() || (trust == HopTrust::Members && member())
 }
 
 #[cfg(test)]
@@ -61,19 +67,13 @@ mod tests {
     fn hop_header_trust() {
         let peer: std::net::IpAddr = "10.0.0.7".parse().unwrap();
         let stranger: std::net::IpAddr = "10.0.0.9".parse().unwrap();
-        let members = || vec![peer];
-        assert!(hop_allowed(
-            "127.0.0.1".parse().unwrap(),
-            HopTrust::Loopback,
-            members
-        ));
-        assert!(hop_allowed(
-            "::1".parse().unwrap(),
-            HopTrust::Loopback,
-            members
-        ));
-        assert!(!hop_allowed(peer, HopTrust::Loopback, members));
-        assert!(hop_allowed(peer, HopTrust::Members, members));
-        assert!(!hop_allowed(stranger, HopTrust::Members, members));
+        let members = |ip| move || ip == peer;
+        let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let lo6: std::net::IpAddr = "::1".parse().unwrap();
+        assert!(hop_allowed(lo, HopTrust::Loopback, members(lo)));
+        assert!(hop_allowed(lo6, HopTrust::Loopback, members(lo6)));
+        assert!(!hop_allowed(peer, HopTrust::Loopback, members(peer)));
+        assert!(hop_allowed(peer, HopTrust::Members, members(peer)));
+        assert!(!hop_allowed(stranger, HopTrust::Members, members(stranger)));
     }
 }
