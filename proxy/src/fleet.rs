@@ -190,12 +190,12 @@ impl Engine {
         };
         let current = self.addr();
         let Some(&new) = addrs.first() else { return };
-        // Keep the current address while the name still resolves to it (round-robin DNS).
         if self.unresolved.swap(false, Ordering::Relaxed) {
             tracing::info!(engine = %self.name, url = %self.url, addr = %new, "engine host resolved");
             self.addr.store(Arc::new(new));
         } else if !addrs.contains(&current) {
-            // Where requests go changes: worth an operator's eye (DNS is trusted as at start).
+            // Kept while the name still resolves to it (round-robin DNS). A change moves the
+            // traffic: worth an operator's eye (DNS is trusted as at start).
             tracing::warn!(engine = %self.name, url = %self.url, old = %current, new = %new, "engine address changed");
             self.addr.store(Arc::new(new));
         }
@@ -727,6 +727,41 @@ mod tests {
         assert_eq!(e[0].models().as_deref(), Some(&vec!["x".to_string()]));
         assert_eq!(e[1].models(), None);
         assert_eq!(f.candidates("x", false).unwrap()[0].node, NodeId(0));
+    }
+
+    #[tokio::test]
+    async fn names_are_resolved_again_and_an_unresolved_engine_stays_down() {
+        // "localhost" resolves (to 127.0.0.1, ::1 or both); the stale address is replaced.
+        // ".invalid" never resolves (RFC 2606): down, whatever the health check would say.
+        let f = Fleet::new(
+            vec![
+                EngineAddr {
+                    name: "moved".into(),
+                    url: "http://localhost:1".into(),
+                    addr: "192.0.2.1:1".parse().unwrap(),
+                    models: vec![],
+                    unresolved: None,
+                },
+                EngineAddr {
+                    name: "missing".into(),
+                    url: "http://kvmesh-engine.invalid:1".into(),
+                    addr: "0.0.0.0:1".parse().unwrap(),
+                    models: vec![],
+                    unresolved: Some("does not resolve".into()),
+                },
+            ],
+            Duration::from_secs(5),
+        );
+        let health: Arc<dyn HealthCheck> = Arc::new(FakeHealth);
+        f.probe_all(&health).await;
+        let e = f.engines();
+        assert!(e[0].addr().ip().is_loopback(), "{}", e[0].addr());
+        assert!(e[0].healthy());
+        assert!(e[1].unresolved.load(Ordering::Relaxed));
+        assert!(
+            !e[1].healthy(),
+            "port 1 would pass FakeHealth: never probed"
+        );
     }
 
     #[test]
