@@ -27,10 +27,81 @@ pub struct SamplingParams {
     pub temperature: f64,
     /// Nucleus sampling mass (1: off).
     pub top_p: f64,
+    /// Keep only the `top_k` most likely tokens (0: off).
+    pub top_k: usize,
+    /// Drop tokens less likely than `min_p` times the most likely one (0: off).
+    pub min_p: f64,
     /// RNG seed (random when absent).
     pub seed: Option<u64>,
     /// Generation stops before any of these strings.
     pub stop: Vec<String>,
+}
+
+/// Sampling values a request that gives none gets: the model file's own hints
+/// (`general.sampling.temp`, `.top_k`, `.top_p`, `.min_p`) where it has them, else
+/// llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingDefaults {
+    /// Temperature.
+    pub temperature: f64,
+    /// Nucleus mass.
+    pub top_p: f64,
+    /// Top-k (0: off).
+    pub top_k: usize,
+    /// Min-p (0: off).
+    pub min_p: f64,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> Self {
+        SamplingDefaults {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 40,
+            min_p: 0.05,
+        }
+    }
+}
+
+impl SamplingDefaults {
+    /// The defaults for a model: its file's hints where present and in range. A hint out of
+    /// range is not used, and named in the returned warnings.
+    pub fn from_gguf(g: &crate::gguf::Gguf) -> (Self, Vec<String>) {
+        let mut d = SamplingDefaults::default();
+        let mut warnings = Vec::new();
+        let mut float = |key: &str, ok: fn(f64) -> bool, slot: &mut f64| {
+            if let Ok(v) = g.get(key) {
+                match v.as_f64().filter(|x| ok(*x)) {
+                    Some(x) => *slot = x,
+                    None => warnings.push(format!("{key} = {v:?} is out of range: not used")),
+                }
+            }
+        };
+        float(
+            "general.sampling.temp",
+            |t| (0.0..=2.0).contains(&t),
+            &mut d.temperature,
+        );
+        float(
+            "general.sampling.top_p",
+            |t| t > 0.0 && t <= 1.0,
+            &mut d.top_p,
+        );
+        float(
+            "general.sampling.min_p",
+            |t| (0.0..=1.0).contains(&t),
+            &mut d.min_p,
+        );
+        if let Ok(v) = g.get("general.sampling.top_k") {
+            match v.as_u64().and_then(|k| usize::try_from(k).ok()) {
+                Some(k) => d.top_k = k,
+                None => warnings.push(format!(
+                    "general.sampling.top_k = {v:?} is out of range: not used"
+                )),
+            }
+        }
+        (d, warnings)
+    }
 }
 
 /// What a request gets back, in order.
@@ -325,7 +396,7 @@ impl Worker {
         let mut sent = 0usize; // bytes of text already sent
         let mut finish = "length";
         while generated.len() < p.max_tokens {
-            let next = sample(&logits, p.temperature, p.top_p, &mut rng);
+            let next = sample(&logits, p, &mut rng);
             if next == self.tokenizer.eos {
                 finish = "stop";
                 break;
@@ -402,41 +473,91 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// Greedy at temperature 0; otherwise temperature-scaled nucleus sampling.
-fn sample(logits: &Tensor, temperature: f64, top_p: f64, rng: &mut fastrand::Rng) -> u32 {
+/// Greedy at temperature 0; otherwise the temperature-scaled distribution truncated by
+/// `top_k`, then `top_p`, then `min_p` (vLLM's order), and sampled.
+fn sample(logits: &Tensor, p: &SamplingParams, rng: &mut fastrand::Rng) -> u32 {
     let row = logits.flatten(0, -1);
-    if temperature <= 0.0 {
+    if p.temperature <= 0.0 {
         return row.argmax(-1, false).int64_value(&[]) as u32;
     }
     let probs: Vec<f32> =
-        Vec::try_from((&row / temperature).softmax(-1, Kind::Float)).unwrap_or_default();
-    if probs.is_empty() {
-        return row.argmax(-1, false).int64_value(&[]) as u32;
+        Vec::try_from((&row / p.temperature).softmax(-1, Kind::Float)).unwrap_or_default();
+    match pick(&probs, p, rng.f64()) {
+        Some(i) => i as u32,
+        None => row.argmax(-1, false).int64_value(&[]) as u32,
     }
+}
+
+/// The token `r` (uniform in [0, 1)) picks from `probs` once truncated by `p`'s `top_k`,
+/// `top_p` and `min_p`; `None` for an empty distribution.
+fn pick(probs: &[f32], p: &SamplingParams, r: f64) -> Option<usize> {
     let mut order: Vec<usize> = (0..probs.len()).collect();
     order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let first = *order.first()?;
+    if p.top_k > 0 {
+        order.truncate(p.top_k);
+    }
     let mut mass = 0.0f64;
     let mut keep = 0;
     for &i in &order {
         mass += probs[i] as f64;
         keep += 1;
-        if mass >= top_p {
+        if mass >= p.top_p {
             break;
         }
     }
-    let mut r = rng.f64() * mass;
-    for &i in &order[..keep] {
-        r -= probs[i] as f64;
-        if r <= 0.0 {
-            return i as u32;
+    order.truncate(keep);
+    let floor = p.min_p * probs[first] as f64;
+    order.retain(|&i| i == first || probs[i] as f64 >= floor);
+    let mass: f64 = order.iter().map(|&i| probs[i] as f64).sum();
+    let mut left = r * mass;
+    for &i in &order {
+        left -= probs[i] as f64;
+        if left <= 0.0 {
+            return Some(i);
         }
     }
-    order[0] as u32
+    Some(first)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::longest_suffix_prefix;
+    use super::{longest_suffix_prefix, pick, SamplingParams};
+
+    fn params(top_k: usize, top_p: f64, min_p: f64) -> SamplingParams {
+        SamplingParams {
+            max_tokens: 1,
+            temperature: 1.0,
+            top_p,
+            top_k,
+            min_p,
+            seed: None,
+            stop: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn truncation_keeps_exactly_what_each_knob_allows() {
+        let probs = [0.05f32, 0.5, 0.2, 0.15, 0.1];
+        // Picks over r in [0, 1) reach every kept token and no other.
+        let reach = |p: &SamplingParams| {
+            let mut seen: Vec<usize> = (0..1000)
+                .filter_map(|i| pick(&probs, p, i as f64 / 1000.0))
+                .collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(reach(&params(0, 1.0, 0.0)), vec![0, 1, 2, 3, 4]);
+        assert_eq!(reach(&params(1, 1.0, 0.0)), vec![1], "top_k = 1 is greedy");
+        assert_eq!(reach(&params(2, 1.0, 0.0)), vec![1, 2]);
+        // 0.5 + 0.2 = 0.7 reaches top_p = 0.7: the two most likely.
+        assert_eq!(reach(&params(0, 0.7, 0.0)), vec![1, 2]);
+        // min_p 0.25: at least 0.125, so 0.1 and 0.05 go.
+        assert_eq!(reach(&params(0, 1.0, 0.25)), vec![1, 2, 3]);
+        assert_eq!(reach(&params(0, 1.0, 1.0)), vec![1], "min_p = 1 is greedy");
+        assert_eq!(pick(&[], &params(0, 1.0, 0.0), 0.5), None);
+    }
 
     #[test]
     fn stop_string_holdback() {

@@ -353,6 +353,17 @@ fn run() -> anyhow::Result<()> {
     let g = Gguf::open(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
     let tokenizer = Arc::new(ModelTokenizer::from_gguf(&g)?);
     let model = Llama::load(&g, cfg.weights)?;
+    let (sampling, warnings) = engine_shim::engine::SamplingDefaults::from_gguf(&g);
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::info!(
+        temperature = sampling.temperature,
+        top_p = sampling.top_p,
+        top_k = sampling.top_k,
+        min_p = sampling.min_p,
+        "default sampling (the model file's hints, else llama.cpp's defaults)"
+    );
     drop(g);
     let max_model_len = if cfg.max_model_len == 0 {
         model.cfg.context
@@ -440,6 +451,7 @@ fn run() -> anyhow::Result<()> {
         stats,
         max_model_len,
         default_max_tokens: cfg.default_max_tokens,
+        sampling,
         max_body_bytes: cfg.max_body_bytes,
         body_read_timeout: Duration::from_millis(cfg.body_read_timeout_ms),
         body_budget: Arc::new(Semaphore::new(

@@ -49,6 +49,8 @@ pub struct App {
     pub max_model_len: usize,
     /// `max_tokens` when the request gives none.
     pub default_max_tokens: usize,
+    /// Temperature, top_p, top_k and min_p when the request gives none.
+    pub sampling: crate::engine::SamplingDefaults,
     /// Largest request body, bytes.
     pub max_body_bytes: usize,
     /// Longest wait for a request's whole body; then 408.
@@ -97,6 +99,12 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// The served model as an OpenAI model object.
+fn model_object(app: &App) -> Value {
+    json!({"id": app.model_name, "object": "model", "created": 0, "owned_by": "engine-shim",
+           "max_model_len": app.max_model_len})
+}
+
 /// Handles one HTTP request.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
@@ -104,8 +112,25 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
         (Method::GET, "/health") => Response::new(full("ok\n")),
         (Method::GET, "/v1/models") => json_response(
             200,
-            &json!({"object": "list", "data": [{"id": app.model_name, "object": "model", "created": 0, "owned_by": "engine-shim", "max_model_len": app.max_model_len}]}),
+            &json!({"object": "list", "data": [model_object(&app)]}),
         ),
+        (Method::GET, p) if p.strip_prefix("/v1/models/").is_some() => {
+            let id = p.strip_prefix("/v1/models/").unwrap_or_default();
+            if id == app.model_name {
+                json_response(200, &model_object(&app))
+            } else {
+                error_response(
+                    &ApiError::new(
+                        ErrorKind::ModelNotFound,
+                        format!(
+                            "the model `{id}` does not exist; this engine serves `{}`",
+                            app.model_name
+                        ),
+                    )
+                    .with_param("model"),
+                )
+            }
+        }
         (Method::GET, "/server_info") => json_response(
             200,
             &json!({"engine": "engine-shim", "served_model_name": app.model_name, "kv_epoch": app.kv_epoch}),
@@ -260,6 +285,7 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             }
         }
     }
+    refuse_unsupported(obj)?;
     let prompt_param = if chat { "messages" } else { "prompt" };
     let prompt = if chat {
         let msgs = obj
@@ -295,8 +321,9 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
         }
     };
     check_prompt_bytes(app, prompt.len(), max_tokens, prompt_param)?;
+    let defaults = app.sampling;
     let temperature = match num("temperature") {
-        None => 1.0,
+        None => defaults.temperature,
         Some(v) => v
             .as_f64()
             .filter(|t| (0.0..=2.0).contains(t))
@@ -305,11 +332,29 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             })?,
     };
     let top_p = match num("top_p") {
-        None => 1.0,
+        None => defaults.top_p,
         Some(v) => v
             .as_f64()
             .filter(|t| *t > 0.0 && *t <= 1.0)
             .ok_or_else(|| bad("`top_p` must be a number in (0, 1]").with_param("top_p"))?,
+    };
+    // 0 and -1 (vLLM's spelling) turn it off.
+    let top_k = match num("top_k") {
+        None => defaults.top_k,
+        Some(v) if v.as_i64() == Some(-1) => 0,
+        Some(v) => v
+            .as_u64()
+            .and_then(|k| usize::try_from(k).ok())
+            .ok_or_else(|| {
+                bad("`top_k` must be an integer >= 0 (0 or -1: off)").with_param("top_k")
+            })?,
+    };
+    let min_p = match num("min_p") {
+        None => defaults.min_p,
+        Some(v) => v
+            .as_f64()
+            .filter(|t| (0.0..=1.0).contains(t))
+            .ok_or_else(|| bad("`min_p` must be a number in [0, 1]").with_param("min_p"))?,
     };
     let seed = match num("seed") {
         None => None,
@@ -367,10 +412,39 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             max_tokens,
             temperature,
             top_p,
+            top_k,
+            min_p,
             seed,
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         },
     })
+}
+
+/// 400 for the OpenAI parameters this engine cannot honour, naming the first: it never
+/// answers as if it had applied them. Their neutral values (no tools, `"text"` format, no
+/// penalties, no logprobs) are accepted, as clients send them by default.
+fn refuse_unsupported(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let neutral = |k: &str, v: &Value| match k {
+        "tools" | "functions" => v.is_null() || v.as_array().is_some_and(|a| a.is_empty()),
+        "tool_choice" | "function_call" => v.is_null() || v.as_str() == Some("none"),
+        "response_format" => v.is_null() || v.get("type").and_then(Value::as_str) == Some("text"),
+        "logprobs" | "echo" => v.is_null() || v.as_bool() == Some(false) || v.as_u64() == Some(0),
+        "top_logprobs" => v.is_null() || v.as_u64() == Some(0),
+        "logit_bias" => v.is_null() || v.as_object().is_some_and(|m| m.is_empty()),
+        "presence_penalty" | "frequency_penalty" => v.is_null() || v.as_f64() == Some(0.0),
+        "repetition_penalty" => v.is_null() || v.as_f64() == Some(1.0),
+        "suffix" => v.is_null() || v.as_str() == Some(""),
+        _ => true,
+    };
+    for (k, v) in obj {
+        if !neutral(k, v) {
+            return Err(bad(format!(
+                "`{k}` is not supported by engine-shim (it would be ignored); remove it"
+            ))
+            .with_param(k));
+        }
+    }
+    Ok(())
 }
 
 /// Reads a request body within `max_body_bytes`, `body_read_timeout` and the global body budget;

@@ -140,7 +140,11 @@ fn check_against_reference(weights: WeightType) {
     let model = Llama::load(gguf(), weights).unwrap();
     let ids = france();
     // Reference: the gguf package's dequantisation and a numpy forward pass.
-    let out = std::env::temp_dir().join(format!("engine-shim-ref-{}.bin", std::process::id()));
+    // One file per test: the f32 and bf16 tests run at once in this process.
+    let out = std::env::temp_dir().join(format!(
+        "engine-shim-ref-{}-{weights:?}.bin",
+        std::process::id()
+    ));
     let status = std::process::Command::new(root().join(".venv-ref/bin/python"))
         .arg(root().join("engine-shim/reference/llama_ref.py"))
         .arg(model_path())

@@ -558,6 +558,68 @@ fn bad_requests_get_openai_errors() {
     );
 }
 
+/// top_k and min_p are applied (1 of either is greedy, whatever the temperature); what the
+/// engine cannot honour is refused naming the parameter, its neutral values accepted; the
+/// model is served at `/v1/models/{id}`.
+#[test]
+fn sampling_knobs_apply_and_unsupported_parameters_are_refused() {
+    let e = engine(&[]);
+    let q = "What is the capital of France?";
+    let greedy = answer(&chat(e.addr, q, json!({})));
+    for knob in [json!({"top_k": 1}), json!({"min_p": 1.0})] {
+        let mut extra = knob.clone();
+        extra["temperature"] = json!(1.5);
+        extra["seed"] = json!(7);
+        assert_eq!(answer(&chat(e.addr, q, extra)), greedy, "{knob}");
+    }
+    // Neutral values, as clients send by default.
+    let neutral = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                         "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false,
+                         "logit_bias": {}, "top_k": -1, "min_p": 0});
+    assert_eq!(answer(&chat(e.addr, q, neutral)), greedy);
+    let refused = [
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"presence_penalty": 0.5}), "presence_penalty"),
+        (json!({"logit_bias": {"42": 10}}), "logit_bias"),
+        (json!({"top_k": "a"}), "top_k"),
+        (json!({"top_k": -2}), "top_k"),
+        (json!({"min_p": 2}), "min_p"),
+    ];
+    for (extra, param) in refused {
+        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": q}]});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, b) = post(
+            e.addr,
+            "/v1/chat/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{extra}: {v}"
+        );
+    }
+    let found = get(e.addr, &format!("/v1/models/{MODEL}"));
+    assert!(found.starts_with("HTTP/1.1 200"), "{found}");
+    assert!(found.contains(&format!("\"id\":\"{MODEL}\"")), "{found}");
+    let missing = get(e.addr, "/v1/models/gpt-4");
+    assert!(
+        missing.starts_with("HTTP/1.1 404") && missing.contains("model_not_found"),
+        "{missing}"
+    );
+}
+
 /// Reads one metric (the first line starting with `name`, labels included in `name`).
 fn metric(addr: SocketAddr, name: &str) -> f64 {
     let m = get(addr, "/metrics");

@@ -43,6 +43,8 @@ fn greedy(max_tokens: usize) -> SamplingParams {
         max_tokens,
         temperature: 0.0,
         top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
         seed: None,
         stop: Vec::new(),
     }

@@ -424,6 +424,13 @@ fn models_are_aggregated_and_health_answers() {
         ids,
         HashSet::from(["alpha".to_string(), "beta".to_string()])
     );
+    let one = get(proxy.addr, "/v1/models/beta").unwrap();
+    assert_eq!((one.status, one.json()["id"].as_str()), (200, Some("beta")));
+    let none = get(proxy.addr, "/v1/models/gamma").unwrap();
+    assert_eq!(
+        (none.status, none.json()["error"]["code"].as_str()),
+        (404, Some("model_not_found"))
+    );
     // Requests go to the engine that serves the model.
     for _ in 0..4 {
         assert_eq!(

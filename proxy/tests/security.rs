@@ -160,28 +160,31 @@ models = ["another-model"]
     let r = chat_as(proxy.addr, Some("sk-limited"), &body);
     assert_eq!(r.status, 403, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["error"]["param"], "model");
-    let models = |key: Option<&str>| {
+    let models_at = |path: &str, key: Option<&str>| {
         let auth = key.map(bearer);
         let headers: Vec<(&str, &str)> = auth
             .as_deref()
             .map(|a| vec![("authorization", a)])
             .unwrap_or_default();
-        request(
-            proxy.addr,
-            "GET",
-            "/v1/models",
-            b"",
-            Framing::Length,
-            &headers,
-        )
-        .unwrap()
+        request(proxy.addr, "GET", path, b"", Framing::Length, &headers).unwrap()
     };
+    let models = |key: Option<&str>| models_at("/v1/models", key);
     assert_eq!(models(None).status, 401);
     assert_eq!(
         models(Some("sk-limited")).json()["data"],
         serde_json::json!([])
     );
     assert_eq!(models(Some("sk-beta")).json()["data"][0]["id"], "sim-model");
+    // One model: as the list, a model the key may not use is absent.
+    assert_eq!(models_at("/v1/models/sim-model", None).status, 401);
+    assert_eq!(
+        models_at("/v1/models/sim-model", Some("sk-beta")).json()["id"],
+        "sim-model"
+    );
+    assert_eq!(
+        models_at("/v1/models/sim-model", Some("sk-limited")).status,
+        404
+    );
     // Probes stay open.
     assert_eq!(get(proxy.addr, "/ready").unwrap().status, 200);
 
