@@ -74,6 +74,15 @@ impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> prometheus::Result<Self> {
         let registry = Registry::new();
+        // Constant 1: joins any series to the build that produced it (version, commit).
+        let build_info = IntGaugeVec::new(
+            Opts::new("kvmesh_build_info", "The running build: always 1"),
+            &["version", "commit"],
+        )?;
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), env!("KVMESH_GIT_HASH")])
+            .set(1);
+        registry.register(Box::new(build_info))?;
         let requests = IntCounterVec::new(
             Opts::new("kvmesh_requests_total", "Requests by route and status"),
             &["route", "status"],

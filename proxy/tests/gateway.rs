@@ -440,6 +440,16 @@ fn models_are_aggregated_and_health_answers() {
     }
     assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
     assert_eq!(get(proxy.addr, "/ready").unwrap().status, 200);
+    let metrics = get(proxy.addr, "/metrics").unwrap();
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains(&format!(
+            "kvmesh_build_info{{commit=\"{}\",version=\"{}\"}} 1",
+            env!("KVMESH_GIT_HASH"),
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{text}"
+    );
 }
 
 #[test]
