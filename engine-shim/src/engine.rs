@@ -93,7 +93,12 @@ impl SamplingDefaults {
             &mut d.min_p,
         );
         if let Ok(v) = g.get("general.sampling.top_k") {
-            match v.as_u64().and_then(|k| usize::try_from(k).ok()) {
+            // As llama.cpp: 0 or below is off.
+            let k = match v {
+                crate::gguf::Value::I64(k) if *k <= 0 => Some(0),
+                _ => v.as_u64().and_then(|k| usize::try_from(k).ok()),
+            };
+            match k {
                 Some(k) => d.top_k = k,
                 None => warnings.push(format!(
                     "general.sampling.top_k = {v:?} is out of range: not used"
@@ -473,11 +478,16 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// Greedy at temperature 0; otherwise the temperature-scaled distribution truncated by
-/// `top_k`, then `top_p`, then `min_p` (vLLM's order), and sampled.
+/// Temperatures below this are greedy: dividing logits by less overflows f32 (vLLM's
+/// `_SAMPLING_EPS`).
+const MIN_TEMPERATURE: f64 = 1e-5;
+
+/// Greedy at temperature 0 (or below [`MIN_TEMPERATURE`]); otherwise the temperature-scaled
+/// distribution truncated by `min_p`, then `top_k`, then `top_p` over what is left (vLLM v1's
+/// order), and sampled.
 fn sample(logits: &Tensor, p: &SamplingParams, rng: &mut fastrand::Rng) -> u32 {
     let row = logits.flatten(0, -1);
-    if p.temperature <= 0.0 {
+    if p.temperature < MIN_TEMPERATURE {
         return row.argmax(-1, false).int64_value(&[]) as u32;
     }
     let probs: Vec<f32> =
@@ -488,27 +498,33 @@ fn sample(logits: &Tensor, p: &SamplingParams, rng: &mut fastrand::Rng) -> u32 {
     }
 }
 
-/// The token `r` (uniform in [0, 1)) picks from `probs` once truncated by `p`'s `top_k`,
-/// `top_p` and `min_p`; `None` for an empty distribution.
+/// The token `r` (uniform in [0, 1)) picks from `probs` once truncated by `p`'s `min_p`,
+/// `top_k` and `top_p` (each over what the previous left, renormalised); `None` for an
+/// empty or non-finite distribution (the caller then takes the argmax).
 fn pick(probs: &[f32], p: &SamplingParams, r: f64) -> Option<usize> {
     let mut order: Vec<usize> = (0..probs.len()).collect();
     order.sort_unstable_by(|&a, &b| probs[b].total_cmp(&probs[a]));
     let first = *order.first()?;
+    if !probs[first].is_finite() || probs[first] <= 0.0 {
+        return None;
+    }
+    // min_p is relative to the most likely token: renormalising does not move it.
+    let floor = p.min_p * probs[first] as f64;
+    order.retain(|&i| probs[i] as f64 >= floor);
     if p.top_k > 0 {
         order.truncate(p.top_k);
     }
+    let kept: f64 = order.iter().map(|&i| probs[i] as f64).sum();
     let mut mass = 0.0f64;
     let mut keep = 0;
     for &i in &order {
         mass += probs[i] as f64;
         keep += 1;
-        if mass >= p.top_p {
+        if mass >= p.top_p * kept {
             break;
         }
     }
-    order.truncate(keep);
-    let floor = p.min_p * probs[first] as f64;
-    order.retain(|&i| i == first || probs[i] as f64 >= floor);
+    order.truncate(keep.max(1));
     let mass: f64 = order.iter().map(|&i| probs[i] as f64).sum();
     let mut left = r * mass;
     for &i in &order {
@@ -551,12 +567,18 @@ mod tests {
         assert_eq!(reach(&params(0, 1.0, 0.0)), vec![0, 1, 2, 3, 4]);
         assert_eq!(reach(&params(1, 1.0, 0.0)), vec![1], "top_k = 1 is greedy");
         assert_eq!(reach(&params(2, 1.0, 0.0)), vec![1, 2]);
-        // 0.5 + 0.2 = 0.7 reaches top_p = 0.7: the two most likely.
-        assert_eq!(reach(&params(0, 0.7, 0.0)), vec![1, 2]);
+        // 0.5 misses top_p = 0.65, 0.5 + 0.2 reaches it: the two most likely.
+        assert_eq!(reach(&params(0, 0.65, 0.0)), vec![1, 2]);
+        // top_p over what top_k kept, renormalised: of 0.5 + 0.2 + 0.15 = 0.85, 0.6 of it is
+        // 0.51, which 0.5 alone misses and 0.5 + 0.2 reaches.
+        assert_eq!(reach(&params(3, 0.6, 0.0)), vec![1, 2]);
         // min_p 0.25: at least 0.125, so 0.1 and 0.05 go.
         assert_eq!(reach(&params(0, 1.0, 0.25)), vec![1, 2, 3]);
         assert_eq!(reach(&params(0, 1.0, 1.0)), vec![1], "min_p = 1 is greedy");
         assert_eq!(pick(&[], &params(0, 1.0, 0.0), 0.5), None);
+        // Overflowed logits: no pick (the caller takes the argmax), never an arbitrary token.
+        assert_eq!(pick(&[f32::NAN, f32::NAN], &params(0, 1.0, 0.0), 0.5), None);
+        assert_eq!(reach(&params(0, 1.0, 0.0)).len(), 5);
     }
 
     #[test]

@@ -115,7 +115,11 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             &json!({"object": "list", "data": [model_object(&app)]}),
         ),
         (Method::GET, p) if p.strip_prefix("/v1/models/").is_some() => {
-            let id = p.strip_prefix("/v1/models/").unwrap_or_default();
+            // Clients percent-encode ids (`org%2Fmodel`).
+            let raw = p.strip_prefix("/v1/models/").unwrap_or_default();
+            let id = percent_encoding::percent_decode_str(raw)
+                .decode_utf8()
+                .unwrap_or_default();
             if id == app.model_name {
                 json_response(200, &model_object(&app))
             } else {
@@ -338,16 +342,18 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             .filter(|t| *t > 0.0 && *t <= 1.0)
             .ok_or_else(|| bad("`top_p` must be a number in (0, 1]").with_param("top_p"))?,
     };
-    // 0 and -1 (vLLM's spelling) turn it off.
+    // 0 and -1 (vLLM's spelling) turn it off; integral floats (40.0) are integers.
     let top_k = match num("top_k") {
         None => defaults.top_k,
-        Some(v) if v.as_i64() == Some(-1) => 0,
-        Some(v) => v
-            .as_u64()
-            .and_then(|k| usize::try_from(k).ok())
-            .ok_or_else(|| {
-                bad("`top_k` must be an integer >= 0 (0 or -1: off)").with_param("top_k")
-            })?,
+        Some(v) => match v.as_f64().filter(|k| k.fract() == 0.0 && *k >= -1.0) {
+            Some(k) if k <= 0.0 => 0,
+            Some(k) => usize::try_from(k as u64).unwrap_or(usize::MAX),
+            None => {
+                return Err(
+                    bad("`top_k` must be an integer >= -1 (0 or -1: off)").with_param("top_k")
+                )
+            }
+        },
     };
     let min_p = match num("min_p") {
         None => defaults.min_p,
@@ -424,15 +430,29 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
 /// answers as if it had applied them. Their neutral values (no tools, `"text"` format, no
 /// penalties, no logprobs) are accepted, as clients send them by default.
 fn refuse_unsupported(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let empty = |v: &Value| {
+        v.is_null()
+            || v.as_array().is_some_and(|a| a.is_empty())
+            || v.as_object().is_some_and(|m| m.is_empty())
+    };
+    let off = |v: &Value| v.is_null() || v.as_bool() == Some(false);
     let neutral = |k: &str, v: &Value| match k {
-        "tools" | "functions" => v.is_null() || v.as_array().is_some_and(|a| a.is_empty()),
-        "tool_choice" | "function_call" => v.is_null() || v.as_str() == Some("none"),
+        // OpenAI's, then vLLM's extensions (structured output, stopping, beams).
+        "tools" | "functions" | "logit_bias" | "stop_token_ids" | "allowed_token_ids"
+        | "bad_words" => empty(v),
+        // With no tools (refused above otherwise) "auto" and "none" mean the same.
+        "tool_choice" | "function_call" => {
+            v.is_null() || matches!(v.as_str(), Some("none" | "auto"))
+        }
         "response_format" => v.is_null() || v.get("type").and_then(Value::as_str) == Some("text"),
-        "logprobs" | "echo" => v.is_null() || v.as_bool() == Some(false) || v.as_u64() == Some(0),
+        // On completions `logprobs: 0` asks for the sampled token's: only off is neutral.
+        "logprobs" | "echo" | "ignore_eos" | "use_beam_search" => off(v),
         "top_logprobs" => v.is_null() || v.as_u64() == Some(0),
-        "logit_bias" => v.is_null() || v.as_object().is_some_and(|m| m.is_empty()),
+        "prompt_logprobs" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"
+        | "structured_outputs" => v.is_null(),
         "presence_penalty" | "frequency_penalty" => v.is_null() || v.as_f64() == Some(0.0),
         "repetition_penalty" => v.is_null() || v.as_f64() == Some(1.0),
+        "min_tokens" => v.is_null() || v.as_u64() == Some(0),
         "suffix" => v.is_null() || v.as_str() == Some(""),
         _ => true,
     };

@@ -573,10 +573,14 @@ fn sampling_knobs_apply_and_unsupported_parameters_are_refused() {
         assert_eq!(answer(&chat(e.addr, q, extra)), greedy, "{knob}");
     }
     // Neutral values, as clients send by default.
-    let neutral = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+    let neutral = json!({"tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
                          "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false,
-                         "logit_bias": {}, "top_k": -1, "min_p": 0});
+                         "logit_bias": {}, "top_k": -1, "min_p": 0, "n": 1, "user": "u",
+                         "stream_options": null, "parallel_tool_calls": true});
     assert_eq!(answer(&chat(e.addr, q, neutral)), greedy);
+    // A temperature too small to divide by is greedy, not an overflowed distribution.
+    let tiny = json!({"temperature": 1e-30, "top_k": 40.0});
+    assert_eq!(answer(&chat(e.addr, q, tiny)), greedy);
     let refused = [
         (
             json!({"tools": [{"type": "function", "function": {"name": "f"}}]}),
@@ -587,6 +591,11 @@ fn sampling_knobs_apply_and_unsupported_parameters_are_refused() {
             "response_format",
         ),
         (json!({"logprobs": true}), "logprobs"),
+        (json!({"logprobs": 0}), "logprobs"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (json!({"guided_json": {"type": "object"}}), "guided_json"),
+        (json!({"ignore_eos": true}), "ignore_eos"),
+        (json!({"min_tokens": 5}), "min_tokens"),
         (json!({"presence_penalty": 0.5}), "presence_penalty"),
         (json!({"logit_bias": {"42": 10}}), "logit_bias"),
         (json!({"top_k": "a"}), "top_k"),
@@ -613,6 +622,9 @@ fn sampling_knobs_apply_and_unsupported_parameters_are_refused() {
     let found = get(e.addr, &format!("/v1/models/{MODEL}"));
     assert!(found.starts_with("HTTP/1.1 200"), "{found}");
     assert!(found.contains(&format!("\"id\":\"{MODEL}\"")), "{found}");
+    // Percent-encoded, as clients send ids.
+    let encoded = get(e.addr, "/v1/models/SmolLM2%2D135M%2DInstruct");
+    assert!(encoded.starts_with("HTTP/1.1 200"), "{encoded}");
     let missing = get(e.addr, "/v1/models/gpt-4");
     assert!(
         missing.starts_with("HTTP/1.1 404") && missing.contains("model_not_found"),

@@ -121,7 +121,13 @@ impl Gateway {
                 let Some(allowed) = self.local_key(session, ctx).await? else {
                     return Ok(true);
                 };
-                let id = model_id.unwrap_or_default();
+                // Clients percent-encode ids (`org%2Fmodel`); one that does not decode to
+                // UTF-8 names no model.
+                let raw = model_id.unwrap_or_default();
+                let id = percent_encoding::percent_decode_str(raw)
+                    .decode_utf8()
+                    .unwrap_or_default();
+                let id = id.as_ref();
                 // A model the key may not use is as absent as one no engine serves.
                 if !self.model_ids(allowed).iter().any(|m| m == id) {
                     let e = ApiError::new(

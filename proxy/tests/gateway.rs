@@ -426,6 +426,12 @@ fn models_are_aggregated_and_health_answers() {
     );
     let one = get(proxy.addr, "/v1/models/beta").unwrap();
     assert_eq!((one.status, one.json()["id"].as_str()), (200, Some("beta")));
+    let encoded = get(proxy.addr, "/v1/models/%62eta").unwrap();
+    assert_eq!(
+        encoded.json()["id"].as_str(),
+        Some("beta"),
+        "percent-decoded"
+    );
     let none = get(proxy.addr, "/v1/models/gamma").unwrap();
     assert_eq!(
         (none.status, none.json()["error"]["code"].as_str()),
