@@ -255,6 +255,15 @@ impl Membership for FleetMembership<'_> {
     }
 
     fn remove(&self, node_id: &str, _node: NodeId) {
+        let models = self
+            .fleet
+            .engines()
+            .iter()
+            .find(|e| e.peer.is_some() && e.name == node_id)
+            .and_then(|e| e.models())
+            .map(|m| m.to_vec())
+            .unwrap_or_default();
+        self.metrics.per_engine.forget(node_id, &models);
         self.fleet.remove_peer(node_id);
         self.admission.forget(node_id);
         for reason in crate::placement::reason::ALL {

@@ -79,6 +79,11 @@ impl Gateway {
         let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
             return u;
         };
+        if let Some(u) = u {
+            self.metrics
+                .per_engine
+                .tokens(&d.engine().name, u.prompt_tokens, u.cached_tokens);
+        }
         self.settle(
             u,
             &Prediction {

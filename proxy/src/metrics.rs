@@ -57,6 +57,10 @@ pub struct Metrics {
     pub residency_entries: IntGaugeVec,
     /// Digests the index holds per engine.
     pub engine_residency: IntGaugeVec,
+    /// Per-engine request, latency and token series (engine and model labels).
+    pub per_engine: EngineSeries,
+    /// The `max_inflight` cap, beside `kvmesh_inflight_requests`.
+    pub max_inflight: IntGauge,
     /// Requests admitted and not finished (the `max_inflight` cap's count).
     pub inflight_requests: IntGauge,
     /// Request-body bytes reserved from `body_budget_bytes`.
@@ -241,7 +245,15 @@ impl Metrics {
         registry.register(Box::new(engine_healthy.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(admission_rejections.clone()))?;
+        let per_engine = EngineSeries::new(&registry)?;
+        let max_inflight = IntGauge::new(
+            "kvmesh_max_inflight",
+            "The cap on requests in flight (max_inflight)",
+        )?;
+        registry.register(Box::new(max_inflight.clone()))?;
         Ok(Metrics {
+            per_engine,
+            max_inflight,
             registry,
             requests,
             latency,
@@ -296,6 +308,8 @@ impl Metrics {
             self.engine_healthy
                 .with_label_values(&[&e.name])
                 .set(e.healthy() as i64);
+            self.per_engine
+                .touch(&e.name, e.models().as_deref().map_or(&[], |m| m.as_slice()));
         }
         self.index_digests.set(index_len as i64);
         let prompt = self.prompt_tokens.get();
@@ -308,6 +322,118 @@ impl Metrics {
         // Encoding gathered families into a Vec cannot fail.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+/// What each engine served: `kvmesh_engine_requests_total{engine,model,class}`,
+/// `kvmesh_engine_ttft_seconds{engine,model}` and `kvmesh_engine_tokens_total{engine,kind}`
+/// (`prompt`, `cached`: their ratio is the engine's hit ratio). Models are those an engine was
+/// routed for, so the label set is bounded by the fleet's models.
+pub struct EngineSeries {
+    requests: IntCounterVec,
+    ttft: HistogramVec,
+    tokens: IntCounterVec,
+}
+
+/// `class` of `kvmesh_engine_requests_total`: the status class, or `aborted` for a client
+/// gone or an upstream cut after the first byte.
+pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "aborted"];
+
+/// `kind` of `kvmesh_engine_tokens_total`.
+const TOKEN_KINDS: [&str; 2] = ["prompt", "cached"];
+
+impl EngineSeries {
+    fn new(registry: &Registry) -> prometheus::Result<Self> {
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_engine_requests_total",
+                "Requests an engine (or peer) served, by model and status class",
+            ),
+            &["engine", "model", "class"],
+        )?;
+        let ttft = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_engine_ttft_seconds",
+                "Time from request start to the first response body byte, per engine and model",
+            )
+            .buckets(latency_buckets()),
+            &["engine", "model"],
+        )?;
+        let tokens = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_engine_tokens_total",
+                "Prompt tokens an engine reported, and of those cached",
+            ),
+            &["engine", "kind"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(tokens.clone()))?;
+        Ok(EngineSeries {
+            requests,
+            ttft,
+            tokens,
+        })
+    }
+
+    /// One finished request that `engine` answered (`status` 0 or 499: aborted).
+    pub fn served(
+        &self,
+        engine: &str,
+        model: &str,
+        status: u16,
+        ttft: Option<std::time::Duration>,
+    ) {
+        let class = match status {
+            200..=399 => "2xx",
+            400..=498 => "4xx",
+            500..=599 => "5xx",
+            _ => "aborted",
+        };
+        self.requests
+            .with_label_values(&[engine, model, class])
+            .inc();
+        if let Some(t) = ttft {
+            self.ttft
+                .with_label_values(&[engine, model])
+                .observe(t.as_secs_f64());
+        }
+    }
+
+    /// Tokens `engine` reported for one request.
+    pub fn tokens(&self, engine: &str, prompt: u64, cached: Option<u64>) {
+        self.tokens
+            .with_label_values(&[engine, "prompt"])
+            .inc_by(prompt);
+        if let Some(c) = cached {
+            self.tokens.with_label_values(&[engine, "cached"]).inc_by(c);
+        }
+    }
+
+    /// Creates `engine`'s series for `models` at zero (alerts see 0, not no data).
+    fn touch(&self, engine: &str, models: &[String]) {
+        for kind in TOKEN_KINDS {
+            self.tokens.with_label_values(&[engine, kind]);
+        }
+        for m in models {
+            for class in STATUS_CLASSES {
+                self.requests.with_label_values(&[engine, m, class]);
+            }
+            self.ttft.with_label_values(&[engine, m]);
+        }
+    }
+
+    /// Drops a departed peer's series (`models`: those it served).
+    pub fn forget(&self, engine: &str, models: &[String]) {
+        for kind in TOKEN_KINDS {
+            let _ = self.tokens.remove_label_values(&[engine, kind]);
+        }
+        for m in models {
+            for class in STATUS_CLASSES {
+                let _ = self.requests.remove_label_values(&[engine, m, class]);
+            }
+            let _ = self.ttft.remove_label_values(&[engine, m]);
+        }
     }
 }
 

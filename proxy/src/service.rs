@@ -112,6 +112,9 @@ impl Gateway {
         for m in &metrics_labels::REFUSALS {
             metrics.admission_rejections.with_label_values(&[m]);
         }
+        metrics
+            .max_inflight
+            .set(i64::try_from(cfg.max_inflight).unwrap_or(i64::MAX));
         Ok(Gateway {
             router: Router::new(cfg.policy, cfg.routing.prefix_params()),
             limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
@@ -771,6 +774,14 @@ impl ProxyHttp for Gateway {
             .with_label_values(&[ctx.route])
             .observe(ctx.started.elapsed().as_secs_f64());
         let a = &ctx.access;
+        if let (Some(engine), Some(plan)) = (a.engine.as_deref(), ctx.plan.as_ref()) {
+            self.metrics.per_engine.served(
+                engine,
+                &plan.facts.model,
+                status.parse().unwrap_or(0),
+                a.ttft,
+            );
+        }
         crate::access::log(&crate::access::Line {
             request_id: &ctx.request_id,
             method: &a.method,

@@ -444,6 +444,21 @@ fn models_are_aggregated_and_health_answers() {
             Some("b")
         );
     }
+    // Per engine and model: the four above, the other engine's series at zero (known models).
+    let served = |engine: &str, model: &str, class: &str| {
+        proxy.metric(&format!(
+            "kvmesh_engine_requests_total{{class=\"{class}\",engine=\"{engine}\",model=\"{model}\"}}"
+        ))
+    };
+    assert_eq!(served("b", "beta", "2xx"), 4.0);
+    assert_eq!(served("b", "beta", "5xx"), 0.0);
+    assert_eq!(served("a", "alpha", "2xx"), 0.0);
+    assert_eq!(
+        proxy.metric("kvmesh_engine_ttft_seconds_count{engine=\"b\",model=\"beta\"}"),
+        4.0
+    );
+    assert!(proxy.metric("kvmesh_engine_tokens_total{engine=\"b\",kind=\"prompt\"}") > 0.0);
+    assert_eq!(proxy.metric("kvmesh_max_inflight"), 4096.0);
     assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
     assert_eq!(get(proxy.addr, "/ready").unwrap().status, 200);
     let metrics = get(proxy.addr, "/metrics").unwrap();
@@ -454,6 +469,11 @@ fn models_are_aggregated_and_health_answers() {
             env!("KVMESH_GIT_HASH"),
             env!("CARGO_PKG_VERSION")
         )),
+        "{text}"
+    );
+    // Created at zero for a known model, not absent: alerts see 0.
+    assert!(
+        text.contains("kvmesh_engine_requests_total{class=\"2xx\",engine=\"a\",model=\"alpha\"} 0"),
         "{text}"
     );
 }
