@@ -326,12 +326,14 @@ impl Metrics {
 }
 
 /// What each engine served: `kvmesh_engine_requests_total{engine,model,class}`,
-/// `kvmesh_engine_ttft_seconds{engine,model}` and `kvmesh_engine_tokens_total{engine,kind}`
+/// `kvmesh_engine_ttft_seconds{engine,model}`, `kvmesh_engine_itl_seconds{engine,model}` and
+/// `kvmesh_engine_tokens_total{engine,kind}`
 /// (`prompt`, `cached`: their ratio is the engine's hit ratio). Models are those an engine was
 /// routed for, so the label set is bounded by the fleet's models.
 pub struct EngineSeries {
     requests: IntCounterVec,
     ttft: HistogramVec,
+    itl: HistogramVec,
     tokens: IntCounterVec,
 }
 
@@ -359,6 +361,15 @@ impl EngineSeries {
             .buckets(latency_buckets()),
             &["engine", "model"],
         )?;
+        let itl = HistogramVec::new(
+            HistogramOpts::new(
+                "kvmesh_engine_itl_seconds",
+                "Gaps between the body chunks of an SSE answer (one or more tokens each), per \
+                 engine and model",
+            )
+            .buckets(latency_buckets()),
+            &["engine", "model"],
+        )?;
         let tokens = IntCounterVec::new(
             Opts::new(
                 "kvmesh_engine_tokens_total",
@@ -368,10 +379,12 @@ impl EngineSeries {
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(ttft.clone()))?;
+        registry.register(Box::new(itl.clone()))?;
         registry.register(Box::new(tokens.clone()))?;
         Ok(EngineSeries {
             requests,
             ttft,
+            itl,
             tokens,
         })
     }
@@ -400,6 +413,11 @@ impl EngineSeries {
         }
     }
 
+    /// The inter-chunk histogram of `engine` and `model` (held by a streaming request).
+    pub fn itl(&self, engine: &str, model: &str) -> prometheus::Histogram {
+        self.itl.with_label_values(&[engine, model])
+    }
+
     /// Tokens `engine` reported for one request.
     pub fn tokens(&self, engine: &str, prompt: u64, cached: Option<u64>) {
         self.tokens
@@ -420,6 +438,7 @@ impl EngineSeries {
                 self.requests.with_label_values(&[engine, m, class]);
             }
             self.ttft.with_label_values(&[engine, m]);
+            self.itl.with_label_values(&[engine, m]);
         }
     }
 
@@ -433,6 +452,7 @@ impl EngineSeries {
                 let _ = self.requests.remove_label_values(&[engine, m, class]);
             }
             let _ = self.ttft.remove_label_values(&[engine, m]);
+            let _ = self.itl.remove_label_values(&[engine, m]);
         }
     }
 }

@@ -135,6 +135,8 @@ impl Gateway {
 pub struct Ctx {
     pub(crate) started: Instant,
     pub(crate) route: &'static str,
+    /// For an SSE answer: its engine's inter-chunk histogram, and when the last chunk came.
+    itl: Option<(prometheus::Histogram, Instant)>,
     /// The admission slot, held from admission to `logging`.
     admitted: Option<Admitted>,
     /// The caller's key (`[auth]`), and its in-flight slot.
@@ -205,6 +207,7 @@ impl Ctx {
         Ctx {
             started: Instant::now(),
             route: "other",
+            itl: None,
             admitted: None,
             principal: None,
             key_slot: None,
@@ -606,6 +609,17 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.response_started = true;
         ctx.status = resp.status.as_u16();
+        let sse = resp
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|t| t.starts_with("text/event-stream"));
+        if let (true, Some(engine), Some(plan)) =
+            (sse, ctx.access.engine.as_deref(), ctx.plan.as_ref())
+        {
+            let h = self.metrics.per_engine.itl(engine, &plan.facts.model);
+            ctx.itl = Some((h, Instant::now()));
+        }
         if ctx.body_sent {
             // No failover after the first response byte: the body is not needed any more.
             ctx.body = None;
@@ -638,6 +652,13 @@ impl ProxyHttp for Gateway {
     ) -> Result<Option<Duration>> {
         if let Some(b) = body.as_ref().filter(|b| !b.is_empty()) {
             ctx.access.bytes_out += b.len() as u64;
+            if let Some((h, last)) = ctx.itl.as_mut() {
+                // The first chunk's wait is the TTFT, not a gap between tokens.
+                if ctx.access.ttft.is_some() {
+                    h.observe(last.elapsed().as_secs_f64());
+                }
+                *last = Instant::now();
+            }
             if ctx.access.ttft.is_none() {
                 let ttft = ctx.started.elapsed();
                 ctx.access.ttft = Some(ttft);

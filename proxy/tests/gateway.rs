@@ -459,6 +459,18 @@ fn models_are_aggregated_and_health_answers() {
     );
     assert!(proxy.metric("kvmesh_engine_tokens_total{engine=\"b\",kind=\"prompt\"}") > 0.0);
     assert_eq!(proxy.metric("kvmesh_max_inflight"), 4096.0);
+    // Inter-chunk gaps: none for the four JSON answers; a streamed answer's 16 tokens arrive
+    // as chunks with gaps between them.
+    let itl = "kvmesh_engine_itl_seconds_count{engine=\"b\",model=\"beta\"}";
+    assert_eq!(proxy.metric(itl), 0.0);
+    let r = post(
+        proxy.addr,
+        CHAT,
+        &chat_body("beta", "y", r#","stream":true"#),
+    );
+    assert_eq!(r.status, 200);
+    let gaps = proxy.metric(itl);
+    assert!(gaps >= 5.0, "{gaps} inter-chunk gaps");
     assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
     assert_eq!(get(proxy.addr, "/ready").unwrap().status, 200);
     let metrics = get(proxy.addr, "/metrics").unwrap();
