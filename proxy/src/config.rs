@@ -606,21 +606,19 @@ impl ProxyConfig {
     }
 
     /// Parses TOML text with the `KVMESH_*` overrides among `vars` applied ([`env`]; no
-    /// validation). Without overrides the text's own errors (with its line numbers) are
-    /// reported.
+    /// validation). The text's own errors (with its line numbers) are reported first, before
+    /// any override can mask them or be blamed for them.
     pub fn from_toml_with_env(
         text: &str,
         vars: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, String> {
-        // The file's own errors first, with its line numbers, before any override can mask
-        // or be blamed for them.
-        Self::from_toml(text)?;
+        let from_file = Self::from_toml(text)?;
         let mut table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
         let schema = toml::Table::try_from(ProxyConfig::default())
             .map_err(|e| format!("internal: the default configuration as TOML: {e}"))?;
         let applied = env::apply(&mut table, &schema, vars).map_err(|e| e.to_string())?;
         if applied.is_empty() {
-            return Self::from_toml(text);
+            return Ok(from_file);
         }
         // Re-read as text so errors name the key (toml reports paths from documents).
         let merged = toml::to_string(&table).map_err(|e| e.to_string())?;
