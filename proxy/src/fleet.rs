@@ -632,23 +632,22 @@ impl Drop for Dispatch {
 mod tests {
     use super::*;
 
+    /// A resolved engine address serving `models`.
+    fn engine_addr(name: &str, url: &str, addr: &str, models: &[&str]) -> EngineAddr {
+        EngineAddr {
+            name: name.into(),
+            url: url.into(),
+            addr: addr.parse().unwrap(),
+            models: models.iter().map(|m| m.to_string()).collect(),
+            unresolved: None,
+        }
+    }
+
     fn fleet() -> Arc<Fleet> {
         Fleet::new(
             vec![
-                EngineAddr {
-                    name: "a".into(),
-                    url: "http://127.0.0.1:1".into(),
-                    addr: "127.0.0.1:1".parse().unwrap(),
-                    models: vec!["m".into()],
-                    unresolved: None,
-                },
-                EngineAddr {
-                    name: "b".into(),
-                    url: "http://127.0.0.1:2".into(),
-                    addr: "127.0.0.1:2".parse().unwrap(),
-                    models: vec!["m".into()],
-                    unresolved: None,
-                },
+                engine_addr("a", "http://127.0.0.1:1", "127.0.0.1:1", &["m"]),
+                engine_addr("b", "http://127.0.0.1:2", "127.0.0.1:2", &["m"]),
             ],
             Duration::from_secs(5),
         )
@@ -702,20 +701,8 @@ mod tests {
     async fn probes_apply_the_health_check() {
         let f = Fleet::new(
             vec![
-                EngineAddr {
-                    name: "a".into(),
-                    url: "http://127.0.0.1:1".into(),
-                    addr: "127.0.0.1:1".parse().unwrap(),
-                    models: vec![],
-                    unresolved: None,
-                },
-                EngineAddr {
-                    name: "b".into(),
-                    url: "http://127.0.0.1:2".into(),
-                    addr: "127.0.0.1:2".parse().unwrap(),
-                    models: vec![],
-                    unresolved: None,
-                },
+                engine_addr("a", "http://127.0.0.1:1", "127.0.0.1:1", &[]),
+                engine_addr("b", "http://127.0.0.1:2", "127.0.0.1:2", &[]),
             ],
             Duration::from_secs(5),
         );
@@ -735,19 +722,15 @@ mod tests {
         // ".invalid" never resolves (RFC 2606): down, whatever the health check would say.
         let f = Fleet::new(
             vec![
+                engine_addr("moved", "http://localhost:1", "192.0.2.1:1", &[]),
                 EngineAddr {
-                    name: "moved".into(),
-                    url: "http://localhost:1".into(),
-                    addr: "192.0.2.1:1".parse().unwrap(),
-                    models: vec![],
-                    unresolved: None,
-                },
-                EngineAddr {
-                    name: "missing".into(),
-                    url: "http://kvmesh-engine.invalid:1".into(),
-                    addr: "0.0.0.0:1".parse().unwrap(),
-                    models: vec![],
                     unresolved: Some("does not resolve".into()),
+                    ..engine_addr(
+                        "missing",
+                        "http://kvmesh-engine.invalid:1",
+                        "0.0.0.0:1",
+                        &[],
+                    )
                 },
             ],
             Duration::from_secs(5),

@@ -67,11 +67,15 @@ pub struct Metrics {
     pub body_bytes: IntGauge,
 }
 
-fn latency_buckets() -> Vec<f64> {
-    vec![
-        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-        60.0,
-    ]
+/// A latency histogram, in seconds, over buckets from 0.5 ms to 60 s.
+fn latency_histogram(name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(vec![
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0,
+        ]),
+        labels,
+    )
 }
 
 impl Metrics {
@@ -91,20 +95,14 @@ impl Metrics {
             Opts::new("kvmesh_requests_total", "Requests by route and status"),
             &["route", "status"],
         )?;
-        let latency = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_request_duration_seconds",
-                "End-to-end request latency",
-            )
-            .buckets(latency_buckets()),
+        let latency = latency_histogram(
+            "kvmesh_request_duration_seconds",
+            "End-to-end request latency",
             &["route"],
         )?;
-        let ttft = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_ttft_seconds",
-                "Time from request start to the first response body byte",
-            )
-            .buckets(latency_buckets()),
+        let ttft = latency_histogram(
+            "kvmesh_ttft_seconds",
+            "Time from request start to the first response body byte",
             &["route"],
         )?;
         let decisions = IntCounterVec::new(
@@ -353,21 +351,15 @@ impl EngineSeries {
             ),
             &["engine", "model", "class"],
         )?;
-        let ttft = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_engine_ttft_seconds",
-                "Time from request start to the first response body byte, per engine and model",
-            )
-            .buckets(latency_buckets()),
+        let ttft = latency_histogram(
+            "kvmesh_engine_ttft_seconds",
+            "Time from request start to the first response body byte, per engine and model",
             &["engine", "model"],
         )?;
-        let itl = HistogramVec::new(
-            HistogramOpts::new(
-                "kvmesh_engine_itl_seconds",
-                "Gaps between the body chunks of an SSE answer (one or more tokens each), per \
-                 engine and model",
-            )
-            .buckets(latency_buckets()),
+        let itl = latency_histogram(
+            "kvmesh_engine_itl_seconds",
+            "Gaps between the body chunks of an SSE answer (one or more tokens each), per engine \
+             and model",
             &["engine", "model"],
         )?;
         let tokens = IntCounterVec::new(

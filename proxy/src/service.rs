@@ -780,12 +780,12 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
-        let status = if ctx.status != 0 {
+        let code = if ctx.status != 0 {
             ctx.status
         } else {
             session.response_written().map_or(0, |r| r.status.as_u16())
         };
-        let status = status.to_string();
+        let status = code.to_string();
         self.metrics
             .requests
             .with_label_values(&[ctx.route, &status])
@@ -796,19 +796,16 @@ impl ProxyHttp for Gateway {
             .observe(ctx.started.elapsed().as_secs_f64());
         let a = &ctx.access;
         if let (Some(engine), Some(plan)) = (a.engine.as_deref(), ctx.plan.as_ref()) {
-            self.metrics.per_engine.served(
-                engine,
-                &plan.facts.model,
-                status.parse().unwrap_or(0),
-                a.ttft,
-            );
+            self.metrics
+                .per_engine
+                .served(engine, &plan.facts.model, code, a.ttft);
         }
         crate::access::log(&crate::access::Line {
             request_id: &ctx.request_id,
             method: &a.method,
             path: &a.path,
             model: ctx.plan.as_ref().map_or("", |p| p.facts.model.as_str()),
-            status: status.parse().unwrap_or(0),
+            status: code,
             engine: a.engine.as_deref().unwrap_or(""),
             reason: ctx.decision.as_ref().map_or("", |(_, d)| d.reason.label()),
             overlap_blocks: ctx.predicted_overlap,
