@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The whole test suite: formatting, lints, then every unit and end-to-end test (real proxy and
-# simulated-engine processes on loopback ports), then the Docker tests (images, compose stacks,
-# Kubernetes manifests). This is what CI runs.
+# simulated-engine processes on loopback ports), a bounded fuzzing run, then the Docker tests
+# (images, compose stacks, Kubernetes manifests). This is what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Free disk first: a build that runs out of it fails as a linker crash (SIGBUS), not as ENOSPC.
+df -h . | sed 's/^/test.sh: /'
 scripts/setup.sh
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The end-to-end tests start other packages' binaries (kvmesh-sim-engine), which `cargo test`
 # alone does not build.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
+# Every parser of outside input under libFuzzer, KVMESH_FUZZ_SECS (20) seconds per target, from
+# the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md).
+scripts/fuzz.sh
 # The images, the compose stacks and the Kubernetes manifests on a real Docker engine (starts
 # one if none runs, and stops it again).
 scripts/test-docker.sh

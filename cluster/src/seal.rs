@@ -58,7 +58,7 @@ const WINDOW: u64 = 128;
 /// How long the pieces of a fragmented message wait for the rest.
 const REASSEMBLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Messages being reassembled at once, in all (each at most [`MAX_FRAGMENTS`] datagrams).
-const MAX_PARTIAL: usize = 64;
+pub const MAX_PARTIAL: usize = 64;
 /// Messages being reassembled at once per sender session.
 const MAX_PARTIAL_PER_SESSION: usize = 4;
 
@@ -256,39 +256,89 @@ impl Sealer {
         }
         let count = pieces.len() as u8;
         let ts = now_ms();
-        let dest = encode_addr(dest);
         let mut frames = Vec::with_capacity(pieces.len());
         for (i, piece) in pieces.into_iter().enumerate() {
             self.counter = self.counter.wrapping_add(1);
-            let mut frame = Vec::with_capacity(OVERHEAD + piece.len());
-            frame.extend_from_slice(&MAGIC);
-            frame.push(VERSION);
-            frame.push(i as u8);
-            frame.push(count);
-            frame.extend_from_slice(key_id);
-            frame.extend_from_slice(&self.session.to_le_bytes());
-            frame.extend_from_slice(&self.counter.to_le_bytes());
-            frame.extend_from_slice(&ts.to_le_bytes());
-            frame.extend_from_slice(&dest);
-            let mut nonce = [0u8; NONCE_LEN];
-            fill_random(&mut nonce);
-            let mut aad = frame.clone();
-            aad.extend_from_slice(&self.aad_suffix);
-            let Ok(ct) = cipher.encrypt(
-                XNonce::from_slice(&nonce),
-                Payload {
-                    msg: piece,
-                    aad: &aad,
-                },
-            ) else {
+            let header = FrameHeader {
+                index: i as u8,
+                count,
+                session: self.session,
+                counter: self.counter,
+                timestamp_ms: ts,
+                dest,
+            };
+            let Some(frame) = seal_frame(key_id, cipher, &self.aad_suffix, &header, piece) else {
                 return Vec::new();
             };
-            frame.extend_from_slice(&nonce);
-            frame.extend_from_slice(&ct);
             frames.push(frame);
         }
         frames
     }
+}
+
+/// The header fields of one frame, as its sender chose them.
+#[derive(Debug, Clone, Copy)]
+pub struct FrameHeader {
+    /// Which fragment of its message this frame is (from 0).
+    pub index: u8,
+    /// How many fragments the message has.
+    pub count: u8,
+    /// The sender's session id (random per process start).
+    pub session: u64,
+    /// The frame's number in its session (replay window).
+    pub counter: u64,
+    /// When it was sealed, ms since the Unix epoch (clock-skew check).
+    pub timestamp_ms: u64,
+    /// The address it is meant for.
+    pub dest: SocketAddr,
+}
+
+/// One frame carrying `piece` under `header`; `None` only if encryption fails.
+pub(crate) fn seal_frame(
+    key_id: &[u8; KEY_ID_LEN],
+    cipher: &XChaCha20Poly1305,
+    aad_suffix: &[u8],
+    header: &FrameHeader,
+    piece: &[u8],
+) -> Option<Vec<u8>> {
+    let mut frame = Vec::with_capacity(OVERHEAD + piece.len());
+    frame.extend_from_slice(&MAGIC);
+    frame.push(VERSION);
+    frame.push(header.index);
+    frame.push(header.count);
+    frame.extend_from_slice(key_id);
+    frame.extend_from_slice(&header.session.to_le_bytes());
+    frame.extend_from_slice(&header.counter.to_le_bytes());
+    frame.extend_from_slice(&header.timestamp_ms.to_le_bytes());
+    frame.extend_from_slice(&encode_addr(header.dest));
+    let mut nonce = [0u8; NONCE_LEN];
+    fill_random(&mut nonce);
+    let mut aad = frame.clone();
+    aad.extend_from_slice(aad_suffix);
+    let ct = cipher
+        .encrypt(
+            XNonce::from_slice(&nonce),
+            Payload {
+                msg: piece,
+                aad: &aad,
+            },
+        )
+        .ok()?;
+    frame.extend_from_slice(&nonce);
+    frame.extend_from_slice(&ct);
+    Some(frame)
+}
+
+/// A frame with every header field chosen by the caller, sealed with `keyring`'s primary key.
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn sealed_frame_for_test(
+    keyring: &Keyring,
+    cluster_id: &str,
+    header: &FrameHeader,
+    piece: &[u8],
+) -> Option<Vec<u8>> {
+    let (key_id, cipher) = keyring.keys.first()?;
+    seal_frame(key_id, cipher, cluster_id.as_bytes(), header, piece)
 }
 
 /// Whether a datagram looks like a sealed frame (rather than chitchat's own plaintext format).
@@ -549,6 +599,11 @@ impl Opener {
     /// Fragmented messages dropped incomplete so far.
     pub fn incomplete(&self) -> u64 {
         self.incomplete
+    }
+
+    /// Messages whose fragments are being reassembled now.
+    pub fn reassembling(&self) -> usize {
+        self.partial.len()
     }
 }
 

@@ -4,6 +4,21 @@
 
 use chitchat::{ChitchatId, Serializable};
 
+use crate::seal::{FrameHeader, Keyring};
+
+/// A gossip frame with every header field chosen by the caller (fragment index and count,
+/// session, counter, timestamp, destination), sealed with `keyring`'s primary key: what a peer
+/// holding the cluster key could send, well-formed or not. The fuzz targets use it to reach the
+/// opener's checks that run after authentication.
+pub fn sealed_frame(
+    keyring: &Keyring,
+    cluster_id: &str,
+    header: &FrameHeader,
+    piece: &[u8],
+) -> Option<Vec<u8>> {
+    crate::seal::sealed_frame_for_test(keyring, cluster_id, header, piece)
+}
+
 /// chitchat's wire format, written with its public serialisers: an `Ack` whose delta for
 /// `target` sets `key = value` at `version`, then, when `max_version` is given, a
 /// `SetMaxVersion` op (one lower than `version` reaches chitchat's

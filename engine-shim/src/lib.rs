@@ -1,6 +1,6 @@
 //! engine-shim: kvmesh's native engine on libtorch.
 //!
-//! - [`gguf`]: GGUF v3 reader and dequantisation;
+//! - [`gguf`]: the GGUF v3 reader and dequantisation (the `kvmesh-gguf` crate, re-exported);
 //! - [`model`]: the Llama forward pass on libtorch, with a per-sequence KV cache;
 //! - [`tokenizer`]: the model's tokenizer and chat template, built from GGUF metadata.
 //!
@@ -14,8 +14,9 @@
 
 pub mod cache;
 pub mod engine;
-pub mod gguf;
 pub mod kvstore;
 pub mod model;
 pub mod server;
 pub mod tokenizer;
+
+pub use kvmesh_gguf as gguf;

@@ -236,32 +236,9 @@ impl BlockDir {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(DiskError::io(&path, e)),
         }
-        let corrupt = |why| DiskError::Corrupt {
-            path: path.clone(),
-            why,
-        };
-        let h = parse_header(&buf).ok_or_else(|| corrupt("bad header"))?;
-        if h.digest != *digest {
-            return Err(corrupt("digest does not match the file name"));
-        }
-        if buf.len() as u64 != h.file_len() {
-            return Err(corrupt("length does not match the header"));
-        }
-        let body_end = buf.len() - TRAILER;
-        if blake3::hash(&buf[..body_end]).as_bytes() != &buf[body_end..] {
-            return Err(corrupt("checksum mismatch"));
-        }
-        let model_start = HEADER;
-        let payload_start = model_start + h.model_len;
-        let model = std::str::from_utf8(&buf[model_start..payload_start])
-            .map_err(|_| corrupt("model name is not UTF-8"))?
-            .to_owned();
-        let payload = Bytes::from(buf).slice(payload_start..body_end);
-        Ok(Some(DiskBlock {
-            model,
-            token_count: h.token_count,
-            payload,
-        }))
+        decode(buf, digest)
+            .map(Some)
+            .map_err(|why| DiskError::Corrupt { path, why })
     }
 
     /// Removes a block file; a missing file is not an error.
@@ -300,6 +277,33 @@ impl BlockDir {
     }
 }
 
+/// Decodes and verifies the bytes of the block file named `digest`: header, length, checksum,
+/// UTF-8 model name. The error says what was wrong.
+pub fn decode(buf: Vec<u8>, digest: &Digest) -> Result<DiskBlock, &'static str> {
+    let h = parse_header(&buf).ok_or("bad header")?;
+    if h.digest != *digest {
+        return Err("digest does not match the file name");
+    }
+    if h.file_len() != Some(buf.len() as u64) {
+        return Err("length does not match the header");
+    }
+    let body_end = buf.len() - TRAILER;
+    if blake3::hash(&buf[..body_end]).as_bytes() != &buf[body_end..] {
+        return Err("checksum mismatch");
+    }
+    let model_start = HEADER;
+    let payload_start = model_start + h.model_len;
+    let model = std::str::from_utf8(&buf[model_start..payload_start])
+        .map_err(|_| "model name is not UTF-8")?
+        .to_owned();
+    let payload = Bytes::from(buf).slice(payload_start..body_end);
+    Ok(DiskBlock {
+        model,
+        token_count: h.token_count,
+        payload,
+    })
+}
+
 struct Header {
     digest: Digest,
     token_count: u32,
@@ -308,8 +312,10 @@ struct Header {
 }
 
 impl Header {
-    fn file_len(&self) -> u64 {
-        (HEADER + self.model_len + TRAILER) as u64 + self.payload_len
+    /// The file's length as the header declares it; `None` when that overflows (a hostile
+    /// `payload_len`).
+    fn file_len(&self) -> Option<u64> {
+        ((HEADER + self.model_len + TRAILER) as u64).checked_add(self.payload_len)
     }
 }
 
@@ -348,7 +354,7 @@ fn scan_one(path: &Path) -> Result<Option<ScannedBlock>, &'static str> {
     if h.digest != name_digest {
         return Err("digest does not match the file name");
     }
-    if meta.len() != h.file_len() {
+    if h.file_len() != Some(meta.len()) {
         return Err("length does not match the header");
     }
     let mut model = vec![0u8; h.model_len];
@@ -410,5 +416,30 @@ mod tests {
         assert_eq!(kept, vec![1, 4]);
         assert_eq!((scan.corrupt_dropped, scan.temp_removed), (1, 1));
         assert!(!p3.exists());
+    }
+
+    /// Fuzzing regression (kvagent_block): a `payload_len` near `u64::MAX` overflowed the
+    /// declared file length (a panic in debug builds, a wrapped length in release). Such a file
+    /// is corrupt, on read and at the start-up scan.
+    #[test]
+    fn a_payload_length_that_overflows_is_corrupt_not_a_panic() {
+        let mut file = MAGIC.to_vec();
+        file.extend_from_slice(&digest(9).0);
+        file.extend_from_slice(&16u32.to_le_bytes());
+        file.extend_from_slice(&1u16.to_le_bytes());
+        file.extend_from_slice(&(u64::MAX - 10).to_le_bytes());
+        file.push(b'm');
+        let sum = *blake3::hash(&file).as_bytes();
+        file.extend_from_slice(&sum);
+        assert_eq!(
+            decode(file.clone(), &digest(9)).err(),
+            Some("length does not match the header")
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = BlockDir::open(dir.path(), false).expect("open");
+        fs::write(d.path(&digest(9)), &file).expect("write file");
+        assert!(matches!(d.read(&digest(9)), Err(DiskError::Corrupt { .. })));
+        let scan = d.scan().expect("scan");
+        assert_eq!((scan.blocks.len(), scan.corrupt_dropped), (0, 1));
     }
 }

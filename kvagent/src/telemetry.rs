@@ -83,7 +83,13 @@ fn sample(line: &str) -> Option<(&str, f64)> {
         Some(i) => (&line[..i], &line[i..]),
         None => return None,
     };
-    let value = rest.split_whitespace().next()?.parse().ok()?;
+    // NaN and the infinities are valid exposition values, but no load to route on.
+    let value = rest
+        .split_whitespace()
+        .next()?
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())?;
     Some((name, value))
 }
 
@@ -110,10 +116,12 @@ pub fn parse_load(text: &str) -> Option<NodeLoad> {
         if running.is_none() && waiting.is_none() && usage.is_none() {
             return None;
         }
+        // A negative count is nonsense; a sum that overflowed is as loaded as can be.
+        let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::MAX);
         Some(NodeLoad {
             available: true,
-            running: running.unwrap_or(0.0),
-            waiting: waiting.unwrap_or(0.0),
+            running: count(running),
+            waiting: count(waiting),
             kv_usage: usage.unwrap_or(0.0).clamp(0.0, 1.0),
             flavor: f.flavor,
             scraped_unix_ms: 0,
@@ -212,6 +220,22 @@ impl Scraper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fuzzing regression (engine_replies): NaN, infinities, negative counts and sums that
+    /// overflow are valid Prometheus text but must not become a load to route on.
+    #[test]
+    fn non_finite_and_negative_samples_give_a_sane_load() {
+        let l = parse_load(
+            "vllm:num_requests_running NaN\nvllm:num_requests_waiting -4\n\
+             vllm:kv_cache_usage_perc +Inf\nvllm:num_requests_running 2\n",
+        )
+        .expect("vllm");
+        assert_eq!((l.running, l.waiting, l.kv_usage), (2.0, 0.0, 0.0));
+        let big = "vllm:num_requests_running 1e308\n".repeat(3);
+        let l = parse_load(&big).expect("vllm");
+        assert_eq!(l.running, f64::MAX);
+        assert!(parse_load("vllm:num_requests_running NaN\n").is_none());
+    }
 
     #[test]
     fn each_engine_flavor_is_read_and_summed_over_models() {

@@ -586,14 +586,17 @@ pub fn probe_client(upstream: &crate::tls::UpstreamTls) -> ProbeClient {
     Client::builder(TokioExecutor::new()).build(connector)
 }
 
-/// `{"data":[{"id":..},..]}` -> ids; anything else -> empty.
+/// `{"data":[{"id":..},..]}` -> ids; anything else -> empty. Blank ids are dropped: no request
+/// can name them (`model` must not be empty), and they would only clutter `/v1/models`.
 pub fn parse_model_list(body: &[u8]) -> Vec<String> {
     let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
     v.get("data")
         .and_then(|d| d.as_array())
         .map(|a| {
             a.iter()
-                .filter_map(|m| m.get("id").and_then(|i| i.as_str()).map(String::from))
+                .filter_map(|m| m.get("id").and_then(|i| i.as_str()))
+                .filter(|id| !id.trim().is_empty())
+                .map(String::from)
                 .collect()
         })
         .unwrap_or_default()
@@ -631,6 +634,17 @@ impl Drop for Dispatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An engine's `/v1/models` answer: ids kept in order, blank ones and non-strings dropped,
+    /// anything that is not the list shape read as no models.
+    #[test]
+    fn model_lists_keep_only_usable_ids() {
+        let body = br#"{"data":[{"id":"a"},{"id":""},{"id":"  "},{"id":7},{},{"id":"b"}]}"#;
+        assert_eq!(parse_model_list(body), vec!["a", "b"]);
+        for bad in [&b"not json"[..], br#"{"data":{"id":"a"}}"#, b"[]", b""] {
+            assert!(parse_model_list(bad).is_empty());
+        }
+    }
 
     /// A resolved engine address serving `models`.
     fn engine_addr(name: &str, url: &str, addr: &str, models: &[&str]) -> EngineAddr {
