@@ -1,4 +1,5 @@
-//! Reading `usage` (prompt and cached token counts) out of engine responses, JSON or SSE.
+//! Reading `usage` (prompt, cached and completion token counts) out of engine responses, JSON or
+//! SSE.
 
 use serde::Deserialize;
 
@@ -9,6 +10,8 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// `usage.prompt_tokens_details.cached_tokens`, when the engine reports it.
     pub cached_tokens: Option<u64>,
+    /// `usage.completion_tokens`, when the engine reports it (embeddings have none).
+    pub completion_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -19,6 +22,8 @@ struct Envelope {
 #[derive(Deserialize)]
 struct RawUsage {
     prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
     #[serde(default)]
     prompt_tokens_details: Option<Details>,
 }
@@ -56,6 +61,7 @@ impl From<RawUsage> for Usage {
         Usage {
             prompt_tokens: u.prompt_tokens,
             cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            completion_tokens: u.completion_tokens,
         }
     }
 }
@@ -147,7 +153,8 @@ mod tests {
             u,
             Some(Usage {
                 prompt_tokens: 10,
-                cached_tokens: Some(8)
+                cached_tokens: Some(8),
+                completion_tokens: Some(2),
             })
         );
         let u = from_json(br#"{"usage":{"prompt_tokens":10}}"#);
@@ -155,7 +162,8 @@ mod tests {
             u,
             Some(Usage {
                 prompt_tokens: 10,
-                cached_tokens: None
+                cached_tokens: None,
+                completion_tokens: None,
             })
         );
         assert_eq!(from_json(b"not json"), None);
@@ -172,7 +180,7 @@ mod tests {
     #[test]
     fn sse_usage_across_chunk_boundaries() {
         let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
-data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\r\n\r\ndata: [DONE]\n\n";
+data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":4}}}\r\n\r\ndata: [DONE]\n\n";
         for split in 1..stream.len() {
             let mut s = SseUsageScanner::new(1 << 16);
             s.feed(&stream[..split]);
@@ -181,7 +189,8 @@ data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{
                 s.usage(),
                 Some(Usage {
                     prompt_tokens: 7,
-                    cached_tokens: Some(4)
+                    cached_tokens: Some(4),
+                    completion_tokens: Some(3),
                 }),
                 "split {split}"
             );

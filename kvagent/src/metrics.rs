@@ -49,6 +49,12 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let registry = Registry::new();
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+        registry
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
+            .expect("unique metric");
         let gauge_vec = |name: &str, help: &str| {
             let g = IntGaugeVec::new(Opts::new(name, help), &["tier"]).expect("valid metric");
             registry

@@ -296,6 +296,9 @@ async fn put_get_round_trip_lookup_and_bad_requests() {
     let m = agent.metrics();
     assert!(m.contains("kvagent_hits_total{tier=\"ram\"} 2"), "{m}");
     assert!(m.contains("kvagent_put_blocks_total 2"), "{m}");
+    // The agent's own process metrics (from /proc).
+    assert!(m.contains("process_resident_memory_bytes "), "{m}");
+    assert!(m.contains("process_open_fds "), "{m}");
 }
 
 #[tokio::test]

@@ -56,6 +56,8 @@ pub struct Line<'a> {
     pub overlap_blocks: usize,
     /// Cached prompt tokens the engine reported.
     pub cached_tokens: Option<u64>,
+    /// Completion tokens the engine reported.
+    pub completion_tokens: Option<u64>,
     /// Time to the first response byte.
     pub ttft: Option<Duration>,
     /// Time to the end of the request.
@@ -83,6 +85,7 @@ pub fn log(l: &Line<'_>) {
         reason = l.reason,
         overlap_blocks = l.overlap_blocks,
         cached_tokens = l.cached_tokens,
+        completion_tokens = l.completion_tokens,
         ttft_ms = l.ttft.map(|d| d.as_secs_f64() * 1e3),
         duration_ms = l.duration.as_secs_f64() * 1e3,
         bytes_in = l.bytes_in,

@@ -9,6 +9,7 @@ use kvmesh_filters::route::{Policy, PrefixParams};
 use serde::{Deserialize, Serialize};
 
 pub mod env;
+pub mod keys;
 pub mod security;
 
 pub use security::{AdmissionConfig, ApiKeyConfig, AuthConfig, TlsConfig};
@@ -554,6 +555,34 @@ impl Overrides {
     }
 }
 
+impl ConfigError {
+    /// The message without the variant's prefix (for lists of problems).
+    fn message(&self) -> String {
+        match self {
+            ConfigError::Invalid(m) => m.clone(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// `Ok` when there is no problem; else one [`ConfigError::Invalid`] that lists them all.
+fn problems_to_result(problems: Vec<String>) -> Result<(), ConfigError> {
+    match problems.len() {
+        0 => Ok(()),
+        1 => Err(ConfigError::Invalid(problems.concat())),
+        _ => Err(ConfigError::Invalid(list(&problems))),
+    }
+}
+
+/// Several problems as one message, one per line.
+fn list(problems: &[String]) -> String {
+    format!(
+        "{} problems:\n  - {}",
+        problems.len(),
+        problems.join("\n  - ")
+    )
+}
+
 impl ProxyConfig {
     /// Reads `path` (or defaults when `None`), applies env overrides, validates.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
@@ -601,8 +630,17 @@ impl ProxyConfig {
     }
 
     /// Parses TOML text (no env, no validation).
+    /// serde stops at the first error; when there are several unknown or mistyped keys, the
+    /// error lists them all ([`keys`]).
     pub fn from_toml(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+        toml::from_str(text).map_err(|e| {
+            let listed = toml::from_str::<toml::Table>(text).ok().and_then(|file| {
+                let schema = toml::Table::try_from(ProxyConfig::default()).ok()?;
+                let problems = keys::problems(&file, &schema);
+                (problems.len() > 1).then(|| list(&problems))
+            });
+            listed.unwrap_or_else(|| e.to_string())
+        })
     }
 
     /// Parses TOML text with the `KVMESH_*` overrides among `vars` applied ([`env`]; no
@@ -626,165 +664,174 @@ impl ProxyConfig {
             .map_err(|e| format!("with the overrides {}: {e}", applied.join(", ")))
     }
 
-    /// Checks every value; the error names the key.
+    /// Checks every value; the error names the key, and lists every problem found, not only the
+    /// first.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
+        problems_to_result(self.problems())
+    }
+
+    /// Every problem [`Self::validate`] reports, each naming its key; empty when valid.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
         if self.listen.parse::<SocketAddr>().is_err() {
-            return bad(format!(
+            p.push(format!(
                 "`listen` = {:?} is not an IP:port address",
                 self.listen
             ));
         }
         if self.engines.is_empty() && !(self.cluster.enabled && self.mode != Mode::Sidecar) {
-            return bad(
-                "`engines` is empty: list at least one [[engines]] with a name and url".into(),
-            );
+            p.push("`engines` is empty: list at least one [[engines]] with a name and url".into());
         }
         let mut names = std::collections::HashSet::new();
         for e in &self.engines {
             if !names.insert(e.name.as_str()) {
-                return bad(format!("engine name {:?} appears twice", e.name));
+                p.push(format!("engine name {:?} appears twice", e.name));
             }
             // Syntax only: a name that does not resolve yet (a container or pod not started)
             // is resolved again at every health probe.
-            engine_url_host(&e.url)
-                .map_err(|m| ConfigError::Invalid(format!("engine {:?}: {m}", e.name)))?;
+            if let Err(m) = engine_url_host(&e.url) {
+                p.push(format!("engine {:?}: {m}", e.name));
+            }
         }
         if self.max_body_bytes == 0 {
-            return bad("`max_body_bytes` must be > 0".into());
+            p.push("`max_body_bytes` must be > 0".into());
         }
         if self.max_body_bytes > MAX_BODY_BYTES_LIMIT {
-            return bad(format!(
+            p.push(format!(
                 "`max_body_bytes` ({}) must be at most {MAX_BODY_BYTES_LIMIT} (1 GiB)",
                 self.max_body_bytes
             ));
         }
         if self.body_read_timeout_secs == 0 || self.body_read_timeout_secs > 86_400 {
-            return bad("`body_read_timeout_secs` must be between 1 and 86400".into());
+            p.push("`body_read_timeout_secs` must be between 1 and 86400".into());
         }
         if self.max_inflight == 0 {
-            return bad("`max_inflight` must be > 0".into());
+            p.push("`max_inflight` must be > 0".into());
         }
         if self.body_budget_bytes < self.max_body_bytes {
-            return bad(format!(
+            p.push(format!(
                 "`body_budget_bytes` ({}) must be >= `max_body_bytes` ({})",
                 self.body_budget_bytes, self.max_body_bytes
             ));
         }
         if self.routing.max_prefix_blocks == 0 {
-            return bad("`routing.max_prefix_blocks` must be > 0".into());
+            p.push("`routing.max_prefix_blocks` must be > 0".into());
         }
         if self.routing.block_bytes == 0 {
-            return bad("`routing.block_bytes` must be > 0".into());
+            p.push("`routing.block_bytes` must be > 0".into());
         }
         if !self.routing.uncached_weight.is_finite() || self.routing.uncached_weight < 0.0 {
-            return bad("`routing.uncached_weight` must be a finite number >= 0".into());
+            p.push("`routing.uncached_weight` must be a finite number >= 0".into());
         }
         if self.routing.balance_rel_threshold.is_nan() || self.routing.balance_rel_threshold < 1.0 {
-            return bad("`routing.balance_rel_threshold` must be >= 1.0".into());
+            p.push("`routing.balance_rel_threshold` must be >= 1.0".into());
         }
         if self.residency.capacity_per_node == 0 {
-            return bad("`residency.capacity_per_node` must be > 0".into());
+            p.push("`residency.capacity_per_node` must be > 0".into());
         }
         if self.upstream.max_attempts == 0 {
-            return bad("`upstream.max_attempts` must be >= 1".into());
+            p.push("`upstream.max_attempts` must be >= 1".into());
         }
         if self.upstream.connect_timeout_ms == 0 || self.upstream.read_timeout_secs == 0 {
-            return bad("`upstream` timeouts must be > 0".into());
+            p.push("`upstream` timeouts must be > 0".into());
         }
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
-            return bad("`health` interval and timeout must be > 0".into());
+            p.push("`health` interval and timeout must be > 0".into());
         }
         if self.mode == Mode::Sidecar {
             if self.engines.len() != 1 {
-                return bad(format!(
+                p.push(format!(
                     "`mode = \"sidecar\"` fronts exactly one engine; {} are listed",
                     self.engines.len()
                 ));
             }
             if !self.cluster.enabled {
-                return bad("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
+                p.push("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
             }
         }
         if self.mode == Mode::Picker {
-            let p = &self.picker;
-            if p.fallbacks > MAX_PICKER_FALLBACKS {
-                return bad(format!(
+            let pk = &self.picker;
+            if pk.fallbacks > MAX_PICKER_FALLBACKS {
+                p.push(format!(
                     "`picker.fallbacks` ({}) must be at most {MAX_PICKER_FALLBACKS}",
-                    p.fallbacks
+                    pk.fallbacks
                 ));
             }
             let mut seen = std::collections::HashSet::new();
             for (key, value) in [
-                ("picker.listen", &p.listen),
-                ("picker.health_listen", &p.health_listen),
-                ("picker.metrics_listen", &p.metrics_listen),
+                ("picker.listen", &pk.listen),
+                ("picker.health_listen", &pk.health_listen),
+                ("picker.metrics_listen", &pk.metrics_listen),
             ] {
                 let Ok(addr) = value.parse::<SocketAddr>() else {
-                    return bad(format!("`{key}` = {value:?} is not an IP:port address"));
+                    p.push(format!("`{key}` = {value:?} is not an IP:port address"));
+                    continue;
                 };
                 if addr.port() != 0 && !seen.insert(addr) {
-                    return bad(format!(
+                    p.push(format!(
                         "`{key}` = {value:?} is used by another picker listener"
                     ));
                 }
             }
         }
         if self.cluster.enabled {
-            self.cluster_config()?;
+            if let Err(e) = self.cluster_config() {
+                p.push(e.message());
+            }
             let c = &self.cluster;
             if c.gossip_interval_ms == 0 || c.phi_threshold.is_nan() || c.phi_threshold <= 0.0 {
-                return bad(
+                p.push(
                     "`cluster.gossip_interval_ms` and `cluster.phi_threshold` must be > 0".into(),
                 );
             }
             if c.max_peers == 0 || c.max_clock_skew_secs == 0 {
-                return bad(
-                    "`cluster.max_peers` and `cluster.max_clock_skew_secs` must be > 0".into(),
-                );
+                p.push("`cluster.max_peers` and `cluster.max_clock_skew_secs` must be > 0".into());
             }
-            self.peer_networks()?;
+            if let Err(e) = self.peer_networks() {
+                p.push(e.message());
+            }
         }
-        self.validate_security()?;
+        self.security_problems(&mut p);
         if tracing_subscriber::EnvFilter::try_new(&self.log).is_err() {
-            return bad(format!("`log` = {:?} is not a valid log filter", self.log));
+            p.push(format!("`log` = {:?} is not a valid log filter", self.log));
         }
-        Ok(())
+        p
     }
 
     /// The `[tls]`, `[auth]`, `[admission]` and upstream TLS checks (files are read: a key file
     /// that does not parse, or a missing certificate, is reported here, not at the first
     /// request).
-    fn validate_security(&self) -> Result<(), ConfigError> {
-        let bad = |m: String| Err(ConfigError::Invalid(m));
+    fn security_problems(&self, p: &mut Vec<String>) {
         let t = &self.tls;
-        t.check().map_err(ConfigError::Invalid)?;
+        if let Err(m) = t.check() {
+            p.push(m);
+        }
         if self.auth.reload_interval_secs == 0 {
-            return bad("`auth.reload_interval_secs` must be > 0".into());
+            p.push("`auth.reload_interval_secs` must be > 0".into());
         }
         let u = &self.upstream;
         if u.client_cert_file.is_empty() != u.client_key_file.is_empty() {
-            return bad(
-                "`upstream.client_cert_file` and `upstream.client_key_file` go together".into(),
-            );
+            p.push("`upstream.client_cert_file` and `upstream.client_key_file` go together".into());
         }
-        crate::tls::UpstreamTls::from_config(u)
-            .map_err(|e| ConfigError::Invalid(format!("`[upstream]` TLS: {e}")))?;
+        if let Err(e) = crate::tls::UpstreamTls::from_config(u) {
+            p.push(format!("`[upstream]` TLS: {e}"));
+        }
         if self.sidecar.accept_hop_from == HopTrust::ClusterCert {
             if t.client_ca_file.is_empty() {
-                return bad("`sidecar.accept_hop_from = \"cluster_cert\"` needs `tls.client_ca_file` (the cluster CA)".into());
+                p.push("`sidecar.accept_hop_from = \"cluster_cert\"` needs `tls.client_ca_file` (the cluster CA)".into());
             }
-            crate::tls::PeerIdentity::parse(&self.sidecar.peer_identity)
-                .map_err(|e| ConfigError::Invalid(format!("`sidecar.peer_identity`: {e}")))?;
+            if let Err(e) = crate::tls::PeerIdentity::parse(&self.sidecar.peer_identity) {
+                p.push(format!("`sidecar.peer_identity`: {e}"));
+            }
             if self.mode == Mode::Sidecar && u.client_cert_file.is_empty() {
-                return bad("`sidecar.accept_hop_from = \"cluster_cert\"` needs `upstream.client_cert_file`: \
+                p.push("`sidecar.accept_hop_from = \"cluster_cert\"` needs `upstream.client_cert_file`: \
                      forwards to peers must present this node's cluster certificate".into());
             }
         }
         if self.mode == Mode::Picker {
             let a = &self.admission;
             if !a.model_max_inflight.is_empty() || a.default_model_max_inflight > 0 {
-                return bad(
+                p.push(
                     "`[admission]` per-model caps are not supported in `mode = \"picker\"` yet"
                         .into(),
                 );
@@ -792,16 +839,19 @@ impl ProxyConfig {
         }
         if self.auth.enabled() {
             if self.mode == Mode::Picker {
-                return bad(
+                p.push(
                     "`[auth]` API keys are not supported in `mode = \"picker\"` yet: \
                      authenticate in Envoy (ext_authz) in front of the picker"
                         .into(),
                 );
             }
-            crate::auth::load_keys(&self.auth)
-                .map_err(|e| ConfigError::Invalid(format!("`[auth]`: {e}")))?;
+            if let Err(e) = crate::auth::load_keys(&self.auth) {
+                p.push(format!("`[auth]`: {e}"));
+            }
         }
-        self.admission.check().map_err(ConfigError::Invalid)
+        if let Err(m) = self.admission.check() {
+            p.push(m);
+        }
     }
 
     /// The engines with resolved addresses (call after [`Self::validate`]).

@@ -80,9 +80,7 @@ impl Gateway {
             return u;
         };
         if let Some(u) = u {
-            self.metrics
-                .per_engine
-                .tokens(&d.engine().name, u.prompt_tokens, u.cached_tokens);
+            self.metrics.per_engine.tokens(&d.engine().name, &u);
         }
         self.settle(
             u,
@@ -102,6 +100,9 @@ impl Gateway {
             return;
         };
         self.metrics.prompt_tokens.inc_by(u.prompt_tokens);
+        if let Some(c) = u.completion_tokens {
+            self.metrics.completion_tokens.inc_by(c);
+        }
         let Some(cached) = u.cached_tokens else {
             return;
         };

@@ -6,6 +6,7 @@ use prometheus::{
 };
 
 use kvmesh_filters::residency::ResidencyIndex;
+use kvmesh_filters::usage::Usage;
 
 use crate::fleet::Fleet;
 
@@ -24,6 +25,8 @@ pub struct Metrics {
     pub prompt_tokens: IntCounter,
     /// Of those, tokens engines reported as cached.
     pub cached_tokens: IntCounter,
+    /// Completion tokens engines reported.
+    pub completion_tokens: IntCounter,
     /// cached / prompt tokens since start.
     pub hit_ratio: Gauge,
     /// Engine answers that confirmed or refuted the index's prediction.
@@ -82,6 +85,10 @@ impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> prometheus::Result<Self> {
         let registry = Registry::new();
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+        registry.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
         // Constant 1: joins any series to the build that produced it (version, commit).
         let build_info = IntGaugeVec::new(
             Opts::new("kvmesh_build_info", "The running build: always 1"),
@@ -119,6 +126,10 @@ impl Metrics {
         let cached_tokens = IntCounter::new(
             "kvmesh_cached_tokens_total",
             "Prompt tokens engines reported as cached",
+        )?;
+        let completion_tokens = IntCounter::new(
+            "kvmesh_completion_tokens_total",
+            "Completion tokens reported by engines",
         )?;
         let hit_ratio = Gauge::new(
             "kvmesh_prefix_hit_ratio",
@@ -235,6 +246,7 @@ impl Metrics {
         registry.register(Box::new(decisions.clone()))?;
         registry.register(Box::new(prompt_tokens.clone()))?;
         registry.register(Box::new(cached_tokens.clone()))?;
+        registry.register(Box::new(completion_tokens.clone()))?;
         registry.register(Box::new(hit_ratio.clone()))?;
         registry.register(Box::new(residency_verdicts.clone()))?;
         registry.register(Box::new(index_digests.clone()))?;
@@ -259,6 +271,7 @@ impl Metrics {
             decisions,
             prompt_tokens,
             cached_tokens,
+            completion_tokens,
             hit_ratio,
             residency_verdicts,
             index_digests,
@@ -326,7 +339,7 @@ impl Metrics {
 /// What each engine served: `kvmesh_engine_requests_total{engine,model,class}`,
 /// `kvmesh_engine_ttft_seconds{engine,model}`, `kvmesh_engine_itl_seconds{engine,model}` and
 /// `kvmesh_engine_tokens_total{engine,kind}`
-/// (`prompt`, `cached`: their ratio is the engine's hit ratio). Models are those an engine was
+/// (`prompt`, `cached`: their ratio is the engine's hit ratio; `completion`). Models are those an engine was
 /// routed for, so the label set is bounded by the fleet's models.
 pub struct EngineSeries {
     requests: IntCounterVec,
@@ -340,7 +353,7 @@ pub struct EngineSeries {
 pub const STATUS_CLASSES: [&str; 4] = ["2xx", "4xx", "5xx", "aborted"];
 
 /// `kind` of `kvmesh_engine_tokens_total`.
-const TOKEN_KINDS: [&str; 2] = ["prompt", "cached"];
+const TOKEN_KINDS: [&str; 3] = ["prompt", "cached", "completion"];
 
 impl EngineSeries {
     fn new(registry: &Registry) -> prometheus::Result<Self> {
@@ -365,7 +378,7 @@ impl EngineSeries {
         let tokens = IntCounterVec::new(
             Opts::new(
                 "kvmesh_engine_tokens_total",
-                "Prompt tokens an engine reported, and of those cached",
+                "Tokens an engine reported: prompt, of those cached, and completion",
             ),
             &["engine", "kind"],
         )?;
@@ -411,12 +424,17 @@ impl EngineSeries {
     }
 
     /// Tokens `engine` reported for one request.
-    pub fn tokens(&self, engine: &str, prompt: u64, cached: Option<u64>) {
+    pub fn tokens(&self, engine: &str, u: &Usage) {
         self.tokens
             .with_label_values(&[engine, "prompt"])
-            .inc_by(prompt);
-        if let Some(c) = cached {
+            .inc_by(u.prompt_tokens);
+        if let Some(c) = u.cached_tokens {
             self.tokens.with_label_values(&[engine, "cached"]).inc_by(c);
+        }
+        if let Some(c) = u.completion_tokens {
+            self.tokens
+                .with_label_values(&[engine, "completion"])
+                .inc_by(c);
         }
     }
 

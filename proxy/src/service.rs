@@ -60,6 +60,7 @@ use crate::metrics::Metrics;
 use crate::plan::Plan;
 use crate::tls::{PeerIdentity, UpstreamTls};
 use crate::trust::HOP_HEADER;
+use kvmesh_filters::usage::Usage;
 
 /// The gateway: shared, immutable-after-start state of the proxy.
 pub struct Gateway {
@@ -190,7 +191,7 @@ struct Access {
     bytes_in: usize,
     bytes_out: u64,
     ttft: Option<Duration>,
-    cached_tokens: Option<u64>,
+    usage: Option<Usage>,
     engine: Option<String>,
 }
 
@@ -682,7 +683,7 @@ impl ProxyHttp for Gateway {
             }
         }
         if end_of_stream {
-            ctx.access.cached_tokens = self.settle_usage(ctx).and_then(|u| u.cached_tokens);
+            ctx.access.usage = self.settle_usage(ctx);
             ctx.usage = None;
         }
         Ok(None)
@@ -809,7 +810,8 @@ impl ProxyHttp for Gateway {
             engine: a.engine.as_deref().unwrap_or(""),
             reason: ctx.decision.as_ref().map_or("", |(_, d)| d.reason.label()),
             overlap_blocks: ctx.predicted_overlap,
-            cached_tokens: a.cached_tokens,
+            cached_tokens: a.usage.and_then(|u| u.cached_tokens),
+            completion_tokens: a.usage.and_then(|u| u.completion_tokens),
             ttft: a.ttft,
             duration: ctx.started.elapsed(),
             bytes_in: a.bytes_in,

@@ -458,6 +458,18 @@ fn models_are_aggregated_and_health_answers() {
         4.0
     );
     assert!(proxy.metric("kvmesh_engine_tokens_total{engine=\"b\",kind=\"prompt\"}") > 0.0);
+    // Completion tokens: per engine and in all, as the engine's `usage` reported them.
+    let completion = proxy.metric("kvmesh_engine_tokens_total{engine=\"b\",kind=\"completion\"}");
+    assert!(completion >= 4.0, "{completion} completion tokens");
+    assert_eq!(proxy.metric("kvmesh_completion_tokens_total"), completion);
+    assert_eq!(
+        proxy.metric("kvmesh_engine_tokens_total{engine=\"a\",kind=\"completion\"}"),
+        0.0
+    );
+    // Process metrics of the proxy itself (from /proc).
+    assert!(proxy.metric("process_resident_memory_bytes") > 1e6);
+    assert!(proxy.metric("process_open_fds") >= 3.0);
+    assert!(proxy.metric("process_max_fds") > 0.0);
     assert_eq!(proxy.metric("kvmesh_max_inflight"), 4096.0);
     // Inter-chunk gaps: none for the four JSON answers; a streamed answer's 16 tokens arrive
     // as chunks with gaps between them.
@@ -558,6 +570,43 @@ fn check_config_validates_without_starting() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("fastest") && err.contains("policy"), "{err}");
+    // Every problem is reported, not only the first: unknown keys (with a suggestion) and
+    // mistyped values in one pass, then every out-of-range value.
+    for (text, expected) in [
+        (
+            "lisen = \"0.0.0.0:1\"\nmax_inflight = \"many\"\n[routing]\nblok_bytes = 4\n",
+            &[
+                "3 problems",
+                "unknown key `lisen`",
+                "did you mean `listen`?",
+                "`max_inflight` takes integer, not string",
+                "did you mean `routing.block_bytes`?",
+            ][..],
+        ),
+        (
+            "max_inflight = 0\nlog = \"[\"\n[routing]\nblock_bytes = 0\n\
+             [[engines]]\nname = \"a\"\nurl = \"ftp://x:1\"\n",
+            &[
+                "4 problems",
+                "`max_inflight` must be > 0",
+                "`routing.block_bytes` must be > 0",
+                "engine \"a\"",
+                "`log`",
+            ][..],
+        ),
+    ] {
+        std::fs::write(&bad, text).unwrap();
+        let out = std::process::Command::new(bin("kvmesh-proxy"))
+            .arg("check-config")
+            .arg(&bad)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        for needle in expected {
+            assert!(err.contains(needle), "{needle:?} missing from: {err}");
+        }
+    }
     let _ = std::fs::remove_file(good);
     let _ = std::fs::remove_file(bad);
 }

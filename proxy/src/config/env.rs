@@ -70,7 +70,7 @@ fn lookup<'a>(
                 )))
             }
             None => {
-                let near = nearest(table, segment);
+                let near = nearest(table, segment, 6);
                 if depth == 0 && near.is_none() {
                     return Ok(None);
                 }
@@ -101,12 +101,17 @@ fn var_name(path: &[String]) -> String {
 }
 
 /// The key of `table` close to `segment`, if one is: one edit (a swap of neighbours is one)
-/// for keys of 6 to 9 letters, two from 10. Shorter keys get no suggestion, so other programs'
-/// `KVMESH_HOME` or `KVMESH_MODEL` are not taken for typos of `mode`.
-fn nearest<'a>(table: &'a toml::Table, segment: &str) -> Option<&'a str> {
+/// for keys of `min_len` to 9 letters, two from 10. Shorter keys get no suggestion: for
+/// variables `min_len` is 6, so other programs' `KVMESH_HOME` or `KVMESH_MODEL` are not taken
+/// for typos of `mode`.
+pub(super) fn nearest<'a>(
+    table: &'a toml::Table,
+    segment: &str,
+    min_len: usize,
+) -> Option<&'a str> {
     table
         .keys()
-        .filter(|k| k.len() >= 6)
+        .filter(|k| k.len() >= min_len)
         .map(|k| (strsim::osa_distance(k, segment), k))
         .filter(|(d, k)| *d <= if k.len() >= 10 { 2 } else { 1 })
         .min()

@@ -28,6 +28,7 @@ use crate::feedback::{Prediction, UsageScan};
 use crate::fleet::{Dispatch, Engine};
 use crate::plan::{RequestFacts, DIGESTS_HEADER};
 use crate::service::Gateway;
+use kvmesh_filters::usage::Usage;
 
 /// What the stream does after a message.
 #[derive(Debug)]
@@ -94,7 +95,7 @@ pub(crate) struct Exchange {
     bytes_in: usize,
     bytes_out: u64,
     ttft: Option<std::time::Duration>,
-    cached_tokens: Option<u64>,
+    usage: Option<Usage>,
     engine_name: String,
     overlap_blocks: usize,
     model: Option<String>,
@@ -123,7 +124,7 @@ impl Exchange {
             bytes_in: 0,
             bytes_out: 0,
             ttft: None,
-            cached_tokens: None,
+            usage: None,
             engine_name: String::new(),
             overlap_blocks: 0,
             model: None,
@@ -525,7 +526,7 @@ impl Exchange {
         }
         self.finished = true;
         let u = self.scan.take().and_then(|s| s.usage());
-        self.cached_tokens = u.and_then(|u| u.cached_tokens);
+        self.usage = u;
         if let Some(r) = self.routed.take() {
             self.gw.settle(
                 u,
@@ -564,7 +565,8 @@ impl Exchange {
             engine: &self.engine_name,
             reason: self.reason,
             overlap_blocks: self.overlap_blocks,
-            cached_tokens: self.cached_tokens,
+            cached_tokens: self.usage.and_then(|u| u.cached_tokens),
+            completion_tokens: self.usage.and_then(|u| u.completion_tokens),
             ttft: self.ttft,
             duration: self.started.elapsed(),
             bytes_in: self.bytes_in,
