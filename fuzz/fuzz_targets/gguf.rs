@@ -7,6 +7,8 @@
 
 use kvmesh_gguf::Gguf;
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(g) = Gguf::parse(data.to_vec()) else {

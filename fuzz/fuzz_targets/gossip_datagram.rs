@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use kvmesh_cluster::seal::{Keyring, Opener};
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 const KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
 

@@ -4,7 +4,8 @@
 //! of the input describes one frame; the frames carry small pieces.
 //!
 //! Checked: no panic; the sessions and messages in reassembly stay within their bounds; a
-//! message that completes is at most `MAX_FRAGMENTS` pieces.
+//! message that completes is exactly its frames' pieces (at most `MAX_FRAGMENTS`); a frame
+//! accepted once is refused when sent again.
 #![no_main]
 
 use std::net::SocketAddr;
@@ -13,9 +14,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kvmesh_cluster::seal::{FrameHeader, Keyring, Opener, MAX_FRAGMENTS, MAX_PARTIAL};
 use kvmesh_cluster::testing::sealed_frame;
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 const KEY: &str = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
-const MAX_SESSIONS: usize = 8;
+/// With 4 partial messages per session, more than 16 sessions can fill the global bound
+/// (`MAX_PARTIAL`, 64), so both bounds are exercised.
+const MAX_SESSIONS: usize = 20;
 const PIECE: usize = 3;
 
 fuzz_target!(|data: &[u8]| {
@@ -36,7 +41,7 @@ fuzz_target!(|data: &[u8]| {
         let header = FrameHeader {
             index: r[0] % 6,
             count: r[1] % 6,
-            session: u64::from(r[2] % 16),
+            session: u64::from(r[2] % 32),
             counter: u64::from(u32::from_le_bytes([r[3], r[4], r[5], r[6]])),
             // Mostly fresh, sometimes minutes off either way.
             timestamp_ms: now_ms
@@ -48,11 +53,19 @@ fuzz_target!(|data: &[u8]| {
         let Some(frame) = sealed_frame(&keyring, "fuzz", &header, &r[10..10 + PIECE]) else {
             continue;
         };
-        if let Ok(Some(message)) = opener.open(&frame, from) {
+        let opened = opener.open(&frame, from);
+        if let Ok(Some(message)) = &opened {
+            assert!(usize::from(header.count) <= MAX_FRAGMENTS);
+            assert_eq!(
+                message.len(),
+                usize::from(header.count) * PIECE,
+                "{header:?}"
+            );
+        }
+        if opened.is_ok() {
             assert!(
-                message.len() <= MAX_FRAGMENTS * PIECE,
-                "{} bytes",
-                message.len()
+                opener.open(&frame, from).is_err(),
+                "a replayed frame was accepted"
             );
         }
         assert!(opener.sessions() <= MAX_SESSIONS);

@@ -13,6 +13,8 @@ use std::collections::BTreeSet;
 use kvmesh_cluster::record::NodeRecord;
 use kvmesh_cluster::shards::{decode, diff, encode, MAX_PER_SHARD};
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&sel, rest)) = data.split_first() else {

@@ -1,14 +1,17 @@
 //! OpenAI request bodies (chat, completions, embeddings) and the canonical prompt the digest
 //! chain hashes. First byte: endpoint and canonical-prompt cap; the rest is the body.
 //!
-//! Checked: no panic; a refusal is a 4xx OpenAI error; the capped parse keeps a prefix of the
-//! full parse's canonical prompt and counts the same length; the error body is JSON; the capped chain is the full
-//! chain's prefix.
+//! Checked: no panic; a refusal is a 4xx OpenAI error whose body is JSON; the capped parse
+//! gives the same verdict, keeps a prefix of the full parse's canonical prompt and counts the
+//! same length; the capped chain is the full chain's prefix, and so is the chain of the capped
+//! parse's bytes (what the proxy hashes).
 #![no_main]
 
 use kvmesh_filters::chain::{text_chain, text_chain_capped, Namespace};
 use kvmesh_filters::request::{parse, parse_limited, Endpoint};
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&sel, body)) = data.split_first() else {
@@ -39,6 +42,12 @@ fuzz_target!(|data: &[u8]| {
             let chain = text_chain(&ns, &f.canonical, 16);
             let capped = text_chain_capped(&ns, &f.canonical, 16, 3);
             assert!(chain.starts_with(&capped));
+            let from_limited = text_chain(&ns, &l.canonical, 16);
+            assert!(chain.starts_with(&from_limited));
+            assert_eq!(
+                from_limited.len(),
+                (l.canonical.len() / 16).min(chain.len())
+            );
         }
         (Err(f), Err(l)) => {
             for e in [f, l] {

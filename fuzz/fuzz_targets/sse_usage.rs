@@ -1,12 +1,14 @@
 //! The SSE usage scanner, fed an engine's event stream in fuzzer-chosen chunks, and the JSON
 //! usage reader. First byte: the line bound; second: the chunk size.
 //!
-//! Checked: no panic; the usage found does not depend on where the stream is cut; a stream with
-//! no line longer than the bound finds what one whole-body scan finds.
+//! Checked: no panic; the usage found is the same whether the stream arrives whole, in
+//! fuzzer-sized chunks, or byte by byte.
 #![no_main]
 
 use kvmesh_filters::usage::{from_json, SseUsageScanner};
 use libfuzzer_sys::fuzz_target;
+// The capped allocator (src/lib.rs).
+use kvmesh_fuzz as _;
 
 fuzz_target!(|data: &[u8]| {
     let [max_line, chunk, stream @ ..] = data else {

@@ -90,12 +90,14 @@ impl Value {
     }
 }
 
-/// ggml tensor types this reader knows by name.
 /// The largest `general.alignment` accepted (ggml writes 32).
 const MAX_ALIGNMENT: u64 = 1 << 20;
 /// The fewest bytes a tensor's directory entry takes (name length, dims count, type, offset).
 const MIN_TENSOR_INFO: usize = 8 + 4 + 4 + 8;
+/// The most array elements reserved ahead of reading them (a hint, not a bound).
+const MAX_ARRAY_RESERVE: usize = 1 << 16;
 
+/// ggml tensor types this reader knows by name.
 const F32: u32 = 0;
 const F16: u32 = 1;
 const Q4_1: u32 = 3;
@@ -214,7 +216,10 @@ impl<'a> Cursor<'a> {
             9 if depth < 2 => {
                 let inner = self.u32()?;
                 let n = self.len()?;
-                let mut v = Vec::with_capacity(n.min(self.buf.len() - self.pos));
+                // Every element takes a byte or more of the file; the reserve is capped too, as an
+                // element costs far more in memory than in the file.
+                let mut v =
+                    Vec::with_capacity(n.min(self.buf.len() - self.pos).min(MAX_ARRAY_RESERVE));
                 for _ in 0..n {
                     v.push(self.value(inner, depth + 1)?);
                 }
@@ -261,7 +266,13 @@ impl Gguf {
         for _ in 0..n_kv {
             let key = c.string()?;
             let kind = c.u32()?;
-            metadata.insert(key, c.value(kind, 0)?);
+            let value = c.value(kind, 0)?;
+            // ggml refuses repeats; keeping either one would be a guess.
+            if metadata.insert(key.clone(), value).is_some() {
+                return Err(GgufError::Malformed(format!(
+                    "metadata key {key} appears twice"
+                )));
+            }
         }
         // A count is only believed as far as the bytes left could hold its entries.
         let mut infos = Vec::with_capacity(n_tensors.min((data.len() - c.pos) / MIN_TENSOR_INFO));
@@ -318,6 +329,9 @@ impl Gguf {
                         "tensor {name} runs past the end of the file"
                     )));
                 }
+            }
+            if tensors.contains_key(&name) {
+                return Err(GgufError::Malformed(format!("tensor {name} appears twice")));
             }
             tensors.insert(name, info);
         }
@@ -510,7 +524,8 @@ mod tests {
 
     /// Fuzzing regressions (gguf): dims whose product overflows, an offset that overflows the
     /// data's base, and an alignment of 0 or 2^63 panicked on arithmetic overflow; each is now a
-    /// refusal that says what was wrong. The same file with sane values parses.
+    /// refusal that says what was wrong, as is a repeated key. The same file with sane values
+    /// parses.
     #[test]
     fn overflowing_dims_offsets_and_alignments_are_refused() {
         let ok = Gguf::parse(one_tensor(&[], 0, &[4], 0)).expect("sane file");
@@ -536,5 +551,15 @@ mod tests {
                 "{align}"
             );
         }
+        // A key given twice is refused (ggml does), not silently replaced.
+        let mut kv = Vec::new();
+        for _ in 0..2 {
+            kv.extend_from_slice(&12u64.to_le_bytes());
+            kv.extend_from_slice(b"general.name");
+            kv.extend_from_slice(&8u32.to_le_bytes()); // string
+            kv.extend_from_slice(&1u64.to_le_bytes());
+            kv.push(b'x');
+        }
+        assert!(err(one_tensor(&kv, 2, &[4], 0)).contains("twice"));
     }
 }

@@ -49,7 +49,9 @@ impl Metrics {
     /// Creates and registers every metric.
     pub fn new() -> Self {
         let registry = Registry::new();
-        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ... (read
+        // from /proc: the collector exists on Linux only).
+        #[cfg(target_os = "linux")]
         registry
             .register(Box::new(
                 prometheus::process_collector::ProcessCollector::for_self(),

@@ -101,7 +101,8 @@ pub fn parse_load(text: &str) -> Option<NodeLoad> {
             samples
                 .iter()
                 .filter(|(n, _)| *n == name)
-                .map(|(_, v)| *v)
+                // A negative count is nonsense: 0.
+                .map(|(_, v)| v.max(0.0))
                 .reduce(|a, b| a + b)
         };
         let running = sum(f.running);
@@ -116,8 +117,8 @@ pub fn parse_load(text: &str) -> Option<NodeLoad> {
         if running.is_none() && waiting.is_none() && usage.is_none() {
             return None;
         }
-        // A negative count is nonsense; a sum that overflowed is as loaded as can be.
-        let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::MAX);
+        // A sum that overflowed is as loaded as can be.
+        let count = |v: Option<f64>| v.unwrap_or(0.0).min(f64::MAX);
         Some(NodeLoad {
             available: true,
             running: count(running),
@@ -227,9 +228,11 @@ mod tests {
     fn non_finite_and_negative_samples_give_a_sane_load() {
         let l = parse_load(
             "vllm:num_requests_running NaN\nvllm:num_requests_waiting -4\n\
-             vllm:kv_cache_usage_perc +Inf\nvllm:num_requests_running 2\n",
+             vllm:kv_cache_usage_perc +Inf\nvllm:num_requests_running 2\n\
+             vllm:num_requests_running{model_name=\"b\"} -2\n",
         )
         .expect("vllm");
+        // Each negative sample counts 0 (not -2 against the 2).
         assert_eq!((l.running, l.waiting, l.kv_usage), (2.0, 0.0, 0.0));
         let big = "vllm:num_requests_running 1e308\n".repeat(3);
         let l = parse_load(&big).expect("vllm");

@@ -30,7 +30,8 @@ pub enum ConfigError {
     Parse {
         /// The file.
         path: String,
-        /// The TOML parser's message (names the key and line).
+        /// The TOML parser's message (names the key and line), or the list of unknown and
+        /// mistyped keys followed by that message.
         message: String,
     },
     /// A value is out of range or inconsistent.
@@ -630,14 +631,22 @@ impl ProxyConfig {
     }
 
     /// Parses TOML text (no env, no validation).
-    /// serde stops at the first error; when there are several unknown or mistyped keys, the
-    /// error lists them all ([`keys`]).
+    /// serde stops at the first error; when the tables hold several unknown or mistyped keys,
+    /// the error lists them all ([`keys`]), then serde's own message (with its line), which may
+    /// be about something else (a bad enum value, an entry of `[[engines]]`).
     pub fn from_toml(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| {
             let listed = toml::from_str::<toml::Table>(text).ok().and_then(|file| {
                 let schema = toml::Table::try_from(ProxyConfig::default()).ok()?;
                 let problems = keys::problems(&file, &schema);
-                (problems.len() > 1).then(|| list(&problems))
+                (problems.len() > 1).then(|| {
+                    format!(
+                        "{} unknown or mistyped keys:\n  - {}\nthe TOML reader's first error: {}",
+                        problems.len(),
+                        problems.join("\n  - "),
+                        e.to_string().trim_end()
+                    )
+                })
             });
             listed.unwrap_or_else(|| e.to_string())
         })
@@ -670,8 +679,16 @@ impl ProxyConfig {
         problems_to_result(self.problems())
     }
 
-    /// Every problem [`Self::validate`] reports, each naming its key; empty when valid.
+    /// Every problem [`Self::validate`] reports, each naming its key, each once; empty when
+    /// valid.
     pub fn problems(&self) -> Vec<String> {
+        let mut p = self.problems_in_order();
+        let mut seen = std::collections::HashSet::new();
+        p.retain(|m| seen.insert(m.clone()));
+        p
+    }
+
+    fn problems_in_order(&self) -> Vec<String> {
         let mut p = Vec::new();
         if self.listen.parse::<SocketAddr>().is_err() {
             p.push(format!(
@@ -810,11 +827,15 @@ impl ProxyConfig {
             p.push("`auth.reload_interval_secs` must be > 0".into());
         }
         let u = &self.upstream;
-        if u.client_cert_file.is_empty() != u.client_key_file.is_empty() {
+        let pair_ok = u.client_cert_file.is_empty() == u.client_key_file.is_empty();
+        if !pair_ok {
             p.push("`upstream.client_cert_file` and `upstream.client_key_file` go together".into());
         }
-        if let Err(e) = crate::tls::UpstreamTls::from_config(u) {
-            p.push(format!("`[upstream]` TLS: {e}"));
+        // Loading a half-given pair would only repeat that error less clearly.
+        if pair_ok {
+            if let Err(e) = crate::tls::UpstreamTls::from_config(u) {
+                p.push(format!("`[upstream]` TLS: {e}"));
+            }
         }
         if self.sidecar.accept_hop_from == HopTrust::ClusterCert {
             if t.client_ca_file.is_empty() {

@@ -85,7 +85,9 @@ impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> prometheus::Result<Self> {
         let registry = Registry::new();
-        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+        // process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ... (read
+        // from /proc: the collector exists on Linux only).
+        #[cfg(target_os = "linux")]
         registry.register(Box::new(
             prometheus::process_collector::ProcessCollector::for_self(),
         ))?;
