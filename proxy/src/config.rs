@@ -99,6 +99,31 @@ pub struct ProxyConfig {
     pub auth: AuthConfig,
     /// Per-model caps on requests in flight.
     pub admission: AdmissionConfig,
+    /// A separate listener for `/metrics`, `/health` and `/ready` (off unless `admin.listen` is
+    /// set; gateway and sidecar modes, the picker has `picker.metrics_listen`).
+    pub admin: AdminConfig,
+}
+
+/// The `[admin]` table: where operators' endpoints listen.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// `IP:port` of a plain-HTTP listener serving only `/metrics`, `/health` and `/ready`;
+    /// empty (the default): none, they are served on `listen` only. Env: `KVMESH_ADMIN__LISTEN`.
+    pub listen: String,
+    /// Whether `listen` (the API listener) also answers `/metrics`, `/health` and `/ready`.
+    /// `false` needs `admin.listen`: clients then see 404 there, and only the admin port
+    /// exposes the fleet's metrics.
+    pub on_api_listener: bool,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: String::new(),
+            on_api_listener: true,
+        }
+    }
 }
 
 /// The most fallbacks the picker lists (`picker.fallbacks`).
@@ -316,6 +341,7 @@ impl Default for ProxyConfig {
             tls: TlsConfig::default(),
             auth: AuthConfig::default(),
             admission: AdmissionConfig::default(),
+            admin: AdminConfig::default(),
         }
     }
 }
@@ -765,6 +791,30 @@ impl ProxyConfig {
             if !self.cluster.enabled {
                 p.push("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
             }
+        }
+        let a = &self.admin;
+        if !a.listen.is_empty() {
+            match a.listen.parse::<SocketAddr>() {
+                Err(_) => p.push(format!(
+                    "`admin.listen` = {:?} is not an IP:port address",
+                    a.listen
+                )),
+                Ok(addr) if self.listen.parse::<SocketAddr>().ok() == Some(addr) => p.push(
+                    format!("`admin.listen` = {:?} is the API's `listen` too", a.listen),
+                ),
+                Ok(_) if self.mode == Mode::Picker => p.push(
+                    "`admin.listen` is for gateway and sidecar modes; the picker's is \
+                     `picker.metrics_listen`"
+                        .into(),
+                ),
+                Ok(_) => {}
+            }
+        } else if !a.on_api_listener {
+            p.push(
+                "`admin.on_api_listener = false` needs `admin.listen`: else /metrics, /health \
+                 and /ready are served nowhere"
+                    .into(),
+            );
         }
         if self.mode == Mode::Picker {
             let pk = &self.picker;

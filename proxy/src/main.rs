@@ -282,6 +282,13 @@ fn main() -> anyhow::Result<()> {
         gateway.auth.clone(),
         upstream_tls,
     );
+    let admin = match gateway.cfg.admin.listen.as_str() {
+        "" => None,
+        addr => Some(
+            kvmesh_proxy::admin::AdminListener::bind(addr, gateway.observed())
+                .with_context(|| format!("`admin.listen` = {addr:?}: cannot listen"))?,
+        ),
+    };
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
     match listener_tls {
         Some(tls) => {
@@ -292,6 +299,9 @@ fn main() -> anyhow::Result<()> {
     server.add_service(proxy);
     server.add_service(background_service("housekeeping", housekeeping));
     server.add_service(background_service("reload", reloader));
+    if let Some(a) = admin {
+        server.add_service(background_service("admin", a));
+    }
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }

@@ -772,3 +772,88 @@ fn flags_alone_run_a_gateway_and_bad_values_are_named() {
         "{v}"
     );
 }
+
+#[test]
+fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_api() {
+    let sim = Sim::instant("e0");
+    let admin_port = free_port();
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    let proxy = Proxy::start(
+        &format!("[admin]\nlisten = \"{admin}\"\non_api_listener = false\n"),
+        &[&sim],
+        false,
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || get(admin, "/ready")
+            .map(|r| r.status == 200)
+            .unwrap_or(false)),
+        "/ready on the admin listener"
+    );
+    assert_eq!(get(admin, "/health").unwrap().status, 200);
+    let m = get(admin, "/metrics").unwrap();
+    assert_eq!(m.status, 200);
+    let text = String::from_utf8_lossy(&m.body);
+    assert!(
+        text.contains("kvmesh_engine_healthy{engine=\"e0\"} 1"),
+        "{text}"
+    );
+    assert_eq!(
+        get(admin, "/v1/models").unwrap().status,
+        404,
+        "admin port: operators only"
+    );
+    // The API listener: the operators' endpoints are gone (an OpenAI 404), the API is not.
+    for path in ["/metrics", "/health", "/ready"] {
+        let r = get(proxy.addr, path).unwrap();
+        assert_eq!(
+            (r.status, r.json()["error"]["code"].as_str()),
+            (404, Some("not_found")),
+            "{path}"
+        );
+    }
+    assert_eq!(get(proxy.addr, "/v1/models").unwrap().status, 200);
+    let r = post(proxy.addr, CHAT, &chat_body("sim-model", "x", ""));
+    assert_eq!(r.status, 200);
+    // The same registry on both: the request above is counted on the admin port.
+    let served = || {
+        let m = get(admin, "/metrics").unwrap();
+        String::from_utf8_lossy(&m.body)
+            .lines()
+            .filter(|l| l.starts_with("kvmesh_engine_requests_total{class=\"2xx\""))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        eventually(Duration::from_secs(5), || served()
+            .iter()
+            .any(|l| l.ends_with(" 1"))),
+        "{:?}",
+        served()
+    );
+}
+
+#[test]
+fn admin_settings_that_cannot_work_are_refused() {
+    for (toml, needle) in [
+        ("[admin]\non_api_listener = false\n", "needs `admin.listen`"),
+        ("[admin]\nlisten = \"nowhere\"\n", "`admin.listen`"),
+    ] {
+        let file = std::env::temp_dir().join(format!("kvmesh-admin-{}.toml", std::process::id()));
+        std::fs::write(
+            &file,
+            format!("{toml}[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n"),
+        )
+        .unwrap();
+        let out = std::process::Command::new(bin("kvmesh-proxy"))
+            .arg("check-config")
+            .arg(&file)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(needle),
+            "{toml}: {err}"
+        );
+        let _ = std::fs::remove_file(file);
+    }
+}

@@ -18,17 +18,14 @@
 pub mod envoy;
 mod exchange;
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use http_body_util::Full;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -46,8 +43,6 @@ const MAX_MESSAGE_BYTES: usize = 8 << 20;
 const REPLY_QUEUE: usize = 32;
 /// How often the `readiness` health status is brought up to date.
 const READINESS_POLL: Duration = Duration::from_millis(50);
-/// Most concurrent connections to the metrics listener.
-const MAX_METRICS_CONNECTIONS: usize = 64;
 
 /// Errors starting the picker.
 #[derive(Debug, thiserror::Error)]
@@ -341,68 +336,10 @@ pub async fn serve(
         listeners.health,
         stop.clone(),
     );
-    let metrics = serve_metrics(gw, listeners.metrics, stop);
+    let metrics = crate::admin::serve_observed(gw.observed(), listeners.metrics, stop);
     let unspecified = || SocketAddr::from(([0, 0, 0, 0], 0));
     let (a, b, ()) = tokio::join!(ext_proc, health, metrics);
     a.map_err(|e| PickerError::Serve(ext_addr.unwrap_or_else(unspecified), e))?;
     b.map_err(|e| PickerError::Serve(health_addr.unwrap_or_else(unspecified), e))?;
     Ok(())
-}
-
-/// `/metrics`, `/health` and `/ready` over HTTP/1.1.
-async fn serve_metrics(
-    gw: Arc<Gateway>,
-    listener: tokio::net::TcpListener,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_METRICS_CONNECTIONS));
-    loop {
-        let (stream, _) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::debug!(error = %e, "metrics accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = shutdown.changed() => return,
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            // At the cap: close it rather than queue scrapers without bound.
-            continue;
-        };
-        let gw = gw.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let gw = gw.clone();
-                async move { Ok::<_, Infallible>(admin_answer(&gw, &req)) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            // Scrapes are small: a connection that lingers is closed.
-            let _ = tokio::time::timeout(Duration::from_secs(30), conn).await;
-            drop(slot);
-        });
-    }
-}
-
-fn admin_answer<B>(gw: &Gateway, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
-    let (status, ctype, body) = match (req.method() == hyper::Method::GET, req.uri().path()) {
-        (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
-        (true, "/ready") if gw.fleet.ready() => (200, "text/plain", Bytes::from_static(b"ready\n")),
-        (true, "/ready") => (
-            503,
-            "text/plain",
-            Bytes::from_static(b"no healthy engine\n"),
-        ),
-        (true, "/metrics") => (200, "text/plain; version=0.0.4", gw.metrics_text()),
-        _ => (404, "text/plain", Bytes::from_static(b"not found\n")),
-    };
-    let mut resp = hyper::Response::new(Full::new(body));
-    *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
-    if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
-        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    resp
 }
