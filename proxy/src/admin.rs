@@ -228,7 +228,8 @@ impl Gateway {
     ) -> Result<bool> {
         let get = session.req_header().method == http::Method::GET;
         let model_id = path.strip_prefix("/v1/models/");
-        let operators = matches!(path, "/health" | "/ready" | "/metrics");
+        // `/health` stays: peers admit a node by `GET {proxy_url}/health` on this listener.
+        let operators = matches!(path, "/ready" | "/metrics");
         if operators && !self.cfg.admin.on_api_listener {
             ctx.route = "admin";
             let e = ApiError::new(

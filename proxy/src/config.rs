@@ -793,26 +793,46 @@ impl ProxyConfig {
             }
         }
         let a = &self.admin;
-        if !a.listen.is_empty() {
+        // One port, two spellings (0.0.0.0 covers every IP): the second bind would fail.
+        let clash = |x: SocketAddr, y: SocketAddr| {
+            x.port() == y.port()
+                && (x.ip() == y.ip() || x.ip().is_unspecified() || y.ip().is_unspecified())
+        };
+        if self.mode == Mode::Picker {
+            if !a.listen.is_empty() {
+                p.push(
+                    "`admin.listen` is for gateway and sidecar modes; the picker's is \
+                     `picker.metrics_listen`"
+                        .into(),
+                );
+            }
+        } else if !a.listen.is_empty() {
             match a.listen.parse::<SocketAddr>() {
                 Err(_) => p.push(format!(
                     "`admin.listen` = {:?} is not an IP:port address",
                     a.listen
                 )),
-                Ok(addr) if self.listen.parse::<SocketAddr>().ok() == Some(addr) => p.push(
-                    format!("`admin.listen` = {:?} is the API's `listen` too", a.listen),
-                ),
-                Ok(_) if self.mode == Mode::Picker => p.push(
-                    "`admin.listen` is for gateway and sidecar modes; the picker's is \
-                     `picker.metrics_listen`"
-                        .into(),
-                ),
+                Ok(addr) if addr.port() == 0 => p.push(format!(
+                    "`admin.listen` = {:?}: port 0 would be a port nobody knows",
+                    a.listen
+                )),
+                Ok(addr)
+                    if self
+                        .listen
+                        .parse::<SocketAddr>()
+                        .is_ok_and(|api| clash(api, addr)) =>
+                {
+                    p.push(format!(
+                        "`admin.listen` = {:?} takes the port of `listen` = {:?}",
+                        a.listen, self.listen
+                    ))
+                }
                 Ok(_) => {}
             }
         } else if !a.on_api_listener {
             p.push(
-                "`admin.on_api_listener = false` needs `admin.listen`: else /metrics, /health \
-                 and /ready are served nowhere"
+                "`admin.on_api_listener = false` needs `admin.listen`: else /metrics and /ready \
+                 are served nowhere"
                     .into(),
             );
         }

@@ -284,10 +284,12 @@ fn main() -> anyhow::Result<()> {
     );
     let admin = match gateway.cfg.admin.listen.as_str() {
         "" => None,
-        addr => Some(
-            kvmesh_proxy::admin::AdminListener::bind(addr, gateway.observed())
-                .with_context(|| format!("`admin.listen` = {addr:?}: cannot listen"))?,
-        ),
+        addr => {
+            let a = kvmesh_proxy::admin::AdminListener::bind(addr, gateway.observed())
+                .with_context(|| format!("`admin.listen` = {addr:?}: cannot listen"))?;
+            tracing::info!(admin_listen = %addr, "admin listener (/metrics, /health, /ready)");
+            Some(a)
+        }
     };
     let mut proxy = pingora::proxy::http_proxy_service(&server.configuration, gateway);
     match listener_tls {
@@ -404,6 +406,14 @@ fn warn_if_open(cfg: &ProxyConfig) {
     }
     if public && !cfg.tls.enabled() {
         tracing::warn!(listen = %cfg.listen, "listening beyond loopback without TLS: prompts and answers cross the network in clear (see docs/security.md, `[tls]`)");
+    }
+    let admin_public = cfg
+        .admin
+        .listen
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| !a.ip().is_loopback());
+    if admin_public {
+        tracing::warn!(admin_listen = %cfg.admin.listen, "the admin listener (metrics, no TLS, no keys) is reachable beyond loopback: keep it on a management network (see docs/configuration.md, `[admin]`)");
     }
 }
 

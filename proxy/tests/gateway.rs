@@ -802,8 +802,10 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
         404,
         "admin port: operators only"
     );
-    // The API listener: the operators' endpoints are gone (an OpenAI 404), the API is not.
-    for path in ["/metrics", "/health", "/ready"] {
+    // The API listener: metrics and readiness are gone (an OpenAI 404), the API is not, nor
+    // /health, which peers probe to admit a node.
+    assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
+    for path in ["/metrics", "/ready"] {
         let r = get(proxy.addr, path).unwrap();
         assert_eq!(
             (r.status, r.json()["error"]["code"].as_str()),
@@ -819,7 +821,7 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
         let m = get(admin, "/metrics").unwrap();
         String::from_utf8_lossy(&m.body)
             .lines()
-            .filter(|l| l.starts_with("kvmesh_engine_requests_total{class=\"2xx\""))
+            .filter(|l| l.starts_with("kvmesh_engine_requests_total{class=\"2xx\",engine=\"e0\""))
             .map(String::from)
             .collect::<Vec<_>>()
     };
@@ -836,7 +838,20 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
 fn admin_settings_that_cannot_work_are_refused() {
     for (toml, needle) in [
         ("[admin]\non_api_listener = false\n", "needs `admin.listen`"),
-        ("[admin]\nlisten = \"nowhere\"\n", "`admin.listen`"),
+        (
+            "[admin]\nlisten = \"nowhere\"\n",
+            "is not an IP:port address",
+        ),
+        ("[admin]\nlisten = \"127.0.0.1:0\"\n", "port 0"),
+        // The same port as the API's, spelled another way (0.0.0.0 covers 127.0.0.1).
+        (
+            "listen = \"0.0.0.0:18555\"\n[admin]\nlisten = \"127.0.0.1:18555\"\n",
+            "takes the port of `listen`",
+        ),
+        (
+            "mode = \"picker\"\n[admin]\nlisten = \"127.0.0.1:18556\"\n",
+            "picker.metrics_listen",
+        ),
     ] {
         let file = std::env::temp_dir().join(format!("kvmesh-admin-{}.toml", std::process::id()));
         std::fs::write(
