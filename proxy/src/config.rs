@@ -111,9 +111,9 @@ pub struct AdminConfig {
     /// `IP:port` of a plain-HTTP listener serving only `/metrics`, `/health` and `/ready`;
     /// empty (the default): none, they are served on `listen` only. Env: `KVMESH_ADMIN__LISTEN`.
     pub listen: String,
-    /// Whether `listen` (the API listener) also answers `/metrics`, `/health` and `/ready`.
-    /// `false` needs `admin.listen`: clients then see 404 there, and only the admin port
-    /// exposes the fleet's metrics.
+    /// Whether `listen` (the API listener) also answers `/metrics` and `/ready`. `false` needs
+    /// `admin.listen`: clients then see 404 for those two, and only the admin port exposes the
+    /// fleet's metrics. `/health` stays on `listen` either way (peers probe it there).
     pub on_api_listener: bool,
 }
 

@@ -397,22 +397,18 @@ fn run_picker(
 /// A listener reachable beyond this host without API keys or TLS is allowed (examples and
 /// trusted networks use it) but said at start.
 fn warn_if_open(cfg: &ProxyConfig) {
-    let public = cfg
-        .listen
-        .parse::<std::net::SocketAddr>()
-        .is_ok_and(|a| !a.ip().is_loopback());
+    let beyond_loopback = |addr: &str| {
+        addr.parse::<std::net::SocketAddr>()
+            .is_ok_and(|a| !a.ip().is_loopback())
+    };
+    let public = beyond_loopback(&cfg.listen);
     if public && !cfg.auth.enabled() {
         tracing::warn!(listen = %cfg.listen, "listening beyond loopback without API keys: anyone who reaches this address may use the engines (see docs/security.md, `[auth]`)");
     }
     if public && !cfg.tls.enabled() {
         tracing::warn!(listen = %cfg.listen, "listening beyond loopback without TLS: prompts and answers cross the network in clear (see docs/security.md, `[tls]`)");
     }
-    let admin_public = cfg
-        .admin
-        .listen
-        .parse::<std::net::SocketAddr>()
-        .is_ok_and(|a| !a.ip().is_loopback());
-    if admin_public {
+    if beyond_loopback(&cfg.admin.listen) {
         tracing::warn!(admin_listen = %cfg.admin.listen, "the admin listener (metrics, no TLS, no keys) is reachable beyond loopback: keep it on a management network (see docs/configuration.md, `[admin]`)");
     }
 }
