@@ -184,10 +184,13 @@ async fn run() -> anyhow::Result<()> {
 /// process); files that do not load are refused and the old ones stay.
 async fn reload_on_hup(tls: Option<Arc<kvmesh_tls::ServerTls>>, every: Duration) {
     use kvmesh_tls::reload::{every_and_on_hup, log_outcome};
-    every_and_on_hup(every, std::future::pending(), |force| match tls.as_ref() {
-        Some(t) => log_outcome("TLS certificate and client CA", t.reload(force)),
-        None if force => tracing::info!("SIGHUP: nothing to reload (only [tls] files are)"),
-        None => {}
+    every_and_on_hup(every, std::future::pending(), |force| {
+        match tls.as_ref() {
+            Some(t) => log_outcome("TLS certificate and client CA", t.reload(force)),
+            None if force => tracing::info!("SIGHUP: nothing to reload (only [tls] files are)"),
+            None => {}
+        }
+        std::future::ready(())
     })
     .await;
 }

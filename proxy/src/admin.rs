@@ -230,7 +230,7 @@ impl Gateway {
         let model_id = path.strip_prefix("/v1/models/");
         // `/health` stays: peers admit a node by `GET {proxy_url}/health` on this listener.
         let operators = matches!(path, "/ready" | "/metrics");
-        if operators && !self.cfg.admin.on_api_listener {
+        if operators && !self.live().cfg.admin.on_api_listener {
             ctx.route = "admin";
             let e = ApiError::new(
                 ErrorKind::NotFound,

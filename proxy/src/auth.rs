@@ -107,7 +107,8 @@ type Keyring = HashMap<[u8; 32], Arc<Principal>>;
 
 /// The keys in force.
 pub struct Auth {
-    cfg: AuthConfig,
+    /// `[auth]` in force: a configuration reload may replace its inline keys.
+    cfg: parking_lot::Mutex<AuthConfig>,
     keys: ArcSwap<Keyring>,
     /// In-flight counters by key name: a reload keeps them.
     counters: parking_lot::Mutex<HashMap<String, Arc<AtomicU64>>>,
@@ -130,7 +131,7 @@ impl Auth {
             return Ok(None);
         }
         let auth = Auth {
-            cfg: cfg.clone(),
+            cfg: parking_lot::Mutex::new(cfg.clone()),
             keys: ArcSwap::from_pointee(HashMap::new()),
             counters: parking_lot::Mutex::new(HashMap::new()),
             key_file_seen: parking_lot::Mutex::new(None),
@@ -152,12 +153,26 @@ impl Auth {
     /// Re-reads the keys when `auth.key_file` changed (or always, with `force`): `Ok(true)`
     /// when new keys are in force; an error (old keys kept) when the file does not load.
     pub fn reload(&self, force: bool) -> Result<bool, String> {
-        let seen =
-            (!self.cfg.key_file.is_empty()).then(|| crate::tls::fingerprint(&[&self.cfg.key_file]));
+        let cfg = self.cfg.lock().clone();
+        self.load(&cfg, force)
+    }
+
+    /// Puts `keys` in force as the configuration file's inline keys (a configuration reload),
+    /// with the key file's as they are now; an error (nothing changed) when they do not load.
+    pub fn set_inline_keys(&self, keys: Vec<ApiKeyConfig>) -> Result<(), String> {
+        let mut cfg = self.cfg.lock().clone();
+        cfg.keys = keys;
+        self.load(&cfg, true)?;
+        *self.cfg.lock() = cfg;
+        Ok(())
+    }
+
+    fn load(&self, cfg: &AuthConfig, force: bool) -> Result<bool, String> {
+        let seen = (!cfg.key_file.is_empty()).then(|| crate::tls::fingerprint(&[&cfg.key_file]));
         if !force && *self.key_file_seen.lock() == seen {
             return Ok(false);
         }
-        let keys = load_keys(&self.cfg)?;
+        let keys = load_keys(cfg)?;
         let mut counters = self.counters.lock();
         let mut ring = Keyring::with_capacity(keys.len());
         for k in keys {

@@ -295,7 +295,7 @@ impl Gateway {
             .admission_rejections
             .with_label_values(&["body_timeout"])
             .inc();
-        body_timeout(Duration::from_secs(self.cfg.body_read_timeout_secs))
+        body_timeout(Duration::from_secs(self.live().cfg.body_read_timeout_secs))
     }
 
     /// Reads the whole request body, bounded, arranging that Pingora can still send it upstream.
@@ -322,8 +322,8 @@ impl Gateway {
         session: &mut Session,
         ctx: &mut Ctx,
     ) -> std::result::Result<Bytes, ApiError> {
-        let limit = self.cfg.max_body_bytes;
-        let timeout = Duration::from_secs(self.cfg.body_read_timeout_secs);
+        let limit = self.live().cfg.max_body_bytes;
+        let timeout = Duration::from_secs(self.live().cfg.body_read_timeout_secs);
         let deadline = tokio::time::Instant::now() + timeout;
         // Pingora's per-read timeout, shortened to the deadline while the body is read.
         let read_timeout = session.get_read_timeout();
@@ -498,7 +498,7 @@ impl Gateway {
                 "invalid JSON body: characters after the JSON document",
             ));
         }
-        let limit = self.cfg.max_body_bytes;
+        let limit = self.live().cfg.max_body_bytes;
         if seen > MAX_TRAILING_BYTES || body_len.saturating_add(seen) > limit {
             return Err(ApiError::new(
                 ErrorKind::BodyTooLarge,

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod env;
 pub mod keys;
+pub mod reload;
 pub mod security;
 
 pub use security::{AdmissionConfig, ApiKeyConfig, AuthConfig, TlsConfig};
@@ -75,6 +76,10 @@ pub struct ProxyConfig {
     pub log: String,
     /// Log line format: `text` or `json` (one object per line). Env: `KVMESH_LOG_FORMAT`.
     pub log_format: LogFormat,
+    /// How often the configuration file is checked for changes, seconds (0: only on SIGHUP).
+    /// A changed file is reloaded: the keys listed in docs/configuration.md ("Reloading") take
+    /// effect, the others wait for a restart and are named in the log.
+    pub config_reload_interval_secs: u64,
     /// The engines behind this gateway.
     pub engines: Vec<EngineConfig>,
     /// Knobs of routing and of the `prefix` policy.
@@ -329,6 +334,7 @@ impl Default for ProxyConfig {
             threads: 0,
             log: "info,pingora_core=warn,pingora_proxy=warn".into(),
             log_format: LogFormat::Text,
+            config_reload_interval_secs: 5,
             engines: Vec::new(),
             routing: RoutingConfig::default(),
             residency: ResidencyConfigToml::default(),

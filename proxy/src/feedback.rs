@@ -107,13 +107,15 @@ impl Gateway {
             return;
         };
         self.metrics.cached_tokens.inc_by(cached);
-        if u.prompt_tokens == 0 || p.facts.chain.is_empty() {
+        // An engine that left meanwhile (a reload, a peer's departure) has no residency.
+        if u.prompt_tokens == 0 || p.facts.chain.is_empty() || self.fleet.get(p.engine).is_none() {
             return;
         }
         // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
         let cached_bytes =
             (p.facts.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
-        let cached_blocks = (cached_bytes / self.cfg.routing.block_bytes).min(p.facts.chain.len());
+        let cached_blocks =
+            (cached_bytes / self.live().cfg.routing.block_bytes).min(p.facts.chain.len());
         let verdict = self.index.confirm(
             p.engine,
             &p.facts.chain,

@@ -86,6 +86,36 @@ fn mono_ms() -> u64 {
 }
 
 impl Engine {
+    /// A configured engine, down until its first probe.
+    fn configured(id: NodeId, a: EngineAddr) -> Self {
+        if let Some(why) = &a.unresolved {
+            tracing::warn!(engine = %a.name, "{why}; down until it resolves");
+        }
+        let static_models = !a.models.is_empty();
+        Engine {
+            id,
+            key: name_key(&a.name),
+            name: a.name,
+            tls_host: tls_host(&a.url),
+            url: a.url,
+            addr: ArcSwap::from_pointee(a.addr),
+            unresolved: AtomicBool::new(a.unresolved.is_some()),
+            unresolved_logged_ms: AtomicU64::new(0),
+            inflight: AtomicU64::new(0),
+            pending_prefill: AtomicU64::new(0),
+            healthy: AtomicBool::new(false),
+            static_models,
+            models_known: AtomicBool::new(static_models),
+            models: ArcSwap::from_pointee(a.models),
+            peer: None,
+            reported_inflight: AtomicU64::new(0),
+            reported_pending: AtomicU64::new(0),
+            down_until_ms: AtomicU64::new(0),
+            ttft_ewma_us: AtomicU64::new(0),
+            ttft_at_ms: AtomicU64::new(0),
+        }
+    }
+
     /// Requests in flight on this engine: ours, or what its peer reports, whichever is larger.
     pub fn inflight(&self) -> u64 {
         self.inflight
@@ -258,6 +288,15 @@ fn name_key(name: &str) -> u64 {
     u64::from_le_bytes(b)
 }
 
+/// Configured engines made by [`Fleet::stage_configured`], not yet in force.
+#[derive(Default)]
+pub struct StagedEngines {
+    /// The configured engines, in configuration order.
+    pub configured: Vec<Arc<Engine>>,
+    /// Those that are new (or changed, and so new).
+    pub added: Vec<Arc<Engine>>,
+}
+
 /// Why no engine can take a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoRoute {
@@ -274,34 +313,7 @@ impl Fleet {
         let engines: Vec<Arc<Engine>> = addrs
             .into_iter()
             .enumerate()
-            .map(|(i, a)| {
-                if let Some(why) = &a.unresolved {
-                    tracing::warn!(engine = %a.name, "{why}; down until it resolves");
-                }
-                let static_models = !a.models.is_empty();
-                Arc::new(Engine {
-                    id: NodeId(i as u32),
-                    key: name_key(&a.name),
-                    name: a.name,
-                    tls_host: tls_host(&a.url),
-                    url: a.url,
-                    addr: ArcSwap::from_pointee(a.addr),
-                    unresolved: AtomicBool::new(a.unresolved.is_some()),
-                    unresolved_logged_ms: AtomicU64::new(0),
-                    inflight: AtomicU64::new(0),
-                    pending_prefill: AtomicU64::new(0),
-                    healthy: AtomicBool::new(false),
-                    static_models,
-                    models_known: AtomicBool::new(static_models),
-                    models: ArcSwap::from_pointee(a.models),
-                    peer: None,
-                    reported_inflight: AtomicU64::new(0),
-                    reported_pending: AtomicU64::new(0),
-                    down_until_ms: AtomicU64::new(0),
-                    ttft_ewma_us: AtomicU64::new(0),
-                    ttft_at_ms: AtomicU64::new(0),
-                })
-            })
+            .map(|(i, a)| Arc::new(Engine::configured(NodeId(i as u32), a)))
             .collect();
         Arc::new(Fleet {
             next_id: AtomicU32::new(engines.len() as u32),
@@ -311,6 +323,54 @@ impl Fleet {
             epoch: Instant::now(),
             peer_down,
         })
+    }
+
+    /// The configured engines `addrs` would make (a reload), not yet in force: an engine whose
+    /// name, URL and static models are unchanged is kept with its state (node id, residency,
+    /// health, load); any other is new, with a fresh node id, down until probed (the reload
+    /// probes it before [`Fleet::commit_configured`], so that it serves at once).
+    pub fn stage_configured(&self, addrs: Vec<EngineAddr>) -> StagedEngines {
+        let engines = self.engines.load_full();
+        let mut staged = StagedEngines::default();
+        for a in addrs {
+            let same = engines.iter().find(|e| {
+                e.peer.is_none()
+                    && e.name == a.name
+                    && e.url == a.url
+                    && match a.models.is_empty() {
+                        true => !e.static_models,
+                        false => e.static_models && **e.models.load() == a.models,
+                    }
+            });
+            let e = match same {
+                Some(e) => e.clone(),
+                None => {
+                    let id = NodeId(self.next_id.fetch_add(1, Ordering::Relaxed));
+                    let e = Arc::new(Engine::configured(id, a));
+                    staged.added.push(e.clone());
+                    e
+                }
+            };
+            staged.configured.push(e);
+        }
+        staged
+    }
+
+    /// Puts staged engines in force as the configured ones; peers' engines stay. Requests
+    /// already on a removed engine finish there (they hold it). Returns the engines no longer
+    /// configured, whose residency the caller drops.
+    pub fn commit_configured(&self, staged: StagedEngines) -> Vec<Arc<Engine>> {
+        let _one_writer = self.change.lock();
+        let engines = self.engines.load_full();
+        let removed = engines
+            .iter()
+            .filter(|e| e.peer.is_none() && !staged.configured.iter().any(|n| Arc::ptr_eq(n, e)))
+            .cloned()
+            .collect();
+        let mut next = staged.configured;
+        next.extend(engines.iter().filter(|e| e.peer.is_some()).cloned());
+        self.engines.store(Arc::new(next));
+        removed
     }
 
     /// Every engine: configured ones first, in configuration order, then peers'.
@@ -484,9 +544,21 @@ impl Fleet {
     /// Probes every configured engine once, concurrently, with `health` (in the proxy,
     /// [`ModelsProbe`]: `GET /v1/models`). (Peers' engines are known through gossip.)
     pub async fn probe_all(&self, health: &Arc<dyn HealthCheck>) {
+        let configured: Vec<Arc<Engine>> = self
+            .engines
+            .load()
+            .iter()
+            .filter(|e| e.peer.is_none())
+            .cloned()
+            .collect();
+        self.probe(&configured, health).await;
+    }
+
+    /// Probes `engines` once, concurrently, with `health`.
+    pub async fn probe(&self, engines: &[Arc<Engine>], health: &Arc<dyn HealthCheck>) {
         let mut probes = tokio::task::JoinSet::new();
         let now_ms = self.now_ms();
-        for e in self.engines.load().iter().filter(|e| e.peer.is_none()) {
+        for e in engines {
             let (e, health) = (e.clone(), health.clone());
             probes.spawn(async move {
                 e.re_resolve(now_ms).await;

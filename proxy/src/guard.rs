@@ -41,7 +41,7 @@ impl Gateway {
         let principal = auth
             .authenticate(header)
             .map_err(|e| self.refuse("unauthenticated", e))?;
-        if ctx.local_only && self.cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
+        if ctx.local_only && self.live().cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
             // Forwarded by a peer that proved itself with its cluster certificate, and that holds
             // the key's slot for it already. (Loopback or member-IP trust proves no such thing:
             // any local client could send the hop header to skip the key's cap.)
@@ -128,7 +128,8 @@ impl Gateway {
         session: &Session,
         ctx: &Ctx,
     ) -> std::result::Result<(), ApiError> {
-        let name = self.cfg.admission.deadline_header.as_str();
+        let live = self.live();
+        let name = live.cfg.admission.deadline_header.as_str();
         if name.is_empty() {
             return Ok(());
         }

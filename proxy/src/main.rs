@@ -17,7 +17,7 @@ use kvmesh_proxy::config::{LogFormat, Mode, Overrides, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::picker;
-use kvmesh_proxy::reload::Reloader;
+use kvmesh_proxy::reload::{ConfigReload, Reloader, SetLogFilter};
 use kvmesh_proxy::service::Gateway;
 use kvmesh_proxy::tls::{ServerTls, UpstreamTls};
 
@@ -211,7 +211,7 @@ fn main() -> anyhow::Result<()> {
     };
     let cfg = ProxyConfig::load_with(cli.config.as_deref(), &overrides)
         .context("invalid configuration")?;
-    init_logging(&cfg)?;
+    let set_log_filter = init_logging(&cfg)?;
     let fleet = Fleet::new(
         cfg.engine_addrs()?,
         Duration::from_secs(cfg.sidecar.peer_down_secs),
@@ -227,7 +227,12 @@ fn main() -> anyhow::Result<()> {
     let upstream_tls =
         Arc::new(UpstreamTls::from_config(&cfg.upstream).context("`[upstream]` TLS")?);
     if cfg.mode == Mode::Picker {
-        return run_picker(cfg, fleet, index, metrics, upstream_tls);
+        let source = ConfigSource {
+            path: cli.config.clone(),
+            overrides,
+            set_log_filter,
+        };
+        return run_picker(cfg, source, fleet, index, metrics, upstream_tls);
     }
     // Pingora binds inside its worker threads, retries a busy address for half a minute and
     // then panics there, leaving a process that serves nothing. Bind first and fail clearly.
@@ -273,16 +278,22 @@ fn main() -> anyhow::Result<()> {
         None
     };
     let mut gateway = Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?;
-    if gateway.cfg.cluster.enabled {
+    if gateway.live().cfg.cluster.enabled {
         gateway.gossip = Some(gossip_stats);
     }
+    let source = ConfigSource {
+        path: cli.config.clone(),
+        overrides,
+        set_log_filter,
+    };
     let reloader = Reloader::new(
-        &gateway.cfg,
+        &gateway.live().cfg,
         listener_tls.clone(),
         gateway.auth.clone(),
         upstream_tls,
+        source.reload_of(&gateway),
     );
-    let admin = match gateway.cfg.admin.listen.as_str() {
+    let admin = match gateway.live().cfg.admin.listen.as_str() {
         "" => None,
         addr => {
             let a = kvmesh_proxy::admin::AdminListener::bind(addr, gateway.observed())
@@ -312,10 +323,38 @@ fn main() -> anyhow::Result<()> {
     server.run_forever()
 }
 
+/// Where the configuration came from, for reloading it.
+struct ConfigSource {
+    path: Option<PathBuf>,
+    overrides: Overrides,
+    set_log_filter: SetLogFilter,
+}
+
+impl ConfigSource {
+    /// The reload of the configuration file into `gateway`; `None` without a file.
+    fn reload_of(self, gateway: &Gateway) -> Option<ConfigReload> {
+        let path = self.path?;
+        let seen = std::fs::read(&path).ok().map(|b| blake3::hash(&b));
+        Some(ConfigReload {
+            path,
+            overrides: self.overrides,
+            live: gateway.live_handle(),
+            fleet: gateway.fleet.clone(),
+            index: gateway.index.clone(),
+            auth: gateway.auth.clone(),
+            upstream: gateway.upstream_tls.clone(),
+            metrics: gateway.metrics.clone(),
+            set_log_filter: Some(self.set_log_filter),
+            seen: parking_lot::Mutex::new(seen),
+        })
+    }
+}
+
 /// Picker mode: no Pingora server; the ext_proc, health and metrics listeners, the health
 /// probes and (with `[cluster]`) gossip on one Tokio runtime, until SIGINT or SIGTERM.
 fn run_picker(
     cfg: ProxyConfig,
+    source: ConfigSource,
     fleet: Arc<Fleet>,
     index: Arc<ResidencyIndex>,
     metrics: Arc<Metrics>,
@@ -368,11 +407,18 @@ fn run_picker(
         } else {
             None
         };
-        // Reloads the TLS files (and keeps SIGHUP from ending the picker).
-        let reloader = Reloader::new(&cfg, tls.clone(), None, upstream_tls.clone());
+        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?);
+        // Reloads the configuration file and the TLS files (and keeps SIGHUP from ending the
+        // picker).
+        let reloader = Reloader::new(
+            &gateway.live().cfg,
+            tls.clone(),
+            None,
+            upstream_tls,
+            source.reload_of(&gateway),
+        );
         let rx = shutdown.clone();
         tokio::spawn(async move { reloader.start(rx).await });
-        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics, upstream_tls)?);
         tokio::spawn(async move {
             wait_for_signal().await;
             tracing::info!("shutting down");
@@ -432,13 +478,15 @@ async fn wait_for_signal() {
 /// Logs to stderr with `cfg.log` as the filter, as text (coloured only on a terminal) or JSON.
 /// Pingora's own debug and trace events are never written, whatever the filter: they print
 /// whole request headers, `Authorization` included.
-fn init_logging(cfg: &ProxyConfig) -> anyhow::Result<()> {
+fn init_logging(cfg: &ProxyConfig) -> anyhow::Result<SetLogFilter> {
     use std::io::IsTerminal;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
     let filter =
         tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?;
+    // `log` is reloadable: the filter sits behind a reload handle.
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
     let no_header_dumps = tracing_subscriber::filter::filter_fn(|m| {
         !(m.target().starts_with("pingora") && *m.level() > tracing::Level::INFO)
     });
@@ -451,7 +499,10 @@ fn init_logging(cfg: &ProxyConfig) -> anyhow::Result<()> {
         .with(layer.with_filter(filter).with_filter(no_header_dumps))
         .try_init()
         .context("starting the logger")?;
-    Ok(())
+    Ok(Box::new(move |spec: &str| {
+        let f = tracing_subscriber::EnvFilter::try_new(spec).map_err(|e| e.to_string())?;
+        handle.reload(f).map_err(|e| e.to_string())
+    }))
 }
 
 /// Binds `listen` once (with `SO_REUSEADDR`, as Pingora does) and releases it: an address in

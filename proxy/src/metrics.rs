@@ -68,6 +68,13 @@ pub struct Metrics {
     pub inflight_requests: IntGauge,
     /// Request-body bytes reserved from `body_budget_bytes`.
     pub body_bytes: IntGauge,
+    /// Reloads of the configuration file by outcome (`applied`, `unchanged`, `refused`).
+    pub config_reloads: IntCounterVec,
+    /// 1 when the last reload of the configuration file was put in force (or found nothing to
+    /// change), 0 when it was refused.
+    pub config_last_reload_successful: IntGauge,
+    /// Changed keys of the configuration file that wait for a restart.
+    pub config_restart_pending: IntGauge,
 }
 
 /// A latency histogram, in seconds, over buckets from 0.5 ms to 60 s.
@@ -263,7 +270,32 @@ impl Metrics {
             "The cap on requests in flight (max_inflight)",
         )?;
         registry.register(Box::new(max_inflight.clone()))?;
+        let config_reloads = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_config_reloads_total",
+                "Reloads of the configuration file by outcome",
+            ),
+            &["outcome"],
+        )?;
+        for o in labels::RELOAD_OUTCOMES {
+            config_reloads.with_label_values(&[o]);
+        }
+        let config_last_reload_successful = IntGauge::new(
+            "kvmesh_config_last_reload_successful",
+            "1 when the last reload of the configuration file was not refused",
+        )?;
+        config_last_reload_successful.set(1);
+        let config_restart_pending = IntGauge::new(
+            "kvmesh_config_restart_pending_keys",
+            "Changed configuration keys that take effect only after a restart",
+        )?;
+        registry.register(Box::new(config_reloads.clone()))?;
+        registry.register(Box::new(config_last_reload_successful.clone()))?;
+        registry.register(Box::new(config_restart_pending.clone()))?;
         Ok(Metrics {
+            config_reloads,
+            config_last_reload_successful,
+            config_restart_pending,
             per_engine,
             max_inflight,
             registry,
@@ -485,4 +517,6 @@ pub mod labels {
         "model_queue_timeout",
         "deadline",
     ];
+    /// `outcome` of `kvmesh_config_reloads_total`.
+    pub const RELOAD_OUTCOMES: [&str; 3] = ["applied", "unchanged", "refused"];
 }

@@ -44,9 +44,11 @@ impl Gateway {
                 .is_some_and(|e| e.peer.is_none())
         };
         let cold = cands.iter().all(|c| c.overlap_blocks == 0);
-        if let (true, ColdPlacement::Home, Some(first)) =
-            (cold, self.cfg.sidecar.cold_placement, facts.chain.first())
-        {
+        if let (true, ColdPlacement::Home, Some(first)) = (
+            cold,
+            self.live().cfg.sidecar.cold_placement,
+            facts.chain.first(),
+        ) {
             if let Some(home) = self.cold_home(cands, first) {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {
                     decision.order[..=pos].rotate_right(1);
@@ -67,14 +69,15 @@ impl Gateway {
         let Some(pos) = decision.order.iter().position(|&i| is_local(i)) else {
             return reason::LOCAL_DOWN;
         };
-        if self.router.policy() != kvmesh_filters::route::Policy::Prefix {
+        let live = self.live();
+        if live.router.policy() != kvmesh_filters::route::Policy::Prefix {
             return reason::RANK;
         }
-        let p = self.router.params();
+        let p = live.router.params();
         let local_cost =
             kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], total_bytes, p);
         let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], total_bytes, p);
-        if local_cost.saturating_sub(peer_cost) >= self.cfg.sidecar.forward_min_saving {
+        if local_cost.saturating_sub(peer_cost) >= live.cfg.sidecar.forward_min_saving {
             return reason::PREFIX_SAVING;
         }
         decision.order[..=pos].rotate_right(1);
@@ -88,7 +91,7 @@ impl Gateway {
         cands: &[kvmesh_filters::route::Candidate],
         first: &Digest,
     ) -> Option<usize> {
-        let own = self.cfg.node_id();
+        let own = self.live().cfg.node_id();
         let weight = |c: &kvmesh_filters::route::Candidate| {
             let engine = self.fleet.get(c.node)?;
             let id = engine

@@ -65,7 +65,7 @@ impl Gateway {
         let session_header = session
             .req_header()
             .headers
-            .get(self.cfg.routing.session_header.as_str())
+            .get(self.live().cfg.routing.session_header.as_str())
             .and_then(|v| v.to_str().ok());
         Plan {
             facts: self.facts(parsed, session_header, hop),
@@ -75,7 +75,12 @@ impl Gateway {
     /// The first `routing.forward_digests` digests of `facts`' chain, hex, comma-separated (for
     /// [`DIGESTS_HEADER`]; empty when there are none).
     pub(crate) fn forwarded_digests(&self, facts: &RequestFacts) -> String {
-        let n = self.cfg.routing.forward_digests.min(facts.chain.len());
+        let n = self
+            .live()
+            .cfg
+            .routing
+            .forward_digests
+            .min(facts.chain.len());
         let hex: Vec<String> = facts.chain[..n].iter().map(Digest::to_hex).collect();
         hex.join(",")
     }
@@ -87,11 +92,10 @@ impl Gateway {
         endpoint: Endpoint,
         body: &[u8],
     ) -> std::result::Result<ParsedRequest, ApiError> {
-        let keep = self
-            .cfg
-            .routing
+        let routing = &self.live().cfg.routing;
+        let keep = routing
             .max_prefix_blocks
-            .saturating_mul(self.cfg.routing.block_bytes);
+            .saturating_mul(routing.block_bytes);
         kvmesh_filters::request::parse_limited(endpoint, body, keep)
     }
 
@@ -111,8 +115,8 @@ impl Gateway {
         let chain = text_chain_capped(
             &ns,
             &parsed.canonical,
-            self.cfg.routing.block_bytes,
-            self.cfg.routing.max_prefix_blocks,
+            self.live().cfg.routing.block_bytes,
+            self.live().cfg.routing.max_prefix_blocks,
         );
         RequestFacts {
             model: parsed.model,
@@ -159,19 +163,19 @@ impl Gateway {
                 c.overlap_blocks = blocks;
             }
         }
-        let mut decision = self.router.rank(
+        let mut decision = self.live().router.rank(
             &cands,
             facts.total_bytes,
             facts.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
         let mut forward_reason = crate::placement::reason::RANK;
-        if self.cfg.mode == Mode::Sidecar && !facts.hop {
+        if self.live().cfg.mode == Mode::Sidecar && !facts.hop {
             forward_reason = self.prefer_local(&cands, &mut decision, facts);
         }
         self.metrics
             .decisions
-            .with_label_values(&[self.router.policy().label(), decision.reason.label()])
+            .with_label_values(&[self.live().router.policy().label(), decision.reason.label()])
             .inc();
         Ok(Ranking {
             candidates: cands,
@@ -231,8 +235,8 @@ mod tests {
         let chain = text_chain_capped(
             &Namespace::new(model, b""),
             prompt.as_bytes(),
-            gw.cfg.routing.block_bytes,
-            gw.cfg.routing.max_prefix_blocks,
+            gw.live().cfg.routing.block_bytes,
+            gw.live().cfg.routing.max_prefix_blocks,
         );
         RequestFacts {
             model: model.into(),

@@ -1,18 +1,34 @@
-//! Reloading the listener's certificate and client CA, the upstream client certificate and the
-//! API key file: on SIGHUP (always) and when their files change (checked every
-//! `tls.reload_interval_secs` / `auth.reload_interval_secs`). A file that does not load is
-//! refused with the reason and what was in force stays. The task runs whatever is configured,
-//! so that SIGHUP never terminates the process (its default action).
+//! Reloading, on SIGHUP (always) and when files change:
+//!
+//! - the configuration file (checked every `config_reload_interval_secs`): the keys of
+//!   [`crate::config::reload::RELOADABLE`] (engines, policy and routing knobs, upstream
+//!   timeouts, inline API keys, the log filter, ...) are put in force; other changed keys keep
+//!   their old values until a restart and are named in the log;
+//! - the listener's certificate and client CA, the upstream client certificate (every
+//!   `tls.reload_interval_secs`) and the API key file (every `auth.reload_interval_secs`).
+//!
+//! A file that does not load, or a configuration that `check-config` would refuse, is refused
+//! with the reason and what was in force stays. Requests in flight are not disturbed: they
+//! hold what they were routed with (an engine removed by a reload finishes the requests it
+//! has). The task runs whatever is configured, so that SIGHUP never terminates the process
+//! (its default action).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use kvmesh_filters::residency::ResidencyIndex;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use crate::auth::Auth;
-use crate::config::ProxyConfig;
+use crate::config::reload::{plan, ReloadPlan};
+use crate::config::{EngineAddr, Overrides, ProxyConfig};
+use crate::fleet::{probe_client, Fleet, HealthCheck, ModelsProbe};
+use crate::metrics::Metrics;
+use crate::service::Live;
 use kvmesh_tls::reload::{every_and_on_hup, log_outcome};
 
 use crate::tls::{ServerTls, UpstreamTls};
@@ -20,43 +36,59 @@ use crate::tls::{ServerTls, UpstreamTls};
 /// The longest wait between two checks of the files.
 const MAX_INTERVAL: Duration = Duration::from_secs(3600);
 
+/// Puts a new log filter in force (the logger is the binary's); an error leaves the old one.
+pub type SetLogFilter = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
 /// The reload task.
 pub struct Reloader {
     tls: Option<Arc<ServerTls>>,
     auth: Option<Arc<Auth>>,
     upstream: Option<Arc<UpstreamTls>>,
+    config: Option<Arc<ConfigReload>>,
     interval: Duration,
 }
 
 impl Reloader {
-    /// A reloader of what is configured (possibly nothing: SIGHUP is then only logged).
+    /// A reloader of what is configured (possibly nothing: SIGHUP is then only logged), and of
+    /// the configuration file with `config`.
     pub fn new(
         cfg: &ProxyConfig,
         tls: Option<Arc<ServerTls>>,
         auth: Option<Arc<Auth>>,
         upstream: Arc<UpstreamTls>,
+        config: Option<ConfigReload>,
     ) -> Self {
         let mut interval = MAX_INTERVAL;
         if tls.is_some() || upstream.has_client_cert() {
             interval = interval.min(Duration::from_secs(cfg.tls.reload_interval_secs));
         }
-        // Inline keys come with the configuration file, which is not reloaded: only a key file.
-        let auth = auth.filter(|_| !cfg.auth.key_file.is_empty());
-        if auth.is_some() {
+        let key_file = auth.clone().filter(|_| !cfg.auth.key_file.is_empty());
+        if key_file.is_some() {
             interval = interval.min(Duration::from_secs(cfg.auth.reload_interval_secs));
+        }
+        if config.is_some() && cfg.config_reload_interval_secs > 0 {
+            interval = interval.min(Duration::from_secs(cfg.config_reload_interval_secs));
         }
         Reloader {
             tls,
-            auth,
+            auth: key_file,
             upstream: upstream.has_client_cert().then_some(upstream),
+            config: config.map(Arc::new),
             interval: interval.max(Duration::from_secs(1)),
         }
     }
 
     /// One pass: reloads what changed (everything, with `force`); logs what happened.
-    pub fn reload(&self, force: bool) {
-        if force && self.tls.is_none() && self.auth.is_none() && self.upstream.is_none() {
-            tracing::info!("SIGHUP: nothing to reload (only [tls] files, the upstream client certificate and auth.key_file are)");
+    pub async fn reload(&self, force: bool) {
+        let nothing = self.tls.is_none()
+            && self.auth.is_none()
+            && self.upstream.is_none()
+            && self.config.is_none();
+        if force && nothing {
+            tracing::info!("SIGHUP: nothing to reload (no configuration file, no [tls] files, no upstream client certificate, no auth.key_file)");
+        }
+        if let Some(c) = self.config.as_ref() {
+            c.reload(force).await;
         }
         if let Some(u) = self.upstream.as_ref() {
             log_outcome("upstream client certificate", u.reload(force));
@@ -77,5 +109,167 @@ impl BackgroundService for Reloader {
             let _ = shutdown.changed().await;
         };
         every_and_on_hup(self.interval, stop, |force| self.reload(force)).await;
+    }
+}
+
+/// Re-reading the configuration file and putting what may change in force.
+pub struct ConfigReload {
+    /// The file, read again with the same environment and command-line overrides.
+    pub path: PathBuf,
+    /// The command line's overrides (they still win over the file).
+    pub overrides: Overrides,
+    /// Where the configuration in force lives (the gateway's).
+    pub live: Arc<ArcSwap<Live>>,
+    /// The engines.
+    pub fleet: Arc<Fleet>,
+    /// Residency: a removed engine's entries are dropped.
+    pub index: Arc<ResidencyIndex>,
+    /// The API keys in force, when `[auth]` is on.
+    pub auth: Option<Arc<Auth>>,
+    /// TLS towards engines, for probing new ones.
+    pub upstream: Arc<UpstreamTls>,
+    /// The outcome counters.
+    pub metrics: Arc<Metrics>,
+    /// The logger's filter, when it can be changed.
+    pub set_log_filter: Option<SetLogFilter>,
+    /// The file's contents as last read: the timer reloads only when they change.
+    pub seen: parking_lot::Mutex<Option<blake3::Hash>>,
+}
+
+/// A reload read and checked, not yet in force.
+struct Staged {
+    plan: ReloadPlan,
+    /// The engines' addresses, when `[[engines]]` changed.
+    engines: Option<Vec<EngineAddr>>,
+}
+
+impl ConfigReload {
+    /// Reads the file again when it changed (always, with `force`), then puts it in force.
+    pub async fn reload(self: &Arc<Self>, force: bool) {
+        // Reading the file and resolving engine names block: off the runtime's threads.
+        let this = self.clone();
+        let staged = match tokio::task::spawn_blocking(move || this.read(force)).await {
+            Ok(None) => return,
+            Ok(Some(s)) => s,
+            Err(e) => Err(format!("the reload task stopped: {e}")),
+        };
+        let outcome = match staged {
+            Ok(s) => self.put_in_force(s).await,
+            Err(e) => Err(e),
+        };
+        let (label, successful) = match outcome {
+            Ok(p) if p.applied.is_empty() => {
+                if force {
+                    tracing::info!(file = %self.path.display(), "configuration reload: nothing changed that a reload applies");
+                }
+                self.report_restart(&p);
+                ("unchanged", true)
+            }
+            Ok(p) => {
+                tracing::info!(
+                    file = %self.path.display(),
+                    applied = %p.applied.join(", "),
+                    "configuration reloaded"
+                );
+                self.report_restart(&p);
+                ("applied", true)
+            }
+            Err(why) => {
+                tracing::error!(file = %self.path.display(), error = %why, "configuration reload refused; the configuration in force stays");
+                ("refused", false)
+            }
+        };
+        self.metrics
+            .config_reloads
+            .with_label_values(&[label])
+            .inc();
+        self.metrics
+            .config_last_reload_successful
+            .set(i64::from(successful));
+    }
+
+    fn report_restart(&self, p: &ReloadPlan) {
+        self.metrics
+            .config_restart_pending
+            .set(i64::try_from(p.needs_restart.len()).unwrap_or(i64::MAX));
+        if !p.needs_restart.is_empty() {
+            tracing::warn!(
+                file = %self.path.display(),
+                keys = %p.needs_restart.join(", "),
+                "changed keys that take effect only after a restart (their old values stay)"
+            );
+        }
+    }
+
+    /// Loads and checks the file (`None`: unchanged since last read, and not forced).
+    fn read(&self, force: bool) -> Option<Result<Staged, String>> {
+        let now = std::fs::read(&self.path).ok().map(|b| blake3::hash(&b));
+        {
+            let mut seen = self.seen.lock();
+            if !force && *seen == now {
+                return None;
+            }
+            // A refused file is reported once, not at every check, until it changes again.
+            *seen = now;
+        }
+        let staged = ProxyConfig::load_with(Some(&self.path), &self.overrides)
+            .and_then(|new| plan(&self.live.load().cfg, &new))
+            .and_then(|plan| {
+                let engines = if plan.applied.iter().any(|k| k == "engines") {
+                    Some(plan.cfg.engine_addrs()?)
+                } else {
+                    None
+                };
+                Ok(Staged { plan, engines })
+            });
+        Some(staged.map_err(|e| e.to_string()))
+    }
+
+    /// Puts a checked reload in force. What can fail runs before anything changes, so that a
+    /// refusal leaves the old configuration whole; new engines are probed first, so that an
+    /// engine that replaces another serves at once.
+    async fn put_in_force(&self, s: Staged) -> Result<ReloadPlan, String> {
+        let p = s.plan;
+        if p.applied.is_empty() {
+            return Ok(p);
+        }
+        let changed = |key: &str| p.applied.iter().any(|k| k == key);
+        let engines = match s.engines {
+            Some(addrs) => {
+                let staged = self.fleet.stage_configured(addrs);
+                let health: Arc<dyn HealthCheck> = Arc::new(ModelsProbe {
+                    client: probe_client(&self.upstream),
+                    timeout: Duration::from_millis(p.cfg.health.timeout_ms),
+                });
+                self.fleet.probe(&staged.added, &health).await;
+                Some(staged)
+            }
+            None => None,
+        };
+        if changed("auth.keys") {
+            if let Some(auth) = self.auth.as_ref() {
+                auth.set_inline_keys(p.cfg.auth.keys.clone())
+                    .map_err(|e| format!("`[[auth.keys]]`: {e}"))?;
+            }
+        }
+        if changed("log") {
+            if let Some(set) = self.set_log_filter.as_ref() {
+                // Checked by `problems()` already: a filter that parses.
+                if let Err(e) = set(&p.cfg.log) {
+                    tracing::error!(error = %e, "`log` not changed");
+                }
+            }
+        }
+        if let Some(staged) = engines {
+            for e in &staged.added {
+                tracing::info!(engine = %e.name, url = %e.url, healthy = e.healthy(), "engine added by reload");
+            }
+            for e in self.fleet.commit_configured(staged) {
+                self.index.drop_node(e.id);
+                tracing::info!(engine = %e.name, "engine removed by reload (requests on it finish there)");
+            }
+        }
+        self.live.store(Arc::new(Live::new(p.cfg.clone())));
+        Ok(p)
     }
 }

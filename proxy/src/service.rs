@@ -36,6 +36,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use bytes::Bytes;
 use http::header;
@@ -62,16 +63,35 @@ use crate::tls::{PeerIdentity, UpstreamTls};
 use crate::trust::HOP_HEADER;
 use kvmesh_filters::usage::Usage;
 
-/// The gateway: shared, immutable-after-start state of the proxy.
-pub struct Gateway {
+/// What a reload replaces ([`crate::reload`]): the configuration in force and the policy made
+/// from it, swapped whole. Each use reads the one in force then (a request that spans a reload
+/// may see the old knobs in its early phases and the new ones later: each knob stands alone,
+/// and those that do not, like `routing.block_bytes`, take a restart).
+pub struct Live {
     /// Configuration in force.
     pub cfg: ProxyConfig,
+    /// The policy.
+    pub router: Router,
+}
+
+impl Live {
+    /// The policy of `cfg`, with `cfg`.
+    pub fn new(cfg: ProxyConfig) -> Self {
+        Live {
+            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+            cfg,
+        }
+    }
+}
+
+/// The gateway: shared state of the proxy.
+pub struct Gateway {
+    /// Configuration and policy in force (see [`Live`]).
+    live: Arc<ArcSwap<Live>>,
     /// The engines.
     pub fleet: Arc<Fleet>,
     /// Prefix residency.
     pub index: Arc<ResidencyIndex>,
-    /// The policy.
-    pub router: Router,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Hard caps on requests in flight and body bytes held.
@@ -117,18 +137,29 @@ impl Gateway {
             .max_inflight
             .set(i64::try_from(cfg.max_inflight).unwrap_or(i64::MAX));
         Ok(Gateway {
-            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
             limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
             model_gates: ModelGates::new(cfg.admission.clone()),
             auth,
             upstream_tls,
             peer_identity,
             gossip: None,
-            cfg,
+            live: Arc::new(ArcSwap::from_pointee(Live::new(cfg))),
             fleet,
             index,
             metrics,
         })
+    }
+}
+
+impl Gateway {
+    /// The configuration and policy in force now.
+    pub fn live(&self) -> arc_swap::Guard<Arc<Live>> {
+        self.live.load()
+    }
+
+    /// Where a reload puts a new [`Live`] (shared with [`crate::reload::Reloader`]).
+    pub fn live_handle(&self) -> Arc<ArcSwap<Live>> {
+        self.live.clone()
     }
 }
 
@@ -322,7 +353,9 @@ impl Gateway {
         let remaining = ctx.decision.as_ref().map_or(0, |(_, d)| {
             d.order.len().saturating_sub(ctx.attempts as usize)
         });
-        !ctx.response_started && ctx.attempts < self.cfg.upstream.max_attempts && remaining > 0
+        !ctx.response_started
+            && ctx.attempts < self.live().cfg.upstream.max_attempts
+            && remaining > 0
     }
 }
 
@@ -430,14 +463,19 @@ impl ProxyHttp for Gateway {
             return Err(pingora_error(ErrorKind::Internal, "no routing decision"));
         };
         // Engines before `tried` in the order were attempted already. Take the next one that
-        // is still healthy (or simply the next, if none is).
+        // is still healthy (or simply the next still known, if none is: a reload or a peer's
+        // departure may have removed some since the ranking).
         let tried = ctx.attempts as usize;
         let rest = decision.order.get(tried..).unwrap_or(&[]);
-        let pick = rest
-            .iter()
-            .position(|&i| self.fleet.get(cands[i].node).is_some_and(|e| e.healthy()))
-            .unwrap_or(0);
-        let Some(&ci) = rest.get(pick) else {
+        let known = |healthy: bool| {
+            rest.iter().position(|&i| {
+                self.fleet
+                    .get(cands[i].node)
+                    .is_some_and(|e| !healthy || e.healthy())
+            })
+        };
+        let found = known(true).or_else(|| known(false));
+        let Some(&ci) = found.and_then(|pick| rest.get(pick)) else {
             ctx.error = Some(ApiError::new(
                 ErrorKind::NoEngine,
                 "no engine could be reached",
@@ -447,6 +485,7 @@ impl ProxyHttp for Gateway {
                 "all ranked engines tried",
             ));
         };
+        let pick = found.unwrap_or(0);
         let cand = cands[ci];
         let Some(engine) = self.fleet.get(cand.node) else {
             return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
@@ -493,7 +532,7 @@ impl ProxyHttp for Gateway {
             .map(|p| (p.facts.chain.as_slice(), p.facts.total_bytes))
             .unwrap_or((&[], 0));
         let uncached =
-            total.saturating_sub(cand.overlap_blocks * self.cfg.routing.block_bytes) as u64;
+            total.saturating_sub(cand.overlap_blocks * self.live().cfg.routing.block_bytes) as u64;
         // Replacing the guard releases a failed attempt's counts. A body still arriving (read
         // on by Pingora) is not counted as the engine's load until it is complete.
         if ctx.tail.is_some() {
@@ -512,9 +551,12 @@ impl ProxyHttp for Gateway {
             }
             None => HttpPeer::new(engine.addr(), false, String::new()),
         };
-        peer.options.connection_timeout =
-            Some(Duration::from_millis(self.cfg.upstream.connect_timeout_ms));
-        peer.options.read_timeout = Some(Duration::from_secs(self.cfg.upstream.read_timeout_secs));
+        peer.options.connection_timeout = Some(Duration::from_millis(
+            self.live().cfg.upstream.connect_timeout_ms,
+        ));
+        peer.options.read_timeout = Some(Duration::from_secs(
+            self.live().cfg.upstream.read_timeout_secs,
+        ));
         peer.options.idle_timeout = Some(Duration::from_secs(60));
         Ok(Box::new(peer))
     }

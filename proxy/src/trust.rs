@@ -15,7 +15,7 @@ pub const HOP_HEADER: &str = "x-kvmesh-hop";
 impl Gateway {
     /// Whether a request carrying the hop header comes from a trusted peer.
     pub(crate) fn hop_trusted(&self, session: &Session) -> bool {
-        if self.cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
+        if self.live().cfg.sidecar.accept_hop_from == HopTrust::ClusterCert {
             let cert = session
                 .digest()
                 .and_then(|d| d.ssl_digest.as_ref())
@@ -32,7 +32,7 @@ impl Gateway {
         else {
             return false;
         };
-        hop_allowed(ip, self.cfg.sidecar.accept_hop_from, || {
+        hop_allowed(ip, self.live().cfg.sidecar.accept_hop_from, || {
             // A peer that rejoins (a healed partition, a restart) is admitted again only once
             // its URL has been checked, while it may already forward to us: its authenticated
             // gossip from that IP is the same proof of membership, and arrives first.

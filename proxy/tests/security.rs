@@ -17,35 +17,6 @@ use common::*;
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// `printf %s KEY | sha256sum`, via the proxy's own `hash-key` (what operators run).
-fn hash_key(key: &str) -> String {
-    use std::io::Write;
-    let mut child = Command::new(bin("kvmesh-proxy"))
-        .arg("hash-key")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(format!("{key}\n").as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
-fn sighup(p: &Proxy) {
-    let ok = Command::new("kill")
-        .args(["-HUP", &p.child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-}
-
 fn bearer(key: &str) -> String {
     format!("Bearer {key}")
 }
@@ -302,7 +273,7 @@ models = ["another-model"]
         == 401));
     // A key file that does not parse is refused; the keys in force stay.
     std::fs::write(&key_file, "[[keys]]\nname = 5\n").unwrap();
-    sighup(&proxy);
+    proxy.sighup();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(chat_as(proxy.addr, Some("sk-beta"), &body).status, 200);
     assert_eq!(
@@ -512,7 +483,7 @@ fn tls_listener_serves_the_openai_client_refuses_bad_clients_and_rotates_without
     let rotated = ca.leaf("proxy-rotated", &["127.0.0.1"], &[], Validity::Now);
     std::fs::write(&key, &rotated.key_pem).unwrap();
     std::fs::write(&cert, &rotated.cert_pem).unwrap();
-    sighup(&proxy);
+    proxy.sighup();
     assert!(eventually(Duration::from_secs(5), || https(
         proxy.addr,
         &client,
@@ -537,7 +508,7 @@ fn tls_listener_serves_the_openai_client_refuses_bad_clients_and_rotates_without
     let expired = ca.leaf("proxy-expired", &["127.0.0.1"], &[], Validity::Expired);
     std::fs::write(&key, &expired.key_pem).unwrap();
     std::fs::write(&cert, &expired.cert_pem).unwrap();
-    sighup(&proxy);
+    proxy.sighup();
     std::thread::sleep(Duration::from_millis(300));
     let (r, leaf) = https(proxy.addr, &client, "GET", "/ready", b"", &[]).unwrap();
     assert_eq!(r.status, 200);
@@ -715,7 +686,7 @@ fn sidecars_forward_over_mtls_and_only_a_cluster_certificate_may_send_the_hop_he
         let leaf = ca.leaf("a", &["127.0.0.1"], &[identity], Validity::Now);
         std::fs::write(dir.0.join("a.key"), &leaf.key_pem).unwrap();
         std::fs::write(dir.0.join("a.crt"), &leaf.cert_pem).unwrap();
-        sighup(&a);
+        a.sighup();
     };
     rotate("spiffe://elsewhere.test/node/a");
     let deadline = Instant::now() + Duration::from_secs(10);

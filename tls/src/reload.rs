@@ -5,12 +5,12 @@
 use std::future::Future;
 use std::time::Duration;
 
-/// Calls `reload(false)` every `every` (a check for changed files) and `reload(true)` on each
-/// SIGHUP (reload whatever the files say), until `stop` resolves.
-pub async fn every_and_on_hup(
+/// Runs `reload(false)` every `every` (a check for changed files) and `reload(true)` on each
+/// SIGHUP (reload whatever the files say), one at a time, until `stop` resolves.
+pub async fn every_and_on_hup<F: Future<Output = ()>>(
     every: Duration,
     stop: impl Future<Output = ()>,
-    mut reload: impl FnMut(bool),
+    mut reload: impl FnMut(bool) -> F,
 ) {
     let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(s) => Some(s),
@@ -30,8 +30,8 @@ pub async fn every_and_on_hup(
             }
         };
         tokio::select! {
-            _ = tick.tick() => reload(false),
-            Some(()) = sighup => reload(true),
+            _ = tick.tick() => reload(false).await,
+            Some(()) = sighup => reload(true).await,
             () = &mut stop => return,
         }
     }

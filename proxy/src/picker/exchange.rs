@@ -235,7 +235,7 @@ impl Exchange {
             );
             return Ok(self.refuse(e));
         }
-        let cfg = &self.gw.cfg;
+        let cfg = &self.gw.live().cfg;
         self.subset = envoy::subset_hint(req);
         self.session =
             envoy::header(map, &cfg.routing.session_header.to_ascii_lowercase()).map(String::from);
@@ -293,7 +293,7 @@ impl Exchange {
                 "a request body chunk arrived outside the request body",
             ));
         };
-        let limit = self.gw.cfg.max_body_bytes;
+        let limit = self.gw.live().cfg.max_body_bytes;
         let need = body.len().saturating_add(b.body.len());
         if need > limit {
             return Ok(self.refuse(body_too_large(limit)));
@@ -382,7 +382,7 @@ impl Exchange {
 
     /// Counts the request as `engine`'s load and records the prediction in the index.
     fn route_to(&mut self, engine: Arc<Engine>, facts: RequestFacts, overlap_blocks: usize) {
-        let block = self.gw.cfg.routing.block_bytes;
+        let block = self.gw.live().cfg.routing.block_bytes;
         let uncached = facts
             .total_bytes
             .saturating_sub(overlap_blocks.saturating_mul(block)) as u64;

@@ -83,8 +83,8 @@ impl ExternalProcessor for Picker {
         let (tx, rx) = mpsc::channel(REPLY_QUEUE);
         let exchange = Exchange::new(self.gw.clone(), self.fallbacks);
         let timeouts = Timeouts {
-            body: Duration::from_secs(self.gw.cfg.body_read_timeout_secs),
-            idle: Duration::from_secs(self.gw.cfg.upstream.read_timeout_secs),
+            body: Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs),
+            idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
         };
         tokio::spawn(run_stream(exchange, inbound, tx, timeouts));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -257,7 +257,7 @@ pub async fn serve(
         .await;
     let fleet = gw.fleet.clone();
     let mut draining = shutdown.clone();
-    let grace = Duration::from_secs(gw.cfg.shutdown.grace_period_secs);
+    let grace = Duration::from_secs(gw.live().cfg.shutdown.grace_period_secs);
     let (stop_tx, stop) = watch::channel(false);
     tokio::spawn(async move {
         // Readiness (and the ext_proc service, which Envoy's health check asks for) follows
@@ -298,10 +298,11 @@ pub async fn serve(
     let health_addr = listeners.health.local_addr().ok();
     let picker = ExternalProcessorServer::new(Picker {
         gw: gw.clone(),
-        fallbacks: gw.cfg.picker.fallbacks,
+        fallbacks: gw.live().cfg.picker.fallbacks,
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES);
-    let max_streams = u32::try_from(gw.cfg.max_inflight.saturating_add(64)).unwrap_or(u32::MAX);
+    let max_streams =
+        u32::try_from(gw.live().cfg.max_inflight.saturating_add(64)).unwrap_or(u32::MAX);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };

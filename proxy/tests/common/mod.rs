@@ -139,6 +139,25 @@ pub fn openai_client(
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `printf %s KEY | sha256sum`, via the proxy's own `hash-key` (what operators run).
+pub fn hash_key(key: &str) -> String {
+    let mut child = Command::new(bin("kvmesh-proxy"))
+        .arg("hash-key")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{key}\n").as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
 /// A child process killed (and reaped) on drop, also when an assertion fails.
 pub struct Killed(pub Child);
 
@@ -226,6 +245,16 @@ impl Proxy {
             std::thread::sleep(Duration::from_millis(50));
         }
         p
+    }
+
+    /// Sends SIGHUP (reload).
+    pub fn sighup(&self) {
+        let ok = Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
     }
 
     /// Sum of a metric's samples whose line starts with `prefix`.
