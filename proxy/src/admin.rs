@@ -19,9 +19,11 @@ use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::residency::ResidencyIndex;
 
 use crate::body::Limits;
+use crate::dashboard;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::service::{respond, Ctx, Gateway};
+use crate::service::{respond, Ctx, Gateway, Live};
+use arc_swap::ArcSwap;
 
 /// Most concurrent connections to an operators' listener; past it, new ones are closed.
 const MAX_ADMIN_CONNECTIONS: usize = 64;
@@ -34,7 +36,29 @@ pub struct Observed {
     index: Arc<ResidencyIndex>,
     metrics: Arc<Metrics>,
     limits: Arc<Limits>,
+    live: Arc<ArcSwap<Live>>,
+    gossip: Option<Arc<kvmesh_cluster::GossipStats>>,
 }
+
+/// One answer of an operators' endpoint.
+pub struct OperatorAnswer {
+    /// HTTP status.
+    pub status: u16,
+    /// Its `Content-Type`.
+    pub content_type: &'static str,
+    /// The body.
+    pub body: Bytes,
+    /// More headers.
+    pub headers: &'static [(&'static str, &'static str)],
+}
+
+/// Headers of the dashboard's page and assets.
+const DASHBOARD_HEADERS: &[(&str, &str)] = &[
+    ("content-security-policy", dashboard::CSP),
+    ("x-content-type-options", "nosniff"),
+    ("cache-control", "no-store"),
+    ("referrer-policy", "no-referrer"),
+];
 
 impl Observed {
     /// The Prometheus text exposition of every metric, gauges refreshed.
@@ -51,22 +75,150 @@ impl Observed {
         self.fleet.ready()
     }
 
-    fn answer<B>(&self, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
-        let (status, ctype, body) = match (req.method() == hyper::Method::GET, req.uri().path()) {
-            (true, "/health") => (200, "text/plain", Bytes::from_static(b"ok\n")),
-            (true, "/ready") if self.ready() => (200, "text/plain", Bytes::from_static(b"ready\n")),
-            (true, "/ready") => (
-                503,
-                "text/plain",
-                Bytes::from_static(b"no healthy engine\n"),
-            ),
-            (true, "/metrics") => (200, "text/plain; version=0.0.4", self.metrics_text()),
-            _ => (404, "text/plain", Bytes::from_static(b"not found\n")),
+    /// The dashboard's status document (`GET /dashboard/status`).
+    pub fn status(&self) -> dashboard::Status {
+        let live = self.live.load();
+        let m = &self.metrics;
+        let (ttft, per_engine) = m.recent.ttft();
+        let (prompt, cached) = (m.prompt_tokens.get(), m.cached_tokens.get());
+        let engines = self
+            .fleet
+            .engines()
+            .iter()
+            .map(|e| {
+                let (answers, ttft_ms) = per_engine
+                    .get(e.name.as_str())
+                    .map(|(n, p)| (*n, p.clone()))
+                    .unwrap_or_default();
+                dashboard::EngineStatus {
+                    name: e.name.clone(),
+                    url: e.url.clone(),
+                    kind: if e.peer.is_some() { "peer" } else { "local" },
+                    healthy: e.healthy(),
+                    inflight: e.inflight(),
+                    pending_prefill_bytes: e.pending_prefill(),
+                    residency_digests: self.index.node_usage(e.id).0,
+                    models: e.models().map(|m| m.to_vec()).unwrap_or_default(),
+                    answers_last_minute: answers,
+                    ttft_ms,
+                }
+            })
+            .collect();
+        let reloads = |o: &str| m.config_reloads.with_label_values(&[o]).get();
+        dashboard::Status {
+            node: dashboard::NodeStatus {
+                node_id: if live.cfg.cluster.enabled {
+                    live.cfg.node_id()
+                } else {
+                    String::new()
+                },
+                mode: format!("{:?}", live.cfg.mode).to_lowercase(),
+                policy: live.router.policy().label(),
+                version: concat!(
+                    env!("CARGO_PKG_VERSION"),
+                    " (",
+                    env!("KVMESH_GIT_HASH"),
+                    ")"
+                ),
+                uptime_secs: m.recent.uptime_secs(),
+            },
+            requests: dashboard::RequestStatus {
+                per_sec: m.recent.per_sec(),
+                inflight: self.limits.inflight(),
+                max_inflight: live.cfg.max_inflight,
+            },
+            hit_ratio: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            ttft_ms: ttft,
+            residency: dashboard::ResidencyStatus {
+                digests: self.index.len(),
+                entries: self
+                    .index
+                    .count_by_source()
+                    .into_iter()
+                    .map(|(s, n)| (s.label(), n))
+                    .collect(),
+            },
+            gossip: dashboard::GossipStatus {
+                enabled: live.cfg.cluster.enabled,
+                peers: m.gossip_peers.get(),
+                bytes_sent: self.gossip.as_ref().map_or(0, |g| g.bytes_sent()),
+                bytes_received: self.gossip.as_ref().map_or(0, |g| g.bytes_received()),
+            },
+            engines,
+            refusals: m.recent.refusals(),
+            config: dashboard::ConfigStatus {
+                reloads_applied: reloads("applied"),
+                reloads_refused: reloads("refused"),
+                last_reload_successful: m.config_last_reload_successful.get() == 1,
+                restart_pending_keys: m.config_restart_pending.get(),
+            },
+        }
+    }
+
+    /// The answer to `GET path` when `path` is an operators' endpoint: `/health`, `/ready`,
+    /// `/metrics` and the dashboard's.
+    pub fn operator_get(&self, path: &str) -> Option<OperatorAnswer> {
+        let plain = |status, body: &'static [u8]| OperatorAnswer {
+            status,
+            content_type: "text/plain",
+            body: Bytes::from_static(body),
+            headers: &[],
         };
-        let mut resp = hyper::Response::new(Full::new(body));
-        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
-        if let Ok(v) = hyper::header::HeaderValue::from_str(ctype) {
-            resp.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+        let page = |content_type, body: &'static str| OperatorAnswer {
+            status: 200,
+            content_type,
+            body: Bytes::from_static(body.as_bytes()),
+            headers: DASHBOARD_HEADERS,
+        };
+        Some(match path {
+            "/health" => plain(200, b"ok\n"),
+            "/ready" if self.ready() => plain(200, b"ready\n"),
+            "/ready" => plain(503, b"no healthy engine\n"),
+            "/metrics" => OperatorAnswer {
+                status: 200,
+                content_type: "text/plain; version=0.0.4",
+                body: self.metrics_text(),
+                headers: &[],
+            },
+            "/dashboard" | "/dashboard/" => page("text/html; charset=utf-8", dashboard::PAGE),
+            "/dashboard/app.js" => page("text/javascript; charset=utf-8", dashboard::SCRIPT),
+            "/dashboard/app.css" => page("text/css; charset=utf-8", dashboard::STYLE),
+            "/dashboard/status" => OperatorAnswer {
+                status: 200,
+                content_type: "application/json",
+                body: Bytes::from(serde_json::to_vec(&self.status()).unwrap_or_default()),
+                headers: DASHBOARD_HEADERS,
+            },
+            p if dashboard::is_dashboard_path(p) => plain(404, b"not found\n"),
+            _ => return None,
+        })
+    }
+
+    fn answer<B>(&self, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
+        let a = (req.method() == hyper::Method::GET)
+            .then(|| self.operator_get(req.uri().path()))
+            .flatten()
+            .unwrap_or(OperatorAnswer {
+                status: 404,
+                content_type: "text/plain",
+                body: Bytes::from_static(b"not found\n"),
+                headers: &[],
+            });
+        let mut resp = hyper::Response::new(Full::new(a.body));
+        *resp.status_mut() = hyper::StatusCode::from_u16(a.status).unwrap_or_default();
+        let headers = [("content-type", a.content_type)]
+            .into_iter()
+            .chain(a.headers.iter().copied());
+        for (k, v) in headers {
+            if let Ok(v) = hyper::header::HeaderValue::from_str(v) {
+                resp.headers_mut().insert(k, v);
+            }
         }
         resp
     }
@@ -156,6 +308,8 @@ impl Gateway {
             index: self.index.clone(),
             metrics: self.metrics.clone(),
             limits: self.limits.clone(),
+            live: self.live_handle(),
+            gossip: self.gossip.clone(),
         }
     }
 
@@ -229,7 +383,7 @@ impl Gateway {
         let get = session.req_header().method == http::Method::GET;
         let model_id = path.strip_prefix("/v1/models/");
         // `/health` stays: peers admit a node by `GET {proxy_url}/health` on this listener.
-        let operators = matches!(path, "/ready" | "/metrics");
+        let operators = matches!(path, "/ready" | "/metrics") || dashboard::is_dashboard_path(path);
         if operators && !self.live().cfg.admin.on_api_listener {
             ctx.route = "admin";
             let e = ApiError::new(
@@ -238,27 +392,15 @@ impl Gateway {
             );
             return self.refuse_local(session, ctx, e).await;
         }
+        if let Some(a) = get.then(|| self.observed().operator_get(path)).flatten() {
+            ctx.route = "admin";
+            ctx.status = a.status;
+            let mut headers = vec![(crate::access::REQUEST_ID, ctx.request_id.as_str())];
+            headers.extend_from_slice(a.headers);
+            respond(session, a.status, a.content_type, a.body, &headers).await?;
+            return Ok(true);
+        }
         let answer = match (get, path) {
-            (true, "/health") => {
-                ctx.route = "admin";
-                (200, "text/plain", Bytes::from_static(b"ok\n"))
-            }
-            (true, "/ready") => {
-                ctx.route = "admin";
-                if self.fleet.ready() {
-                    (200, "text/plain", Bytes::from_static(b"ready\n"))
-                } else {
-                    (
-                        503,
-                        "text/plain",
-                        Bytes::from_static(b"no healthy engine\n"),
-                    )
-                }
-            }
-            (true, "/metrics") => {
-                ctx.route = "admin";
-                (200, "text/plain; version=0.0.4", self.metrics_text())
-            }
             (true, "/v1/models") => {
                 ctx.route = "models";
                 let Some(allowed) = self.local_key(session, ctx).await? else {

@@ -10,6 +10,7 @@ pub mod auth;
 pub mod body;
 pub mod cluster;
 pub mod config;
+pub mod dashboard;
 pub mod feedback;
 pub mod fleet;
 pub mod guard;

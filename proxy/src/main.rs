@@ -334,7 +334,6 @@ impl ConfigSource {
     /// The reload of the configuration file into `gateway`; `None` without a file.
     fn reload_of(self, gateway: &Gateway) -> Option<ConfigReload> {
         let path = self.path?;
-        let seen = std::fs::read(&path).ok().map(|b| blake3::hash(&b));
         Some(ConfigReload {
             path,
             overrides: self.overrides,
@@ -345,7 +344,9 @@ impl ConfigSource {
             upstream: gateway.upstream_tls.clone(),
             metrics: gateway.metrics.clone(),
             set_log_filter: Some(self.set_log_filter),
-            seen: parking_lot::Mutex::new(seen),
+            // Read again at the first check: the file may have changed since start read it.
+            seen: parking_lot::Mutex::new(None),
+            interval_secs: 0,
         })
     }
 }

@@ -75,6 +75,8 @@ pub struct Metrics {
     pub config_last_reload_successful: IntGauge,
     /// Changed keys of the configuration file that wait for a restart.
     pub config_restart_pending: IntGauge,
+    /// Recent activity for the dashboard (not exported to Prometheus).
+    pub recent: crate::dashboard::Recent,
 }
 
 /// A latency histogram, in seconds, over buckets from 0.5 ms to 60 s.
@@ -293,6 +295,7 @@ impl Metrics {
         registry.register(Box::new(config_last_reload_successful.clone()))?;
         registry.register(Box::new(config_restart_pending.clone()))?;
         Ok(Metrics {
+            recent: crate::dashboard::Recent::default(),
             config_reloads,
             config_last_reload_successful,
             config_restart_pending,

@@ -163,19 +163,20 @@ impl Gateway {
                 c.overlap_blocks = blocks;
             }
         }
-        let mut decision = self.live().router.rank(
+        let live = self.live();
+        let mut decision = live.router.rank(
             &cands,
             facts.total_bytes,
             facts.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
         let mut forward_reason = crate::placement::reason::RANK;
-        if self.live().cfg.mode == Mode::Sidecar && !facts.hop {
+        if live.cfg.mode == Mode::Sidecar && !facts.hop {
             forward_reason = self.prefer_local(&cands, &mut decision, facts);
         }
         self.metrics
             .decisions
-            .with_label_values(&[self.live().router.policy().label(), decision.reason.label()])
+            .with_label_values(&[live.router.policy().label(), decision.reason.label()])
             .inc();
         Ok(Ranking {
             candidates: cands,

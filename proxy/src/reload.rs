@@ -26,7 +26,7 @@ use pingora::services::background::BackgroundService;
 use crate::auth::Auth;
 use crate::config::reload::{plan, ReloadPlan};
 use crate::config::{EngineAddr, Overrides, ProxyConfig};
-use crate::fleet::{probe_client, Fleet, HealthCheck, ModelsProbe};
+use crate::fleet::{probe_client, Engine, Fleet, HealthCheck, ModelsProbe, StagedEngines};
 use crate::metrics::Metrics;
 use crate::service::Live;
 use kvmesh_tls::reload::{every_and_on_hup, log_outcome};
@@ -66,9 +66,13 @@ impl Reloader {
         if key_file.is_some() {
             interval = interval.min(Duration::from_secs(cfg.auth.reload_interval_secs));
         }
-        if config.is_some() && cfg.config_reload_interval_secs > 0 {
-            interval = interval.min(Duration::from_secs(cfg.config_reload_interval_secs));
-        }
+        let config = config.map(|mut c| {
+            c.interval_secs = cfg.config_reload_interval_secs;
+            if c.interval_secs > 0 {
+                interval = interval.min(Duration::from_secs(c.interval_secs));
+            }
+            c
+        });
         Reloader {
             tls,
             auth: key_file,
@@ -88,7 +92,10 @@ impl Reloader {
             tracing::info!("SIGHUP: nothing to reload (no configuration file, no [tls] files, no upstream client certificate, no auth.key_file)");
         }
         if let Some(c) = self.config.as_ref() {
-            c.reload(force).await;
+            // `config_reload_interval_secs = 0`: the file is read on SIGHUP only.
+            if force || c.interval_secs > 0 {
+                c.reload(force).await;
+            }
         }
         if let Some(u) = self.upstream.as_ref() {
             log_outcome("upstream client certificate", u.reload(force));
@@ -132,9 +139,15 @@ pub struct ConfigReload {
     pub metrics: Arc<Metrics>,
     /// The logger's filter, when it can be changed.
     pub set_log_filter: Option<SetLogFilter>,
-    /// The file's contents as last read: the timer reloads only when they change.
+    /// The file's contents as last read: the timer reloads only when they change (`None`:
+    /// read at the next check).
     pub seen: parking_lot::Mutex<Option<blake3::Hash>>,
+    /// `config_reload_interval_secs` (set by [`Reloader::new`]; 0: on SIGHUP only).
+    pub interval_secs: u64,
 }
+
+/// Longest a reload waits for its new engines' first probe (name lookups included).
+const PROBE_WAIT: Duration = Duration::from_secs(15);
 
 /// A reload read and checked, not yet in force.
 struct Staged {
@@ -235,20 +248,16 @@ impl ConfigReload {
         }
         let changed = |key: &str| p.applied.iter().any(|k| k == key);
         let engines = match s.engines {
-            Some(addrs) => {
-                let staged = self.fleet.stage_configured(addrs);
-                let health: Arc<dyn HealthCheck> = Arc::new(ModelsProbe {
-                    client: probe_client(&self.upstream),
-                    timeout: Duration::from_millis(p.cfg.health.timeout_ms),
-                });
-                self.fleet.probe(&staged.added, &health).await;
-                Some(staged)
-            }
+            Some(addrs) => Some(self.stage_engines(addrs, &p.cfg).await?),
             None => None,
         };
         if changed("auth.keys") {
-            if let Some(auth) = self.auth.as_ref() {
-                auth.set_inline_keys(p.cfg.auth.keys.clone())
+            if let Some(auth) = self.auth.clone() {
+                // Reads `auth.key_file` too: off the runtime's threads.
+                let keys = p.cfg.auth.keys.clone();
+                tokio::task::spawn_blocking(move || auth.set_inline_keys(keys))
+                    .await
+                    .map_err(|e| format!("the reload task stopped: {e}"))?
                     .map_err(|e| format!("`[[auth.keys]]`: {e}"))?;
             }
         }
@@ -265,11 +274,62 @@ impl ConfigReload {
                 tracing::info!(engine = %e.name, url = %e.url, healthy = e.healthy(), "engine added by reload");
             }
             for e in self.fleet.commit_configured(staged) {
-                self.index.drop_node(e.id);
                 tracing::info!(engine = %e.name, "engine removed by reload (requests on it finish there)");
+                self.forget(e);
             }
         }
-        self.live.store(Arc::new(Live::new(p.cfg.clone())));
+        let next = self.live.load().reloaded(p.cfg.clone());
+        self.live.store(Arc::new(next));
         Ok(p)
+    }
+
+    /// New engines made and probed, not yet in force. Refused (and retried at the next check)
+    /// when engines serve now and none of the new list would: a mistyped URL must not take the
+    /// fleet down.
+    async fn stage_engines(
+        &self,
+        addrs: Vec<EngineAddr>,
+        cfg: &ProxyConfig,
+    ) -> Result<StagedEngines, String> {
+        let staged = self.fleet.stage_configured(addrs);
+        let health: Arc<dyn HealthCheck> = Arc::new(ModelsProbe {
+            client: probe_client(&self.upstream),
+            timeout: Duration::from_millis(cfg.health.timeout_ms),
+        });
+        // Those that have not answered in time stay down until a probe passes.
+        let _ = tokio::time::timeout(PROBE_WAIT, self.fleet.probe(&staged.added, &health)).await;
+        let serving_now = self
+            .fleet
+            .engines()
+            .iter()
+            .any(|e| e.peer.is_none() && e.healthy());
+        if serving_now
+            && !staged.configured.is_empty()
+            && !staged.configured.iter().any(|e| e.healthy())
+        {
+            *self.seen.lock() = None;
+            let names: Vec<&str> = staged.added.iter().map(|e| e.url.as_str()).collect();
+            return Err(format!(
+                "no engine of the new `[[engines]]` passes its health probe (new: {}); the engines in force stay, and the file is tried again at the next check",
+                names.join(", ")
+            ));
+        }
+        Ok(staged)
+    }
+
+    /// A removed engine: its residency and per-engine series go now, and again once the last
+    /// request on it has finished (one that was settling could have recorded residency after
+    /// the first drop).
+    fn forget(&self, e: Arc<Engine>) {
+        self.index.drop_node(e.id);
+        let models = e.models().map(|m| m.to_vec()).unwrap_or_default();
+        self.metrics.per_engine.forget(&e.name, &models);
+        let index = self.index.clone();
+        tokio::spawn(async move {
+            while Arc::strong_count(&e) > 1 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            index.drop_node(e.id);
+        });
     }
 }

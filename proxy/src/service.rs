@@ -71,15 +71,30 @@ pub struct Live {
     /// Configuration in force.
     pub cfg: ProxyConfig,
     /// The policy.
-    pub router: Router,
+    pub router: Arc<Router>,
 }
 
 impl Live {
     /// The policy of `cfg`, with `cfg`.
     pub fn new(cfg: ProxyConfig) -> Self {
         Live {
-            router: Router::new(cfg.policy, cfg.routing.prefix_params()),
+            router: Arc::new(Router::new(cfg.policy, cfg.routing.prefix_params())),
             cfg,
+        }
+    }
+
+    /// What a reload to `cfg` puts in force: the same router (and its round-robin cursor)
+    /// unless the policy or its knobs changed.
+    pub fn reloaded(&self, cfg: ProxyConfig) -> Self {
+        let same = self.cfg.policy == cfg.policy
+            && self.cfg.routing.prefix_params() == cfg.routing.prefix_params();
+        if same {
+            Live {
+                router: self.router.clone(),
+                cfg,
+            }
+        } else {
+            Live::new(cfg)
         }
     }
 }
@@ -459,47 +474,60 @@ impl ProxyHttp for Gateway {
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let Some((cands, decision)) = ctx.decision.as_ref() else {
-            return Err(pingora_error(ErrorKind::Internal, "no routing decision"));
+        // An engine a reload or a peer's departure removed since the ranking is skipped, also
+        // when it goes while this request waits for its model's slot.
+        let (cand, engine) = loop {
+            let Some((cands, decision)) = ctx.decision.as_ref() else {
+                return Err(pingora_error(ErrorKind::Internal, "no routing decision"));
+            };
+            // Engines before `tried` in the order were attempted already. Take the next one
+            // that is still healthy (or simply the next still known, if none is).
+            let tried = ctx.attempts as usize;
+            let rest = decision.order.get(tried..).unwrap_or(&[]);
+            let next = |healthy: bool| {
+                rest.iter().enumerate().find_map(|(pick, &i)| {
+                    self.fleet
+                        .get(cands[i].node)
+                        .filter(|e| !healthy || e.healthy())
+                        .map(|e| (pick, cands[i], e))
+                })
+            };
+            let Some((pick, cand, engine)) = next(true).or_else(|| next(false)) else {
+                ctx.error = Some(ApiError::new(
+                    ErrorKind::NoEngine,
+                    "no engine could be reached",
+                ));
+                return Err(pingora_error(
+                    ErrorKind::NoEngine,
+                    "all ranked engines tried",
+                ));
+            };
+            // Move the chosen engine to position `tried`, keeping the skipped ones for a
+            // failover.
+            if let Some((_, d)) = ctx.decision.as_mut() {
+                d.order[tried..=tried + pick].rotate_right(1);
+            }
+            ctx.attempts += 1;
+            ctx.body_sent = false;
+            if let Some(t) = ctx.tail.as_mut() {
+                // A failover replays what was read of the tail.
+                t.seen = 0;
+            }
+            // The model's slot follows the attempt: released when it goes to a peer (whose caps
+            // apply), taken (waiting if need be) when it falls to a local engine.
+            if engine.via_peer() {
+                ctx.model_slot = None;
+            } else if ctx.model_slot.is_none() {
+                if let Err(e) = self.take_model_slot(ctx).await {
+                    let err = pingora_error(e.kind, &e.message);
+                    ctx.error = Some(e);
+                    return Err(err);
+                }
+            }
+            if self.fleet.get(engine.id).is_some() {
+                break (cand, engine);
+            }
         };
-        // Engines before `tried` in the order were attempted already. Take the next one that
-        // is still healthy (or simply the next still known, if none is: a reload or a peer's
-        // departure may have removed some since the ranking).
-        let tried = ctx.attempts as usize;
-        let rest = decision.order.get(tried..).unwrap_or(&[]);
-        let known = |healthy: bool| {
-            rest.iter().position(|&i| {
-                self.fleet
-                    .get(cands[i].node)
-                    .is_some_and(|e| !healthy || e.healthy())
-            })
-        };
-        let found = known(true).or_else(|| known(false));
-        let Some(&ci) = found.and_then(|pick| rest.get(pick)) else {
-            ctx.error = Some(ApiError::new(
-                ErrorKind::NoEngine,
-                "no engine could be reached",
-            ));
-            return Err(pingora_error(
-                ErrorKind::NoEngine,
-                "all ranked engines tried",
-            ));
-        };
-        let pick = found.unwrap_or(0);
-        let cand = cands[ci];
-        let Some(engine) = self.fleet.get(cand.node) else {
-            return Err(pingora_error(ErrorKind::Internal, "ranked engine vanished"));
-        };
-        // Move the chosen engine to position `tried`, keeping the skipped ones for a failover.
-        if let Some((_, d)) = ctx.decision.as_mut() {
-            d.order[tried..=tried + pick].rotate_right(1);
-        }
-        ctx.attempts += 1;
-        ctx.body_sent = false;
-        if let Some(t) = ctx.tail.as_mut() {
-            // A failover replays what was read of the tail.
-            t.seen = 0;
-        }
         if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
             let reason = if ctx.attempts > 1 {
                 crate::placement::reason::FAILOVER
@@ -510,17 +538,6 @@ impl ProxyHttp for Gateway {
                 .forwards
                 .with_label_values(&[&peer.node_id, reason])
                 .inc();
-        }
-        // The model's slot follows the attempt: released when it goes to a peer (whose caps
-        // apply), taken (waiting if need be) when it falls to a local engine.
-        if engine.via_peer() {
-            ctx.model_slot = None;
-        } else if ctx.model_slot.is_none() {
-            if let Err(e) = self.take_model_slot(ctx).await {
-                let err = pingora_error(e.kind, &e.message);
-                ctx.error = Some(e);
-                return Err(err);
-            }
         }
         ctx.access.engine = Some(engine.name.clone());
         ctx.dispatched_at = Some(Instant::now());
@@ -843,7 +860,7 @@ impl ProxyHttp for Gateway {
                 .per_engine
                 .served(engine, &plan.facts.model, code, a.ttft);
         }
-        crate::access::log(&crate::access::Line {
+        let line = crate::access::Line {
             request_id: &ctx.request_id,
             method: &a.method,
             path: &a.path,
@@ -860,7 +877,9 @@ impl ProxyHttp for Gateway {
             bytes_out: a.bytes_out,
             client: &a.client,
             key: ctx.principal.as_ref().map_or("", |p| p.name.as_str()),
-        });
+        };
+        crate::access::log(&line);
+        self.metrics.recent.finished(&line, ctx.error.as_ref());
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
         ctx.pending_dispatch = None;

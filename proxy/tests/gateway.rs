@@ -802,10 +802,18 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
         404,
         "admin port: operators only"
     );
+    for path in ["/dashboard", "/dashboard/app.js", "/dashboard/status"] {
+        assert_eq!(
+            get(admin, path).unwrap().status,
+            200,
+            "{path} on the admin port"
+        );
+    }
+    assert_eq!(get(admin, "/dashboard/nothing").unwrap().status, 404);
     // The API listener: metrics and readiness are gone (an OpenAI 404), the API is not, nor
     // /health, which peers probe to admit a node.
     assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);
-    for path in ["/metrics", "/ready"] {
+    for path in ["/metrics", "/ready", "/dashboard", "/dashboard/status"] {
         let r = get(proxy.addr, path).unwrap();
         assert_eq!(
             (r.status, r.json()["error"]["code"].as_str()),

@@ -8,7 +8,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -39,11 +39,12 @@ fn served_by(p: &Proxy, n: u64) -> Option<String> {
     (r.status == 200).then(|| r.header("x-kvmesh-engine").map(String::from))?
 }
 
-/// Clients looping on chat requests until stopped: per-engine successes and failures.
+/// Clients looping on chat requests until stopped: per-engine successes (with when each
+/// request started) and failures.
 struct Load {
     stop: Arc<AtomicBool>,
     failed: Arc<AtomicU64>,
-    served: Arc<Mutex<HashMap<String, u64>>>,
+    served: Arc<Mutex<HashMap<String, Vec<Instant>>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -51,7 +52,7 @@ impl Load {
     fn start(addr: std::net::SocketAddr, clients: u64) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let failed = Arc::new(AtomicU64::new(0));
-        let served = Arc::new(Mutex::new(HashMap::new()));
+        let served: Arc<Mutex<HashMap<String, Vec<Instant>>>> = Arc::default();
         let threads = (0..clients)
             .map(|c| {
                 let (stop, failed, served) = (stop.clone(), failed.clone(), served.clone());
@@ -61,10 +62,11 @@ impl Load {
                         i += 1;
                         let body =
                             chat_body("sim-model", &text(c << 32 | i, 64), r#","max_tokens":4"#);
+                        let started = Instant::now();
                         match request(addr, "POST", CHAT, &body, Framing::Length, &[]) {
                             Ok(r) if r.status == 200 => {
                                 let e = r.header("x-kvmesh-engine").unwrap_or("?").to_string();
-                                *served.lock().unwrap().entry(e).or_default() += 1;
+                                served.lock().unwrap().entry(e).or_default().push(started);
                             }
                             Ok(r) => {
                                 eprintln!(
@@ -91,13 +93,17 @@ impl Load {
         }
     }
 
-    fn served(&self, engine: &str) -> u64 {
+    fn served(&self, engine: &str) -> usize {
+        self.served.lock().unwrap().get(engine).map_or(0, Vec::len)
+    }
+
+    /// Requests `engine` served that started after `t`.
+    fn served_since(&self, engine: &str, t: Instant) -> usize {
         self.served
             .lock()
             .unwrap()
             .get(engine)
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |v| v.iter().filter(|s| **s > t).count())
     }
 
     /// Stops the clients; (successes, failures).
@@ -106,7 +112,13 @@ impl Load {
         for t in self.threads {
             t.join().unwrap();
         }
-        let ok = self.served.lock().unwrap().values().sum();
+        let ok = self
+            .served
+            .lock()
+            .unwrap()
+            .values()
+            .map(|v| v.len() as u64)
+            .sum();
         (ok, self.failed.load(Ordering::Relaxed))
     }
 }
@@ -148,17 +160,19 @@ fn reload_under_load_changes_engines_and_knobs_without_failing_a_request() {
         &conf(port, "round_robin", "info,pingora_core=warn", &[&b], ""),
     );
     assert!(eventually(Duration::from_secs(10), || reloads("applied") == 2.0));
-    // Requests dispatched to a before the reload may still be finishing there (~50 ms each).
-    std::thread::sleep(Duration::from_millis(500));
-    let from_a = load.served("a");
+    // The reload is in force before it is counted: a request that starts after the count is
+    // routed by the new engines.
+    let removed_at = Instant::now();
     for n in 0..20 {
         assert_eq!(served_by(&p, 1 << 40 | n).as_deref(), Some("b"));
     }
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(eventually(Duration::from_secs(5), || load
+        .served_since("b", removed_at)
+        >= 20));
     assert_eq!(
-        load.served("a"),
-        from_a,
-        "a removed engine still got requests"
+        load.served_since("a", removed_at),
+        0,
+        "a removed engine got new requests"
     );
     let exposition = String::from_utf8(get(p.addr, "/metrics").unwrap().body).unwrap();
     assert!(
@@ -175,9 +189,22 @@ fn reload_under_load_changes_engines_and_knobs_without_failing_a_request() {
         ),
     );
     p.sighup();
-    assert!(eventually(Duration::from_secs(10), || reloads("refused") == 1.0));
+    // (The file watch may refuse it before the signal does: counted once or twice.)
+    assert!(eventually(Duration::from_secs(10), || reloads("refused") >= 1.0));
     assert_eq!(p.metric("kvmesh_config_last_reload_successful"), 0.0);
     assert_eq!(served_by(&p, 1 << 41).as_deref(), Some("b"));
+
+    // 3b. Engines that all fail their probe (a mistyped URL) do not replace serving ones.
+    let refused = reloads("refused");
+    let mut gone = Sim::start("gone", &[]);
+    gone.kill();
+    rewrite(
+        &p,
+        &conf(port, "round_robin", "info,pingora_core=warn", &[&gone], ""),
+    );
+    p.sighup();
+    assert!(eventually(Duration::from_secs(20), || reloads("refused") > refused));
+    assert_eq!(served_by(&p, 1 << 44).as_deref(), Some("b"));
 
     // 4. A restart-only key (listen) is named and kept; the policy beside it is applied.
     let other = free_port();
@@ -211,7 +238,9 @@ fn reload_under_load_changes_engines_and_knobs_without_failing_a_request() {
 
     let logged = std::fs::read_to_string(&log).unwrap();
     assert!(
-        logged.contains("configuration reload refused") && logged.contains("uncached_weight"),
+        logged.contains("configuration reload refused")
+            && logged.contains("uncached_weight")
+            && logged.contains("no engine of the new `[[engines]]` passes its health probe"),
         "{logged}"
     );
     assert!(

@@ -29,9 +29,14 @@ pub async fn every_and_on_hup<F: Future<Output = ()>>(
                 None => std::future::pending().await,
             }
         };
+        let force = tokio::select! {
+            _ = tick.tick() => false,
+            Some(()) = sighup => true,
+            () = &mut stop => return,
+        };
+        // A reload that hangs (a name lookup, say) must not hold up shutdown.
         tokio::select! {
-            _ = tick.tick() => reload(false).await,
-            Some(()) = sighup => reload(true).await,
+            () = reload(force) => {}
             () = &mut stop => return,
         }
     }

@@ -30,6 +30,7 @@ pub const RELOADABLE: &[&str] = &[
     "sidecar.cold_placement",
     "auth.keys",
     "admission.deadline_header",
+    "admin.on_api_listener",
 ];
 
 /// The outcome of comparing the configuration in force with a newly read one.
@@ -73,22 +74,16 @@ pub fn plan(old: &ProxyConfig, new: &ProxyConfig) -> Result<ReloadPlan, ConfigEr
     diff(Some(&old_v), Some(&new_v), &mut String::new(), &mut changed);
     let (mut applied, mut needs_restart): (Vec<String>, Vec<String>) =
         changed.into_iter().partition(|k| is_reloadable(k));
+    let mut cfg = merge(&old_v, &new_v, &applied)?;
     // API keys are checked by an `Auth` made at start: only a proxy started with `[auth]` on
-    // can change them, and only while it stays on.
-    if old.auth.enabled() != new.auth.enabled() {
-        for k in applied.iter().filter(|k| k.starts_with("auth.")) {
-            needs_restart.push(k.clone());
-        }
+    // can change them, and only while it stays on, judged on what would be in force (keys
+    // moved from the file to `auth.key_file`, which takes a restart, would leave none).
+    if cfg.auth.enabled() != old.auth.enabled() {
+        needs_restart.extend(applied.iter().filter(|k| k.starts_with("auth.")).cloned());
         applied.retain(|k| !k.starts_with("auth."));
         needs_restart.sort();
+        cfg = merge(&old_v, &new_v, &applied)?;
     }
-    let mut merged = old_v;
-    for key in &applied {
-        set(&mut merged, key, lookup(&new_v, key));
-    }
-    let cfg: ProxyConfig = merged
-        .try_into()
-        .map_err(|e| ConfigError::Invalid(format!("the reloaded configuration: {e}")))?;
     let problems = cfg.problems();
     if !problems.is_empty() {
         return Err(ConfigError::Invalid(format!(
@@ -102,6 +97,21 @@ pub fn plan(old: &ProxyConfig, new: &ProxyConfig) -> Result<ReloadPlan, ConfigEr
         applied,
         needs_restart,
     })
+}
+
+/// `old` with the `applied` keys taken from `new`, as a configuration.
+fn merge(
+    old: &toml::Value,
+    new: &toml::Value,
+    applied: &[String],
+) -> Result<ProxyConfig, ConfigError> {
+    let mut merged = old.clone();
+    for key in applied {
+        set(&mut merged, key, lookup(new, key));
+    }
+    merged
+        .try_into()
+        .map_err(|e| ConfigError::Invalid(format!("the reloaded configuration: {e}")))
 }
 
 /// Appends to `out` the dotted keys whose values differ: leaves of tables, arrays whole.
@@ -244,6 +254,57 @@ mod tests {
         let p = plan(&on, &on2).unwrap();
         assert_eq!(p.applied, ["auth.keys"]);
         assert_eq!(p.cfg.auth.keys[0].name, "k2");
+    }
+
+    /// Keys moved from the file into `auth.key_file` (a path, which takes a restart) would
+    /// leave no key in force: the keys stay as they are, and both changes wait for a restart.
+    #[test]
+    fn moving_keys_to_a_key_file_does_not_empty_the_keyring() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-reload-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("keys.toml");
+        std::fs::write(
+            &file,
+            format!("[[keys]]\nname = \"k\"\nsha256 = \"{}\"\n", "cd".repeat(32)),
+        )
+        .unwrap();
+        let old = cfg(&format!(
+            "{BASE}\n[[auth.keys]]\nname = \"k\"\nsha256 = \"{}\"\n",
+            "ab".repeat(32)
+        ));
+        let new = cfg(&format!(
+            "{BASE}\n[auth]\nkey_file = {:?}\n",
+            file.display().to_string()
+        ));
+        let p = plan(&old, &new).unwrap();
+        assert!(p.applied.is_empty(), "{:?}", p.applied);
+        assert_eq!(p.needs_restart, ["auth.key_file", "auth.keys"]);
+        assert_eq!(p.cfg.auth.keys.len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The TOML round trip is lossless (floats, maps with dotted names, nested tables): a
+    /// configuration compared with itself changes nothing, and a map entry is one key.
+    #[test]
+    fn a_configuration_compared_with_itself_changes_nothing() {
+        let text = r#"
+            listen = "127.0.0.1:8080"
+            [[engines]]
+            name = "a"
+            url = "http://127.0.0.1:9001"
+            models = ["llama-3.1"]
+            [routing]
+            balance_rel_threshold = 1.3333333333333333
+            uncached_weight = 0.1
+            [admission.model_max_inflight]
+            "llama-3.1" = 2
+        "#;
+        let a = cfg(text);
+        assert!(plan(&a, &a).unwrap().is_unchanged());
+        let b = cfg(&text.replace("\"llama-3.1\" = 2", "\"llama-3.1\" = 3"));
+        let p = plan(&a, &b).unwrap();
+        assert_eq!(p.needs_restart, ["admission.model_max_inflight.llama-3.1"]);
+        assert_eq!(p.cfg.admission.model_max_inflight["llama-3.1"], 2);
     }
 
     #[test]

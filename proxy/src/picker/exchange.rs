@@ -99,6 +99,8 @@ pub(crate) struct Exchange {
     engine_name: String,
     overlap_blocks: usize,
     model: Option<String>,
+    /// The refusal sent, if the picker answered with an error itself.
+    refused: Option<ApiError>,
 }
 
 impl Exchange {
@@ -128,6 +130,7 @@ impl Exchange {
             engine_name: String::new(),
             overlap_blocks: 0,
             model: None,
+            refused: None,
         }
     }
 
@@ -190,7 +193,9 @@ impl Exchange {
         tracing::debug!(status = e.status(), error = %e.message, "picker refused a request");
         self.status = e.status();
         self.answer_locally();
-        Step::Close(vec![envoy::immediate(&e, &self.request_id)])
+        let reply = envoy::immediate(&e, &self.request_id);
+        self.refused = Some(e);
+        Step::Close(vec![reply])
     }
 
     fn answer_locally(&mut self) {
@@ -556,7 +561,7 @@ impl Exchange {
         m.latency
             .with_label_values(&[self.route])
             .observe(self.started.elapsed().as_secs_f64());
-        crate::access::log(&crate::access::Line {
+        let line = crate::access::Line {
             request_id: &self.request_id,
             method: &self.method,
             path: &self.path,
@@ -573,7 +578,12 @@ impl Exchange {
             bytes_out: self.bytes_out,
             client: "",
             key: "",
-        });
+        };
+        crate::access::log(&line);
+        self.gw
+            .metrics
+            .recent
+            .finished(&line, self.refused.as_ref());
     }
 }
 
