@@ -14,9 +14,13 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # alone does not build.
 cargo build --workspace --bins --locked
 cargo test --workspace --locked
-# Every parser of outside input under libFuzzer, KVMESH_FUZZ_SECS (20) seconds per target, from
-# the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md).
-scripts/fuzz.sh
+# Two minutes at a steady rate through a gateway and two sidecars: every request answered, and
+# each proxy's RSS, open fds and residency index bounded, with no growth trend (the 30-minute
+# soak is the same command with --minutes 30; docs/benchmarks.md, "Soak").
+cargo run -q --locked -p kvmesh-bench -- soak --minutes 2 --sample-secs 5
+# Every parser of outside input under libFuzzer, KVMESH_FUZZ_SECS (here 10) seconds per target,
+# from the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md).
+KVMESH_FUZZ_SECS="${KVMESH_FUZZ_SECS:-10}" scripts/fuzz.sh
 # The images, the compose stacks and the Kubernetes manifests on a real Docker engine (starts
 # one if none runs, and stops it again).
 scripts/test-docker.sh

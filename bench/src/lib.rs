@@ -15,6 +15,7 @@ pub mod kvagent;
 pub mod load;
 pub mod procs;
 pub mod sim;
+pub mod soak;
 pub mod tls;
 pub mod trace;
 pub mod workload;

@@ -31,12 +31,18 @@ pub struct Proc {
     pub addr: SocketAddr,
     /// Processes it needs, stopped with it (Envoy's picker).
     companions: Vec<Proc>,
+    /// Its configuration file, removed once it has stopped (kvmesh-proxy watches the file it
+    /// was started with: it must stay while the process runs).
+    config: Option<PathBuf>,
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(c) = self.config.take() {
+            let _ = std::fs::remove_file(c);
+        }
     }
 }
 
@@ -46,6 +52,7 @@ impl Proc {
             child,
             addr,
             companions: Vec::new(),
+            config: None,
         }
     }
 
@@ -152,7 +159,9 @@ fn spawn_configured(
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {bin}"))?;
-    Ok(Proc::new(child, format!("127.0.0.1:{port}").parse()?))
+    let mut p = Proc::new(child, format!("127.0.0.1:{port}").parse()?);
+    p.config = Some(config.to_path_buf());
+    Ok(p)
 }
 
 /// Starts `kvmesh-proxy` on a free port in front of `engines` (named `engine-0`, `engine-1`, ...)
@@ -164,20 +173,22 @@ pub async fn kvmesh(
     threads: usize,
     health_ms: u64,
 ) -> anyhow::Result<Proc> {
-    kvmesh_with(policy, engines, threads, health_ms, None).await
+    kvmesh_with(policy, engines, threads, health_ms, None, "").await
 }
 
-/// [`kvmesh`] with TLS on its listener (`pki`'s certificate) when given.
+/// [`kvmesh`] with TLS on its listener (`pki`'s certificate) when given, and `extra` TOML
+/// tables.
 pub async fn kvmesh_with(
     policy: &str,
     engines: &[SocketAddr],
     threads: usize,
     health_ms: u64,
     pki: Option<&crate::tls::BenchPki>,
+    extra: &str,
 ) -> anyhow::Result<Proc> {
     let port = free_port()?;
     let mut toml = format!(
-        "listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\nthreads = {threads}\n[health]\ninterval_ms = {health_ms}\n"
+        "listen = \"127.0.0.1:{port}\"\npolicy = \"{policy}\"\nlog = \"warn\"\nthreads = {threads}\n[health]\ninterval_ms = {health_ms}\n{extra}\n"
     );
     if let Some(p) = pki {
         toml.push_str(&format!(
@@ -198,7 +209,6 @@ pub async fn kvmesh_with(
         None => wait_ready(p.addr).await?,
         Some(pki) => wait_ready_over(p.addr, "https", pki.client_config()?).await?,
     }
-    let _ = std::fs::remove_file(path);
     Ok(p)
 }
 
@@ -256,6 +266,15 @@ pub async fn kvmesh_sidecars(
     engines: &[SocketAddr],
     cold_placement: &str,
 ) -> anyhow::Result<Vec<Proc>> {
+    kvmesh_sidecars_with(engines, cold_placement, "").await
+}
+
+/// [`kvmesh_sidecars`] with `extra` TOML tables in each sidecar's configuration.
+pub async fn kvmesh_sidecars_with(
+    engines: &[SocketAddr],
+    cold_placement: &str,
+    extra: &str,
+) -> anyhow::Result<Vec<Proc>> {
     let seed = std::net::UdpSocket::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -277,21 +296,18 @@ pub async fn kvmesh_sidecars(
              [cluster]\nenabled = true\ncluster_id = \"bench\"\nnode_id = \"sidecar-{i}\"\n\
              gossip_listen = \"127.0.0.1:{gossip}\"\nseeds = [\"127.0.0.1:{seed}\"]\n\
              gossip_keys = [\"{gossip_key}\"]\n\
-             [sidecar]\ncold_placement = \"{cold_placement}\"\n\
+             [sidecar]\ncold_placement = \"{cold_placement}\"\n{extra}\n\
              [[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
         );
         let path = std::env::temp_dir().join(format!(
             "kvmesh-bench-sidecar-{}-{port}.toml",
             std::process::id()
         ));
-        procs.push((
-            spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?,
-            path,
-        ));
+        procs.push(spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?);
     }
     let client = crate::load::client(1);
     let peers = engines.len().saturating_sub(1);
-    for (p, path) in &procs {
+    for p in &procs {
         let uri: http::Uri = format!("http://{}/metrics", p.addr).parse()?;
         let what = format!("sidecar {} did not see {peers} peers", p.addr);
         wait_until(
@@ -311,9 +327,8 @@ pub async fn kvmesh_sidecars(
             },
         )
         .await?;
-        let _ = std::fs::remove_file(path);
     }
-    Ok(procs.into_iter().map(|(p, _)| p).collect())
+    Ok(procs)
 }
 
 /// Waits until something accepts TCP connections on `addr`.
@@ -535,7 +550,6 @@ pub async fn kvmesh_picker(
     ));
     let p = spawn_configured("kvmesh-proxy", &path, &toml, port, &[])?;
     wait_ready(format!("127.0.0.1:{metrics}").parse()?).await?;
-    let _ = std::fs::remove_file(path);
     Ok(p)
 }
 

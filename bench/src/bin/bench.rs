@@ -48,6 +48,26 @@ enum Cmd {
     },
     /// Side by side: kvmesh policies and peer routers on the same workload and fresh engines.
     Compare(CompareArgs),
+    /// Soak: a steady rate through a gateway and two sidecars in front of sim engines, sampling
+    /// each proxy's RSS, open fds and residency index; a table and a verdict per proxy (exits
+    /// non-zero when a request failed or a proxy did not stay bounded).
+    Soak {
+        /// Minutes of load (docs/benchmarks.md: 30 for the soak, 2 in CI).
+        #[arg(long, default_value_t = 30.0)]
+        minutes: f64,
+        /// Requests per second over the three proxies.
+        #[arg(long, default_value_t = 40.0)]
+        rate: f64,
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 10)]
+        sample_secs: u64,
+        /// `residency.capacity_per_node` of the proxies.
+        #[arg(long, default_value_t = 1000)]
+        capacity: usize,
+        /// Write the samples and verdicts here as JSON.
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
     /// Gossip: residency convergence time and bytes/s per node for N proxies' gossip loops.
     Gossip {
         /// Cluster sizes, comma-separated.
@@ -545,7 +565,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     ));
     let proxy = procs::kvmesh("prefix", &[sim.addr], 1, 1000).await?;
     targets.push(("kvmesh-proxy".into(), proxy.addr, Some(proxy)));
-    let proxy = procs::kvmesh_with("prefix", &[sim.addr], 1, 1000, Some(&pki)).await?;
+    let proxy = procs::kvmesh_with("prefix", &[sim.addr], 1, 1000, Some(&pki), "").await?;
     targets.push((TLS_KVMESH.into(), proxy.addr, Some(proxy)));
     let tls = pki.client_config()?;
     let body = bytes::Bytes::from_static(
@@ -869,5 +889,72 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Replay { url, spec, out } => replay(&url, &spec, out.as_deref()).await,
+        Cmd::Soak {
+            minutes,
+            rate,
+            sample_secs,
+            capacity,
+            out,
+        } => soak(minutes, rate, sample_secs, capacity, out.as_deref()).await,
     }
+}
+
+/// `kvmesh-bench soak`: runs it, prints the verdict table, fails when it did not pass.
+async fn soak(
+    minutes: f64,
+    rate: f64,
+    sample_secs: u64,
+    capacity: usize,
+    out: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        minutes > 0.0 && minutes.is_finite() && rate > 0.0 && rate.is_finite(),
+        "--minutes and --rate must be positive"
+    );
+    anyhow::ensure!(sample_secs > 0, "--sample-secs must be > 0");
+    let cfg = kvmesh_bench::soak::SoakConfig {
+        duration: std::time::Duration::from_secs_f64(minutes * 60.0),
+        rate,
+        sample_every: std::time::Duration::from_secs(sample_secs),
+        capacity_per_node: capacity,
+    };
+    eprintln!(
+        "soak: {minutes} min at {rate} req/s through a gateway and 2 sidecars (4 sim engines)"
+    );
+    let r = kvmesh_bench::soak::run(&cfg).await?;
+    println!(
+        "soak: {} requests, {} failed; after a warm-up of the first quarter:",
+        r.sent, r.failed
+    );
+    println!(
+        "| proxy | RSS start -> end (max) MiB | RSS slope KiB/min | fds start -> end (max) | fds slope /min | residency max / bound | in flight after | bounded |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for v in &r.verdicts {
+        println!(
+            "| {} | {:.1} -> {:.1} ({:.1}) | {:+.0} | {} -> {} ({}) | {:+.2} | {} / {} | {} | {} |",
+            v.name,
+            v.rss_start_kib as f64 / 1024.0,
+            v.rss_end_kib as f64 / 1024.0,
+            v.rss_max_kib as f64 / 1024.0,
+            v.rss_slope_kib_per_min,
+            v.fds_start,
+            v.fds_end,
+            v.fds_max,
+            v.fds_slope_per_min,
+            v.digests_max,
+            v.digests_bound,
+            v.inflight_after,
+            if v.bounded { "yes" } else { "NO" }
+        );
+        for p in &v.problems {
+            println!("  {}: {p}", v.name);
+        }
+    }
+    if let Some(path) = out {
+        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
+    anyhow::ensure!(r.passed(), "the soak did not pass (see the table)");
+    Ok(())
 }
