@@ -173,7 +173,7 @@ pub fn slope(xs: &[f64], ys: &[f64]) -> f64 {
 /// Request `i`'s body: a turn of one of 8 conversations (even `i`) or a fresh 4 KB prompt (odd);
 /// every third streamed.
 fn body(i: u64) -> Bytes {
-    let content = if i % 2 == 0 {
+    let content = if i.is_multiple_of(2) {
         let conv = (i / 2) % 8;
         format!("{} turn {}", load::text(conv, 3000), i / 16)
     } else {
@@ -183,7 +183,7 @@ fn body(i: u64) -> Bytes {
         "model": "sim-model",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 4,
-        "stream": i % 3 == 0,
+        "stream": i.is_multiple_of(3),
     });
     Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
 }

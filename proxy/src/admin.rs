@@ -75,8 +75,10 @@ impl Observed {
         self.fleet.ready()
     }
 
-    /// The dashboard's status document (`GET /dashboard/status`).
-    pub fn status(&self) -> dashboard::Status {
+    /// The dashboard's status document (`GET /dashboard/status`); without `full`, the
+    /// refusals' client addresses and request ids are left out (the API listener: whoever
+    /// reaches the clients' port).
+    pub fn status(&self, full: bool) -> dashboard::Status {
         let live = self.live.load();
         let m = &self.metrics;
         let (ttft, per_engine) = m.recent.ttft();
@@ -151,7 +153,18 @@ impl Observed {
                 bytes_received: self.gossip.as_ref().map_or(0, |g| g.bytes_received()),
             },
             engines,
-            refusals: m.recent.refusals(),
+            refusals: m
+                .recent
+                .refusals()
+                .into_iter()
+                .map(|mut r| {
+                    if !full {
+                        r.client.clear();
+                        r.request_id.clear();
+                    }
+                    r
+                })
+                .collect(),
             config: dashboard::ConfigStatus {
                 reloads_applied: reloads("applied"),
                 reloads_refused: reloads("refused"),
@@ -162,8 +175,9 @@ impl Observed {
     }
 
     /// The answer to `GET path` when `path` is an operators' endpoint: `/health`, `/ready`,
-    /// `/metrics` and the dashboard's.
-    pub fn operator_get(&self, path: &str) -> Option<OperatorAnswer> {
+    /// `/metrics` and the dashboard's. `admin_port`: asked on an operators' listener (the
+    /// dashboard's status then names clients).
+    pub fn operator_get(&self, path: &str, admin_port: bool) -> Option<OperatorAnswer> {
         let plain = |status, body: &'static [u8]| OperatorAnswer {
             status,
             content_type: "text/plain",
@@ -192,7 +206,9 @@ impl Observed {
             "/dashboard/status" => OperatorAnswer {
                 status: 200,
                 content_type: "application/json",
-                body: Bytes::from(serde_json::to_vec(&self.status()).unwrap_or_default()),
+                body: self.metrics.recent.status_cached(admin_port, || {
+                    Bytes::from(serde_json::to_vec(&self.status(admin_port)).unwrap_or_default())
+                }),
                 headers: DASHBOARD_HEADERS,
             },
             p if dashboard::is_dashboard_path(p) => plain(404, b"not found\n"),
@@ -202,7 +218,7 @@ impl Observed {
 
     fn answer<B>(&self, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
         let a = (req.method() == hyper::Method::GET)
-            .then(|| self.operator_get(req.uri().path()))
+            .then(|| self.operator_get(req.uri().path(), true))
             .flatten()
             .unwrap_or(OperatorAnswer {
                 status: 404,
@@ -392,7 +408,10 @@ impl Gateway {
             );
             return self.refuse_local(session, ctx, e).await;
         }
-        if let Some(a) = get.then(|| self.observed().operator_get(path)).flatten() {
+        if let Some(a) = get
+            .then(|| self.observed().operator_get(path, false))
+            .flatten()
+        {
             ctx.route = "admin";
             ctx.status = a.status;
             let mut headers = vec![(crate::access::REQUEST_ID, ctx.request_id.as_str())];

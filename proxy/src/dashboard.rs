@@ -25,10 +25,11 @@ pub const SCRIPT: &str = include_str!("dashboard/app.js");
 /// Its style sheet.
 pub const STYLE: &str = include_str!("dashboard/app.css");
 
-/// The page's Content-Security-Policy: its own script, style and status only.
+/// The page's Content-Security-Policy: its own script, style and status only (and an empty
+/// icon, so that browsers do not ask for `/favicon.ico`).
 pub const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; \
-                       connect-src 'self'; base-uri 'none'; form-action 'none'; \
-                       frame-ancestors 'none'";
+                       connect-src 'self'; img-src data:; base-uri 'none'; \
+                       form-action 'none'; frame-ancestors 'none'";
 
 /// Whether `path` is one of the dashboard's.
 pub fn is_dashboard_path(path: &str) -> bool {
@@ -66,7 +67,7 @@ pub struct Refusal {
     pub code: &'static str,
     /// The error message (cut at 160 bytes).
     pub message: String,
-    /// Method and path (cut).
+    /// The method (cut).
     pub method: String,
     /// The path (cut).
     pub path: String,
@@ -85,6 +86,9 @@ pub struct Recent {
     seconds: Mutex<[(u64, u64); RATE_SLOTS]>,
     answers: Mutex<VecDeque<Answer>>,
     refusals: Mutex<VecDeque<Refusal>>,
+    /// The last status documents served (with and without clients' details) and when: a
+    /// poll walks the residency index, so one is rendered at most once a second.
+    status: Mutex<[Option<(Instant, bytes::Bytes)>; 2]>,
 }
 
 impl Default for Recent {
@@ -94,9 +98,13 @@ impl Default for Recent {
             seconds: Mutex::new([(u64::MAX, 0); RATE_SLOTS]),
             answers: Mutex::new(VecDeque::new()),
             refusals: Mutex::new(VecDeque::new()),
+            status: Mutex::new([None, None]),
         }
     }
 }
+
+/// How long a rendered status document is served again.
+const STATUS_TTL: Duration = Duration::from_secs(1);
 
 /// `s` cut to at most [`MAX_TEXT`] bytes, at a character boundary.
 fn cut(s: &str) -> String {
@@ -154,7 +162,10 @@ impl Recent {
             }
             slot.1 += 1;
         }
-        if let (Some(ttft), false) = (line.ttft, line.engine.is_empty()) {
+        // An answer is an engine's success: an error body (or Envoy's own 503 for an engine it
+        // could not reach, in picker mode) says nothing about how fast engines answer.
+        let answered = (200..300).contains(&line.status) && !line.engine.is_empty();
+        if let (Some(ttft), true) = (line.ttft, answered) {
             let mut a = self.answers.lock();
             if a.len() >= MAX_ANSWERS {
                 a.pop_front();
@@ -228,6 +239,21 @@ impl Recent {
     /// The last refusals, newest first.
     pub fn refusals(&self) -> Vec<Refusal> {
         self.refusals.lock().iter().rev().cloned().collect()
+    }
+
+    /// The status document (`full`: with clients' addresses and request ids), rendered by
+    /// `render` unless one younger than a second is at hand.
+    pub fn status_cached(&self, full: bool, render: impl FnOnce() -> bytes::Bytes) -> bytes::Bytes {
+        let slot = usize::from(full);
+        let mut cache = self.status.lock();
+        if let Some((at, b)) = &cache[slot] {
+            if at.elapsed() < STATUS_TTL {
+                return b.clone();
+            }
+        }
+        let b = render();
+        cache[slot] = Some((Instant::now(), b.clone()));
+        b
     }
 
     /// Seconds since start.

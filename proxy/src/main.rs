@@ -347,6 +347,7 @@ impl ConfigSource {
             // Read again at the first check: the file may have changed since start read it.
             seen: parking_lot::Mutex::new(None),
             interval_secs: 0,
+            retry_engines: Default::default(),
         })
     }
 }
@@ -383,6 +384,7 @@ fn run_picker(
         };
         let rx = shutdown.clone();
         tokio::spawn(async move { housekeeping.start(rx).await });
+        let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
         if cfg.cluster.enabled {
             let gossip = cluster::ClusterService {
                 cfg: cfg.clone(),
@@ -390,7 +392,7 @@ fn run_picker(
                 index: index.clone(),
                 metrics: metrics.clone(),
                 upstream_tls: upstream_tls.clone(),
-                stats: Arc::new(kvmesh_cluster::GossipStats::default()),
+                stats: gossip_stats.clone(),
             };
             let rx = shutdown.clone();
             tokio::spawn(async move { gossip.start(rx).await });
@@ -408,7 +410,12 @@ fn run_picker(
         } else {
             None
         };
-        let gateway = Arc::new(Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?);
+        let cluster_on = cfg.cluster.enabled;
+        let mut gateway = Gateway::new(cfg, fleet, index, metrics, upstream_tls.clone())?;
+        if cluster_on {
+            gateway.gossip = Some(gossip_stats);
+        }
+        let gateway = Arc::new(gateway);
         // Reloads the configuration file and the TLS files (and keeps SIGHUP from ending the
         // picker).
         let reloader = Reloader::new(

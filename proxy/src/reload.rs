@@ -14,6 +14,7 @@
 //! (its default action).
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -144,6 +145,9 @@ pub struct ConfigReload {
     pub seen: parking_lot::Mutex<Option<blake3::Hash>>,
     /// `config_reload_interval_secs` (set by [`Reloader::new`]; 0: on SIGHUP only).
     pub interval_secs: u64,
+    /// The file in force was refused because none of its engines passed a probe: try it
+    /// again at the next check.
+    pub retry_engines: AtomicBool,
 }
 
 /// Longest a reload waits for its new engines' first probe (name lookups included).
@@ -159,9 +163,12 @@ struct Staged {
 impl ConfigReload {
     /// Reads the file again when it changed (always, with `force`), then puts it in force.
     pub async fn reload(self: &Arc<Self>, force: bool) {
+        // A file refused for its engines is tried again at each check, quietly: it was
+        // reported (and counted) once.
+        let retry = !force && self.retry_engines.swap(false, Ordering::Relaxed);
         // Reading the file and resolving engine names block: off the runtime's threads.
         let this = self.clone();
-        let staged = match tokio::task::spawn_blocking(move || this.read(force)).await {
+        let staged = match tokio::task::spawn_blocking(move || this.read(force || retry)).await {
             Ok(None) => return,
             Ok(Some(s)) => s,
             Err(e) => Err(format!("the reload task stopped: {e}")),
@@ -186,6 +193,10 @@ impl ConfigReload {
                 );
                 self.report_restart(&p);
                 ("applied", true)
+            }
+            Err(why) if retry => {
+                tracing::debug!(file = %self.path.display(), error = %why, "configuration reload still refused");
+                return;
             }
             Err(why) => {
                 tracing::error!(file = %self.path.display(), error = %why, "configuration reload refused; the configuration in force stays");
@@ -307,11 +318,16 @@ impl ConfigReload {
             && !staged.configured.is_empty()
             && !staged.configured.iter().any(|e| e.healthy())
         {
-            *self.seen.lock() = None;
-            let names: Vec<&str> = staged.added.iter().map(|e| e.url.as_str()).collect();
+            self.retry_engines.store(true, Ordering::Relaxed);
+            let urls: Vec<&str> = staged.configured.iter().map(|e| e.url.as_str()).collect();
+            let when = if self.interval_secs > 0 {
+                "at each check"
+            } else {
+                "at each SIGHUP"
+            };
             return Err(format!(
-                "no engine of the new `[[engines]]` passes its health probe (new: {}); the engines in force stay, and the file is tried again at the next check",
-                names.join(", ")
+                "no engine of the new `[[engines]]` passes its health probe ({}); the engines in force stay, and the file is tried again {when} until one does",
+                urls.join(", ")
             ));
         }
         Ok(staged)
@@ -321,15 +337,24 @@ impl ConfigReload {
     /// request on it has finished (one that was settling could have recorded residency after
     /// the first drop).
     fn forget(&self, e: Arc<Engine>) {
-        self.index.drop_node(e.id);
-        let models = e.models().map(|m| m.to_vec()).unwrap_or_default();
-        self.metrics.per_engine.forget(&e.name, &models);
-        let index = self.index.clone();
+        let (index, fleet, metrics) =
+            (self.index.clone(), self.fleet.clone(), self.metrics.clone());
+        // Its series go unless an engine of the same name (at a new URL) replaced it.
+        let forget = move |e: &Engine| {
+            index.drop_node(e.id);
+            if !fleet.engines().iter().any(|x| x.name == e.name) {
+                let models = e.models().map(|m| m.to_vec()).unwrap_or_default();
+                metrics.per_engine.forget(&e.name, &models);
+            }
+        };
+        forget(&e);
+        // Requests on it hold it (their dispatch guard); when the last has finished, what
+        // they recorded meanwhile goes too.
         tokio::spawn(async move {
             while Arc::strong_count(&e) > 1 {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
-            index.drop_node(e.id);
+            forget(&e);
         });
     }
 }

@@ -206,6 +206,8 @@ pub struct Ctx {
     pub(crate) plan: Option<Plan>,
     pub(crate) decision: Option<(Vec<kvmesh_filters::route::Candidate>, Decision)>,
     attempts: u32,
+    /// Ranked engines passed over because they left the fleet (not attempts).
+    skipped: u32,
     pub(crate) dispatch: Option<Dispatch>,
     /// Forwarded by a peer: only local engines may serve it.
     pub(crate) local_only: bool,
@@ -268,6 +270,7 @@ impl Ctx {
             plan: None,
             decision: None,
             attempts: 0,
+            skipped: 0,
             dispatch: None,
             local_only: false,
             forward_reason: crate::placement::reason::RANK,
@@ -366,7 +369,9 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
 impl Gateway {
     fn can_retry(&self, ctx: &Ctx) -> bool {
         let remaining = ctx.decision.as_ref().map_or(0, |(_, d)| {
-            d.order.len().saturating_sub(ctx.attempts as usize)
+            d.order
+                .len()
+                .saturating_sub((ctx.attempts + ctx.skipped) as usize)
         });
         !ctx.response_started
             && ctx.attempts < self.live().cfg.upstream.max_attempts
@@ -482,7 +487,7 @@ impl ProxyHttp for Gateway {
             };
             // Engines before `tried` in the order were attempted already. Take the next one
             // that is still healthy (or simply the next still known, if none is).
-            let tried = ctx.attempts as usize;
+            let tried = (ctx.attempts + ctx.skipped) as usize;
             let rest = decision.order.get(tried..).unwrap_or(&[]);
             let next = |healthy: bool| {
                 rest.iter().enumerate().find_map(|(pick, &i)| {
@@ -527,6 +532,9 @@ impl ProxyHttp for Gateway {
             if self.fleet.get(engine.id).is_some() {
                 break (cand, engine);
             }
+            // It left while this request waited: not an attempt.
+            ctx.attempts -= 1;
+            ctx.skipped += 1;
         };
         if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
             let reason = if ctx.attempts > 1 {
@@ -879,7 +887,10 @@ impl ProxyHttp for Gateway {
             key: ctx.principal.as_ref().map_or("", |p| p.name.as_str()),
         };
         crate::access::log(&line);
-        self.metrics.recent.finished(&line, ctx.error.as_ref());
+        // The operators' own requests (probes, scrapes, the dashboard's polls) are not traffic.
+        if ctx.route != "admin" {
+            self.metrics.recent.finished(&line, ctx.error.as_ref());
+        }
         // Release the engine's load counts now rather than when Pingora drops the context.
         ctx.dispatch = None;
         ctx.pending_dispatch = None;

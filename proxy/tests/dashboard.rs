@@ -107,6 +107,9 @@ fn the_dashboard_shows_live_numbers_in_a_real_browser() {
     assert_eq!(s["refusals"][0]["code"], "invalid_request");
     assert_eq!(s["refusals"][1]["code"], "model_not_found");
     assert_eq!(s["refusals"][1]["model"], evil);
+    // On the clients' port, no client's address or request id.
+    assert_eq!(s["refusals"][1]["client"], "");
+    assert_eq!(s["refusals"][1]["request_id"], "");
     let page = get(p.addr, "/dashboard").unwrap();
     assert_eq!(page.status, 200);
     assert!(page

@@ -810,6 +810,21 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
         );
     }
     assert_eq!(get(admin, "/dashboard/nothing").unwrap().status, 404);
+    // A refusal: the operators' port names its client (the API listener would not).
+    assert_eq!(
+        post(proxy.addr, CHAT, &chat_body("no-such-model", "x", "")).status,
+        404
+    );
+    // (A status document is served again for a second.)
+    let refusal = || get(admin, "/dashboard/status").unwrap().json()["refusals"][0].clone();
+    assert!(
+        eventually(Duration::from_secs(3), || {
+            let r = refusal();
+            r["code"] == "model_not_found" && r["client"] == "127.0.0.1"
+        }),
+        "{}",
+        refusal()
+    );
     // The API listener: metrics and readiness are gone (an OpenAI 404), the API is not, nor
     // /health, which peers probe to admit a node.
     assert_eq!(get(proxy.addr, "/health").unwrap().status, 200);

@@ -95,7 +95,8 @@ function render(s) {
 
 async function poll() {
   try {
-    const r = await fetch("/dashboard/status", { cache: "no-store" });
+    // A status that hangs must show as a problem, not stop the polling.
+    const r = await fetch("/dashboard/status", { cache: "no-store", signal: AbortSignal.timeout(5000) });
     if (!r.ok) throw new Error("status " + r.status);
     render(await r.json());
     $("problem").hidden = true;
