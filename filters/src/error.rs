@@ -27,6 +27,8 @@ pub enum ErrorKind {
     NoEngine,
     /// The chosen engine failed before answering (502).
     UpstreamFailed,
+    /// The chosen engine sent nothing within the read timeout (504).
+    UpstreamTimeout,
     /// A bug or an unexpected state inside the proxy (500).
     Internal,
 }
@@ -45,6 +47,7 @@ impl ErrorKind {
             ErrorKind::Overloaded => 429,
             ErrorKind::NoEngine => 503,
             ErrorKind::UpstreamFailed => 502,
+            ErrorKind::UpstreamTimeout => 504,
             ErrorKind::Internal => 500,
         }
     }
@@ -61,7 +64,10 @@ impl ErrorKind {
             | ErrorKind::Unauthorized => "invalid_request_error",
             ErrorKind::Forbidden => "permission_error",
             ErrorKind::Overloaded => "rate_limit_error",
-            ErrorKind::NoEngine | ErrorKind::UpstreamFailed | ErrorKind::Internal => "server_error",
+            ErrorKind::NoEngine
+            | ErrorKind::UpstreamFailed
+            | ErrorKind::UpstreamTimeout
+            | ErrorKind::Internal => "server_error",
         }
     }
 
@@ -79,6 +85,7 @@ impl ErrorKind {
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::NoEngine => "no_engine_available",
             ErrorKind::UpstreamFailed => "upstream_failed",
+            ErrorKind::UpstreamTimeout => "upstream_timeout",
             ErrorKind::Internal => "internal_error",
         }
     }

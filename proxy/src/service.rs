@@ -208,6 +208,8 @@ pub struct Ctx {
     attempts: u32,
     /// Ranked engines passed over because they left the fleet (not attempts).
     skipped: u32,
+    /// The engine's answer broke off after its first byte.
+    cut: bool,
     pub(crate) dispatch: Option<Dispatch>,
     /// Forwarded by a peer: only local engines may serve it.
     pub(crate) local_only: bool,
@@ -271,6 +273,7 @@ impl Ctx {
             decision: None,
             attempts: 0,
             skipped: 0,
+            cut: false,
             dispatch: None,
             local_only: false,
             forward_reason: crate::placement::reason::RANK,
@@ -814,6 +817,16 @@ impl ProxyHttp for Gateway {
                     ErrorKind::NoEngine,
                     format!("no engine reachable ({} tried): {e}", ctx.attempts),
                 ),
+                (ErrorSource::Upstream, ErrorType::ReadTimedout) => ApiError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!(
+                        "the engine sent nothing for {} s (`upstream.read_timeout_secs`) {}",
+                        self.live().cfg.upstream.read_timeout_secs,
+                        e.context
+                            .as_ref()
+                            .map_or_else(String::new, |c| c.as_str().to_string())
+                    ),
+                ),
                 (ErrorSource::Upstream, _) => {
                     ApiError::new(ErrorKind::UpstreamFailed, format!("engine failed: {e}"))
                 }
@@ -838,8 +851,16 @@ impl ProxyHttp for Gateway {
             let _ = respond_error(session, ctx, api).await;
             status
         };
-        if code == 0 && ctx.status == 0 {
+        if downstream_gone {
+            // The client went away (mid-stream too): what it got is not the engine's status.
             ctx.status = 499;
+        } else if code == 0 {
+            if ctx.status == 0 {
+                ctx.status = 499;
+            }
+            // The engine's answer was cut after its first byte: the client has its status
+            // line, but not the answer.
+            ctx.cut = true;
         }
         FailToProxy {
             error_code: code,
@@ -864,9 +885,12 @@ impl ProxyHttp for Gateway {
             .observe(ctx.started.elapsed().as_secs_f64());
         let a = &ctx.access;
         if let (Some(engine), Some(plan)) = (a.engine.as_deref(), ctx.plan.as_ref()) {
-            self.metrics
-                .per_engine
-                .served(engine, &plan.facts.model, code, a.ttft);
+            self.metrics.per_engine.served(
+                engine,
+                &plan.facts.model,
+                if ctx.cut { 0 } else { code },
+                a.ttft,
+            );
         }
         let line = crate::access::Line {
             request_id: &ctx.request_id,

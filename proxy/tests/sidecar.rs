@@ -581,3 +581,66 @@ fn a_peer_url_outside_its_own_address_or_not_answering_is_never_used() {
         dead.shutdown().await;
     });
 }
+
+/// Chaos: the peer serving a forwarded stream is killed (SIGKILL) mid-stream. The client of
+/// the forwarding sidecar sees its stream end early (status 200 sent, no `[DONE]`); that sidecar
+/// counts the answer as aborted, holds nothing for it afterwards (in flight, pending prefill,
+/// descriptors), and serves the same prefix again at once from a live engine.
+#[test]
+fn a_peer_killed_mid_stream_cuts_that_stream_only_and_leaks_nothing() {
+    // c streams slowly (8 ms a token): the kill lands mid-answer.
+    let (_sims, mut nodes) = cluster(&[&["--instant"], &["--instant"], &[]], "local");
+    let prefix = text(4, 8000);
+    let body = |q: usize, extra: &str| chat_body("sim-model", &format!("{prefix} q{q}"), extra);
+    let r = post(nodes[2].proxy.addr, CHAT, &body(0, r#","max_tokens":2"#));
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    wait_for("a learns c's residency", 20, || {
+        nodes[0].residency_of("c") > 0.0
+    });
+    let (left, right) = nodes.split_at_mut(2);
+    let (a, c) = (&left[0].proxy, &mut right[0].proxy);
+    let fds = |p: &Proxy| fds(p.child.id());
+    let baseline = fds(a);
+
+    let mut s = start_request(
+        a.addr,
+        "POST",
+        CHAT,
+        &body(1, r#","stream":true,"max_tokens":400"#),
+        Framing::Length,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(s.status, 200);
+    assert_eq!(s.header("x-kvmesh-peer"), Some("c"));
+    let mut got = s.next_piece().unwrap().unwrap_or_default();
+    let _ = c.child.kill();
+    let _ = c.child.wait();
+    // The rest of what arrives, until the proxy closes the stream (or an error ends reading).
+    while let Ok(Some(piece)) = s.next_piece() {
+        got.extend_from_slice(&piece);
+    }
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("data: {"), "no event before the kill: {text}");
+    assert!(!text.contains("[DONE]"), "the stream should have been cut");
+
+    let settled = eventually(Duration::from_secs(10), || {
+        a.metric("kvmesh_inflight_requests") == 0.0
+            && a.metric("kvmesh_engine_inflight") == 0.0
+            && a.metric("kvmesh_engine_pending_prefill_bytes") == 0.0
+            && fds(a) <= baseline + 4
+    });
+    assert!(settled, "a leaked: fds {} (baseline {baseline})", fds(a));
+    // Counted as aborted under c (until a forgets c, and c's series with it).
+    let aborted = || a.metric("kvmesh_engine_requests_total{class=\"aborted\",engine=\"c\"");
+    assert!(
+        eventually(Duration::from_secs(5), || aborted() == 1.0
+            || a.metric("kvmesh_gossip_peers") == 1.0),
+        "aborted under c: {}",
+        aborted()
+    );
+    // The same prefix again through a: answered, not by c.
+    let r = post(a.addr, CHAT, &body(2, r#","max_tokens":2"#));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_ne!(r.header("x-kvmesh-peer"), Some("c"));
+}

@@ -158,6 +158,13 @@ pub fn hash_key(key: &str) -> String {
     String::from_utf8(out.stdout).unwrap().trim().to_string()
 }
 
+/// Open file descriptors of process `pid` (Linux `/proc`).
+pub fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
 /// A child process killed (and reaped) on drop, also when an assertion fails.
 pub struct Killed(pub Child);
 
