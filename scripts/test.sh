@@ -17,7 +17,7 @@ cargo test --workspace --locked
 # Two minutes at a steady rate through a gateway and two sidecars: every request answered, and
 # each proxy's RSS, open fds and residency index bounded, with no growth trend (the 30-minute
 # soak is the same command with --minutes 30; docs/benchmarks.md, "Soak").
-cargo run -q --locked -p kvmesh-bench -- soak --minutes 2 --sample-secs 5
+cargo run -q --locked -p kvmesh-bench --bin kvmesh-bench -- soak --minutes 2 --sample-secs 5
 # Every parser of outside input under libFuzzer, KVMESH_FUZZ_SECS (here 10) seconds per target,
 # from the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md).
 KVMESH_FUZZ_SECS="${KVMESH_FUZZ_SECS:-10}" scripts/fuzz.sh

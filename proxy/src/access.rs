@@ -46,7 +46,7 @@ pub struct Line<'a> {
     pub path: &'a str,
     /// Model asked for (empty before parsing).
     pub model: &'a str,
-    /// Status the client got (499: it went away first).
+    /// Status the client got (499: it went away before the answer ended).
     pub status: u16,
     /// Engine that served (empty if none).
     pub engine: &'a str,

@@ -347,7 +347,7 @@ impl ConfigSource {
             // Read again at the first check: the file may have changed since start read it.
             seen: parking_lot::Mutex::new(None),
             interval_secs: 0,
-            retry_engines: Default::default(),
+            retry_engines: parking_lot::Mutex::new(None),
         })
     }
 }

@@ -14,7 +14,6 @@
 //! (its default action).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -145,9 +144,9 @@ pub struct ConfigReload {
     pub seen: parking_lot::Mutex<Option<blake3::Hash>>,
     /// `config_reload_interval_secs` (set by [`Reloader::new`]; 0: on SIGHUP only).
     pub interval_secs: u64,
-    /// The file in force was refused because none of its engines passed a probe: try it
-    /// again at the next check.
-    pub retry_engines: AtomicBool,
+    /// The contents of a file refused because none of its engines passed a probe: tried
+    /// again (quietly) at each check while the file stays so.
+    pub retry_engines: parking_lot::Mutex<Option<blake3::Hash>>,
 }
 
 /// Longest a reload waits for its new engines' first probe (name lookups included).
@@ -163,15 +162,12 @@ struct Staged {
 impl ConfigReload {
     /// Reads the file again when it changed (always, with `force`), then puts it in force.
     pub async fn reload(self: &Arc<Self>, force: bool) {
-        // A file refused for its engines is tried again at each check, quietly: it was
-        // reported (and counted) once.
-        let retry = !force && self.retry_engines.swap(false, Ordering::Relaxed);
         // Reading the file and resolving engine names block: off the runtime's threads.
         let this = self.clone();
-        let staged = match tokio::task::spawn_blocking(move || this.read(force || retry)).await {
+        let (retry, staged) = match tokio::task::spawn_blocking(move || this.read(force)).await {
             Ok(None) => return,
             Ok(Some(s)) => s,
-            Err(e) => Err(format!("the reload task stopped: {e}")),
+            Err(e) => (false, Err(format!("the reload task stopped: {e}"))),
         };
         let outcome = match staged {
             Ok(s) => self.put_in_force(s).await,
@@ -225,17 +221,25 @@ impl ConfigReload {
         }
     }
 
-    /// Loads and checks the file (`None`: unchanged since last read, and not forced).
-    fn read(&self, force: bool) -> Option<Result<Staged, String>> {
+    /// Loads and checks the file (`None`: unchanged since last read, and not forced); `true`
+    /// with a quiet retry of a file refused for its engines (the same contents: it was
+    /// reported, and counted, once).
+    fn read(&self, force: bool) -> Option<(bool, Result<Staged, String>)> {
         let now = std::fs::read(&self.path).ok().map(|b| blake3::hash(&b));
-        {
+        let retry = {
             let mut seen = self.seen.lock();
-            if !force && *seen == now {
+            let mut retry_of = self.retry_engines.lock();
+            let retry = !force && now.is_some() && *retry_of == now;
+            if !force && !retry && *seen == now {
                 return None;
+            }
+            if *retry_of != now {
+                *retry_of = None;
             }
             // A refused file is reported once, not at every check, until it changes again.
             *seen = now;
-        }
+            retry
+        };
         let staged = ProxyConfig::load_with(Some(&self.path), &self.overrides)
             .and_then(|new| plan(&self.live.load().cfg, &new))
             .and_then(|plan| {
@@ -246,7 +250,7 @@ impl ConfigReload {
                 };
                 Ok(Staged { plan, engines })
             });
-        Some(staged.map_err(|e| e.to_string()))
+        Some((retry, staged.map_err(|e| e.to_string())))
     }
 
     /// Puts a checked reload in force. What can fail runs before anything changes, so that a
@@ -318,7 +322,8 @@ impl ConfigReload {
             && !staged.configured.is_empty()
             && !staged.configured.iter().any(|e| e.healthy())
         {
-            self.retry_engines.store(true, Ordering::Relaxed);
+            let refused = *self.seen.lock();
+            *self.retry_engines.lock() = refused;
             let urls: Vec<&str> = staged.configured.iter().map(|e| e.url.as_str()).collect();
             let when = if self.interval_secs > 0 {
                 "at each check"

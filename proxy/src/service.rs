@@ -789,7 +789,11 @@ impl ProxyHttp for Gateway {
         let mut e = e.more_context(format!("engine {peer}"));
         // Replayable: Pingora still holds the body's tail, or has not read its end yet.
         let replayable = session.as_ref().get_retry_buffer().is_some() || !session.is_body_done();
-        if e.esource() == &ErrorSource::Upstream && replayable && self.can_retry(ctx) {
+        // An engine that timed out reading may be computing the answer still: sending the
+        // request elsewhere would compute it twice (the client gets the 504).
+        let timed_out = e.etype() == &ErrorType::ReadTimedout;
+        if e.esource() == &ErrorSource::Upstream && replayable && !timed_out && self.can_retry(ctx)
+        {
             ctx.pending_dispatch = None;
             if let Some(d) = ctx.dispatch.take() {
                 tracing::warn!(engine = %d.engine().name, error = %e, "engine failed before answering; failing over");
@@ -839,11 +843,13 @@ impl ProxyHttp for Gateway {
                 }
                 _ => ApiError::new(ErrorKind::Internal, format!("internal error: {e}")),
             });
+        // Once the answer has started, any client-side failure means the client is gone.
         let downstream_gone = e.esource() == &ErrorSource::Downstream
-            && matches!(
-                e.etype(),
-                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed
-            );
+            && (session.response_written().is_some()
+                || matches!(
+                    e.etype(),
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed
+                ));
         let code = if downstream_gone || session.response_written().is_some() {
             0
         } else {
