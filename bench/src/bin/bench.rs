@@ -923,7 +923,7 @@ async fn soak(
     );
     let r = kvmesh_bench::soak::run(&cfg).await?;
     println!(
-        "soak: {} requests, {} failed; after a warm-up of the first quarter:",
+        "soak: {} requests, {} failed; after the warm-up (the first quarter, at least a minute of a short run):",
         r.sent, r.failed
     );
     println!(
