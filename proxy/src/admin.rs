@@ -52,6 +52,18 @@ pub struct OperatorAnswer {
     pub headers: &'static [(&'static str, &'static str)],
 }
 
+impl OperatorAnswer {
+    /// A plain-text answer.
+    fn plain(status: u16, body: &'static [u8]) -> Self {
+        OperatorAnswer {
+            status,
+            content_type: "text/plain",
+            body: Bytes::from_static(body),
+            headers: &[],
+        }
+    }
+}
+
 /// Headers of the dashboard's page and assets.
 const DASHBOARD_HEADERS: &[(&str, &str)] = &[
     ("content-security-policy", dashboard::CSP),
@@ -116,12 +128,7 @@ impl Observed {
                 },
                 mode: format!("{:?}", live.cfg.mode).to_lowercase(),
                 policy: live.router.policy().label(),
-                version: concat!(
-                    env!("CARGO_PKG_VERSION"),
-                    " (",
-                    env!("KVMESH_GIT_HASH"),
-                    ")"
-                ),
+                version: crate::VERSION,
                 uptime_secs: m.recent.uptime_secs(),
             },
             requests: dashboard::RequestStatus {
@@ -129,11 +136,7 @@ impl Observed {
                 inflight: self.limits.inflight(),
                 max_inflight: live.cfg.max_inflight,
             },
-            hit_ratio: if prompt == 0 {
-                0.0
-            } else {
-                cached as f64 / prompt as f64
-            },
+            hit_ratio: m.hit_ratio_now(),
             prompt_tokens: prompt,
             cached_tokens: cached,
             ttft_ms: ttft,
@@ -178,12 +181,7 @@ impl Observed {
     /// `/metrics` and the dashboard's. `admin_port`: asked on an operators' listener (the
     /// dashboard's status then names clients).
     pub fn operator_get(&self, path: &str, admin_port: bool) -> Option<OperatorAnswer> {
-        let plain = |status, body: &'static [u8]| OperatorAnswer {
-            status,
-            content_type: "text/plain",
-            body: Bytes::from_static(body),
-            headers: &[],
-        };
+        let plain = OperatorAnswer::plain;
         let page = |content_type, body: &'static str| OperatorAnswer {
             status: 200,
             content_type,
@@ -220,12 +218,7 @@ impl Observed {
         let a = (req.method() == hyper::Method::GET)
             .then(|| self.operator_get(req.uri().path(), true))
             .flatten()
-            .unwrap_or(OperatorAnswer {
-                status: 404,
-                content_type: "text/plain",
-                body: Bytes::from_static(b"not found\n"),
-                headers: &[],
-            });
+            .unwrap_or(OperatorAnswer::plain(404, b"not found\n"));
         let mut resp = hyper::Response::new(Full::new(a.body));
         *resp.status_mut() = hyper::StatusCode::from_u16(a.status).unwrap_or_default();
         let headers = [("content-type", a.content_type)]

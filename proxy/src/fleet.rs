@@ -86,27 +86,25 @@ fn mono_ms() -> u64 {
 }
 
 impl Engine {
-    /// A configured engine, down until its first probe.
-    fn configured(id: NodeId, a: EngineAddr) -> Self {
-        if let Some(why) = &a.unresolved {
-            tracing::warn!(engine = %a.name, "{why}; down until it resolves");
-        }
-        let static_models = !a.models.is_empty();
+    /// An engine with no load, no TTFT estimate and no peer, down; `models`, when not empty,
+    /// are its models for good (else they are learnt by probing).
+    fn fresh(id: NodeId, name: String, url: String, addr: SocketAddr, models: Vec<String>) -> Self {
+        let static_models = !models.is_empty();
         Engine {
             id,
-            key: name_key(&a.name),
-            name: a.name,
-            tls_host: tls_host(&a.url),
-            url: a.url,
-            addr: ArcSwap::from_pointee(a.addr),
-            unresolved: AtomicBool::new(a.unresolved.is_some()),
+            key: name_key(&name),
+            tls_host: tls_host(&url),
+            name,
+            url,
+            addr: ArcSwap::from_pointee(addr),
+            unresolved: AtomicBool::new(false),
             unresolved_logged_ms: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             pending_prefill: AtomicU64::new(0),
             healthy: AtomicBool::new(false),
             static_models,
             models_known: AtomicBool::new(static_models),
-            models: ArcSwap::from_pointee(a.models),
+            models: ArcSwap::from_pointee(models),
             peer: None,
             reported_inflight: AtomicU64::new(0),
             reported_pending: AtomicU64::new(0),
@@ -114,6 +112,33 @@ impl Engine {
             ttft_ewma_us: AtomicU64::new(0),
             ttft_at_ms: AtomicU64::new(0),
         }
+    }
+
+    /// A configured engine, down until its first probe.
+    fn configured(id: NodeId, a: EngineAddr) -> Self {
+        if let Some(why) = &a.unresolved {
+            tracing::warn!(engine = %a.name, "{why}; down until it resolves");
+        }
+        Engine {
+            unresolved: AtomicBool::new(a.unresolved.is_some()),
+            ..Engine::fresh(id, a.name, a.url, a.addr, a.models)
+        }
+    }
+
+    /// The engine a peer published (its models as published, known at once).
+    fn of_peer(id: NodeId, p: &PeerEngine) -> Self {
+        let mut e = Engine::fresh(id, p.node_id.clone(), p.url.clone(), p.addr, Vec::new());
+        e.healthy = AtomicBool::new(p.ready);
+        e.static_models = true;
+        e.models = ArcSwap::from_pointee(p.models.clone());
+        e.models_known = AtomicBool::new(true);
+        e.peer = Some(PeerLink {
+            node_id: p.node_id.clone(),
+            via_peer: p.via_peer,
+        });
+        e.reported_inflight = AtomicU64::new(p.inflight);
+        e.reported_pending = AtomicU64::new(p.pending_prefill_bytes);
+        e
     }
 
     /// Requests in flight on this engine: ours, or what its peer reports, whichever is larger.
@@ -467,31 +492,7 @@ impl Fleet {
         }
         // New peer, or it moved: a fresh entry (and a fresh node id for its residency).
         let id = NodeId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let engine = Arc::new(Engine {
-            id,
-            name: p.node_id.clone(),
-            url: p.url.clone(),
-            tls_host: tls_host(&p.url),
-            addr: ArcSwap::from_pointee(p.addr),
-            unresolved: AtomicBool::new(false),
-            unresolved_logged_ms: AtomicU64::new(0),
-            key: name_key(&p.node_id),
-            inflight: AtomicU64::new(0),
-            pending_prefill: AtomicU64::new(0),
-            healthy: AtomicBool::new(p.ready),
-            static_models: true,
-            models: ArcSwap::from_pointee(p.models.clone()),
-            models_known: AtomicBool::new(true),
-            peer: Some(PeerLink {
-                node_id: p.node_id.clone(),
-                via_peer: p.via_peer,
-            }),
-            reported_inflight: AtomicU64::new(p.inflight),
-            reported_pending: AtomicU64::new(p.pending_prefill_bytes),
-            down_until_ms: AtomicU64::new(0),
-            ttft_ewma_us: AtomicU64::new(0),
-            ttft_at_ms: AtomicU64::new(0),
-        });
+        let engine = Arc::new(Engine::of_peer(id, p));
         let mut next: Vec<Arc<Engine>> = engines
             .iter()
             .filter(|e| e.peer.as_ref().is_none_or(|l| l.node_id != p.node_id))

@@ -3,6 +3,14 @@
 //! its routing core ([`picker`]). The `kvmesh-proxy` binary (`main.rs`) assembles a server from
 //! these modules.
 
+/// The version and the commit it was built from (`--version`, the dashboard).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (",
+    env!("KVMESH_GIT_HASH"),
+    ")"
+);
+
 pub mod access;
 pub mod admin;
 pub mod admission;

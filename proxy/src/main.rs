@@ -27,18 +27,10 @@ use kvmesh_proxy::tls::{ServerTls, UpstreamTls};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The version and the commit it was built from (`--version`).
-const VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    " (",
-    env!("KVMESH_GIT_HASH"),
-    ")"
-);
-
 #[derive(Parser)]
 #[command(
     name = "kvmesh-proxy",
-    version = VERSION,
+    version = kvmesh_proxy::VERSION,
     about = "KV-cache-aware L7 proxy for OpenAI-compatible LLM engines"
 )]
 struct Cli {

@@ -330,6 +330,16 @@ impl Metrics {
         })
     }
 
+    /// Cached / prompt tokens engines reported since start (0 before any).
+    pub fn hit_ratio_now(&self) -> f64 {
+        let prompt = self.prompt_tokens.get();
+        if prompt == 0 {
+            0.0
+        } else {
+            self.cached_tokens.get() as f64 / prompt as f64
+        }
+    }
+
     /// The Prometheus text exposition, with gauges refreshed from live state.
     pub fn render(&self, fleet: &Fleet, index: &ResidencyIndex) -> Vec<u8> {
         // Peers come and go: start from empty label sets.
@@ -360,12 +370,7 @@ impl Metrics {
                 .touch(&e.name, e.models().as_deref().map_or(&[], |m| m.as_slice()));
         }
         self.index_digests.set(index_len as i64);
-        let prompt = self.prompt_tokens.get();
-        self.hit_ratio.set(if prompt == 0 {
-            0.0
-        } else {
-            self.cached_tokens.get() as f64 / prompt as f64
-        });
+        self.hit_ratio.set(self.hit_ratio_now());
         let mut out = Vec::new();
         // Encoding gathered families into a Vec cannot fail.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

@@ -27,9 +27,13 @@ fn conf(port: u16, policy: &str, log: &str, engines: &[&Sim], extra: &str) -> St
 /// Replaces the file whole (a rename), as a config-management tool or a ConfigMap does: the
 /// watcher never reads half a file.
 fn rewrite(p: &Proxy, toml: &str) {
-    let tmp = p.config.with_extension("tmp");
+    replace_file(&p.config, toml);
+}
+
+fn replace_file(path: &std::path::Path, toml: &str) {
+    let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, toml).unwrap();
-    std::fs::rename(&tmp, &p.config).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
 }
 
 /// The engine that served one request (200 only).
@@ -322,9 +326,7 @@ fn the_picker_reloads_its_engines() {
     let toml = std::fs::read_to_string(&p.config)
         .unwrap()
         .replace(&engines_toml(&[&a]), &engines_toml(&[&b]));
-    let tmp = p.config.with_extension("tmp");
-    std::fs::write(&tmp, toml).unwrap();
-    std::fs::rename(&tmp, &p.config).unwrap();
+    replace_file(&p.config, &toml);
     assert!(eventually(Duration::from_secs(10), || extproc::pick_chat(
         p.ext_proc, &doc
     ) == b
