@@ -60,7 +60,7 @@ pub struct SimConfig {
     pub model: String,
     /// Name of this replica, returned in the `x-sim-engine` response header (beside
     /// `x-sim-body-blake3`, `x-sim-body-len`, `x-sim-body-framing` and
-    /// `x-sim-saw-authorization`: what it received).
+    /// `x-sim-saw-authorization`, and `x-sim-traceparent` when it was sent one: what it received).
     #[arg(long, default_value = "sim")]
     pub name: String,
     /// Tokens per KV block.
@@ -443,6 +443,8 @@ async fn handle(
             } else {
                 "chunked"
             };
+            // The W3C trace context the engine was sent, for the tracing tests.
+            let traceparent = req.headers().get("traceparent").cloned();
             // Whether credentials reached the engine (never their value).
             let saw_auth = if req.headers().contains_key(hyper::header::AUTHORIZATION) {
                 "yes"
@@ -469,6 +471,9 @@ async fn handle(
                 "x-sim-saw-authorization",
                 hyper::header::HeaderValue::from_static(saw_auth),
             );
+            if let Some(v) = traceparent {
+                resp.headers_mut().insert("x-sim-traceparent", v);
+            }
             resp
         }
         _ => error(404, &format!("no route for {path}")),

@@ -63,11 +63,19 @@ fn kvagent(dir: &std::path::Path) -> Proc {
 
 /// [`kvagent`] with a configuration file (its listen address still the env's).
 fn kvagent_with(dir: &std::path::Path, config: Option<&std::path::Path>) -> Proc {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+    kvagent_at(dir, free_port(), config)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+/// [`kvagent_with`] on 127.0.0.1:`port` (a restart keeps its address).
+fn kvagent_at(dir: &std::path::Path, port: u16, config: Option<&std::path::Path>) -> Proc {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_engine-shim"))
         .parent()
         .unwrap()
@@ -922,6 +930,115 @@ fn a_hung_kvagent_neither_hangs_the_engine_nor_piles_up_writes() {
     assert_eq!(v["usage"]["completion_tokens"], 8);
     assert!(metric(e.addr, "engine_shim_kv_writethrough_dropped_blocks_total") >= 1.0);
     assert!(metric(e.addr, "engine_shim_kv_pagein_timeouts_total") >= 2.0);
+}
+
+/// Open descriptors of process `pid`.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Chaos: kvagent killed (-9) while the engine writes through to it, then restarted on the same
+/// address. The engine answers every request meanwhile, counts the writes it lost, reconnects
+/// by itself, and the blocks it writes after the restart page in to another engine.
+#[test]
+fn a_kvagent_killed_and_restarted_under_write_through_costs_no_request_and_paging_resumes() {
+    let dir = std::env::temp_dir().join(format!("engine-shim-restart-{}", std::process::id()));
+    let port = free_port();
+    let mut agent = kvagent_at(&dir, port, None);
+    let url = format!("http://127.0.0.1:{port}");
+    let key_file = temp_file("restart.key", MAC_KEY_HEX);
+    let keyed = [
+        "--kvagent",
+        &url,
+        "--kv-mac-key-file",
+        key_file.to_str().unwrap(),
+    ];
+    let e = engine(&keyed);
+    let doc = document();
+    chat(
+        e.addr,
+        &format!("{doc}Which district has 10 crates?"),
+        json!({}),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while kvagent_stored_blocks(agent.addr) < 40 {
+        assert!(Instant::now() < deadline, "write-through before the kill");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let baseline = fds(e.child.id());
+    let failed_before = metric(e.addr, "engine_shim_kv_writethrough_failed_total");
+
+    let _ = agent.child.kill();
+    let _ = agent.child.wait();
+    // New prompts (new blocks to write, a page-in tried for each): every one answered.
+    for i in 0..3 {
+        let v = chat(
+            e.addr,
+            &format!("Question {i}: describe the number {i} in one short sentence, with care."),
+            json!({"max_tokens": 8}),
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 8);
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(e.addr, "engine_shim_kv_writethrough_failed_total") <= failed_before {
+        assert!(Instant::now() < deadline, "the lost writes are not counted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Back on the same address: the engine's client reconnects, write-through resumes.
+    let agent = kvagent_at(&dir, port, None);
+    let mut doc2 = String::from("Read the catalogue below, then answer.\n");
+    for i in 0..40 {
+        doc2.push_str(&format!(
+            "Entry {i}: the library in town {i} lends {} books a week.\n",
+            i * 11 + 5
+        ));
+    }
+    let before = kvagent_stored_blocks(agent.addr);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut asked = 0;
+    // The first write after the restart may still meet the old, broken connection: ask again
+    // (each time a new question over the same catalogue) until its blocks arrive.
+    while kvagent_stored_blocks(agent.addr) < before + 40 {
+        assert!(
+            Instant::now() < deadline,
+            "no write-through after the restart: {} blocks",
+            kvagent_stored_blocks(agent.addr)
+        );
+        if asked < 3 {
+            chat(
+                e.addr,
+                &format!("{doc2}Which town lends {} books?", asked * 11 + 5),
+                json!({"max_tokens": 4}),
+            );
+            asked += 1;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let b = engine(&keyed);
+    let v = chat(
+        b.addr,
+        &format!("{doc2}How many books does town 3 lend?"),
+        json!({}),
+    );
+    assert!(
+        cached(&v) >= 600,
+        "paged in after the restart: {}",
+        cached(&v)
+    );
+    // Nothing leaked by the broken connection.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fds(e.child.id()) > baseline + 2 {
+        assert!(
+            Instant::now() < deadline,
+            "engine fds {} (baseline {baseline})",
+            fds(e.child.id())
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 mod forged {

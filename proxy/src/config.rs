@@ -10,9 +10,11 @@ use serde::{Deserialize, Serialize};
 
 pub mod env;
 pub mod keys;
+pub mod otel;
 pub mod reload;
 pub mod security;
 
+pub use otel::OtelConfig;
 pub use security::{AdmissionConfig, ApiKeyConfig, AuthConfig, TlsConfig};
 
 /// Errors loading or validating a configuration.
@@ -107,6 +109,8 @@ pub struct ProxyConfig {
     /// A separate listener for `/metrics`, `/health` and `/ready` (off unless `admin.listen` is
     /// set; gateway and sidecar modes, the picker has `picker.metrics_listen`).
     pub admin: AdminConfig,
+    /// OpenTelemetry traces over OTLP (off unless `otel.endpoint` is set).
+    pub otel: OtelConfig,
 }
 
 /// The `[admin]` table: where operators' endpoints listen.
@@ -348,6 +352,7 @@ impl Default for ProxyConfig {
             auth: AuthConfig::default(),
             admission: AdmissionConfig::default(),
             admin: AdminConfig::default(),
+            otel: OtelConfig::default(),
         }
     }
 }
@@ -798,6 +803,7 @@ impl ProxyConfig {
                 p.push("`mode = \"sidecar\"` needs `[cluster] enabled = true`".into());
             }
         }
+        p.extend(self.otel.problems());
         let a = &self.admin;
         // One port, two spellings (0.0.0.0 covers every IP): the second bind would fail.
         let clash = |x: SocketAddr, y: SocketAddr| {

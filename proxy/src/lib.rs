@@ -23,6 +23,7 @@ pub mod feedback;
 pub mod fleet;
 pub mod guard;
 pub mod metrics;
+pub mod otel;
 pub mod picker;
 pub mod placement;
 pub mod plan;

@@ -16,6 +16,7 @@ use kvmesh_proxy::cluster;
 use kvmesh_proxy::config::{LogFormat, Mode, Overrides, ProxyConfig};
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
+use kvmesh_proxy::otel::Otel;
 use kvmesh_proxy::picker;
 use kvmesh_proxy::reload::{ConfigReload, Reloader, SetLogFilter};
 use kvmesh_proxy::service::Gateway;
@@ -273,6 +274,8 @@ fn main() -> anyhow::Result<()> {
     if gateway.live().cfg.cluster.enabled {
         gateway.gossip = Some(gossip_stats);
     }
+    gateway.otel = start_otel(&gateway)?;
+    let otel = gateway.otel.clone();
     let source = ConfigSource {
         path: cli.config.clone(),
         overrides,
@@ -310,9 +313,38 @@ fn main() -> anyhow::Result<()> {
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }
+    if let Some(otel) = otel {
+        server.add_service(background_service("otel", FlushAtShutdown(otel)));
+    }
     // The address was bindable a moment ago (probe_listen); Pingora binds it as it starts.
     tracing::info!(%listen, tls = listener_tls_on, "kvmesh-proxy listening");
     server.run_forever()
+}
+
+/// The `[otel]` pipeline, when `otel.endpoint` is set.
+fn start_otel(gateway: &Gateway) -> anyhow::Result<Option<Arc<Otel>>> {
+    let cfg = &gateway.live().cfg.otel;
+    let otel = Otel::start(cfg, &gateway.metrics.otel_spans).context("`[otel]`")?;
+    if otel.is_some() {
+        tracing::info!(endpoint = %cfg.endpoint, sample_ratio = cfg.sample_ratio, "exporting traces over OTLP");
+    }
+    Ok(otel.map(Arc::new))
+}
+
+/// Pingora ends the process after the drain without dropping the services: from the shutdown
+/// signal on, spans are flushed often, so that those of the requests drained still leave.
+struct FlushAtShutdown(Arc<Otel>);
+
+#[async_trait]
+impl BackgroundService for FlushAtShutdown {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let _ = shutdown.changed().await;
+        loop {
+            let otel = self.0.clone();
+            tokio::task::spawn_blocking(move || otel.flush()).await.ok();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 /// Where the configuration came from, for reloading it.
@@ -407,6 +439,8 @@ fn run_picker(
         if cluster_on {
             gateway.gossip = Some(gossip_stats);
         }
+        gateway.otel = start_otel(&gateway)?;
+        let otel = gateway.otel.clone();
         let gateway = Arc::new(gateway);
         // Reloads the configuration file and the TLS files (and keeps SIGHUP from ending the
         // picker).
@@ -435,6 +469,9 @@ fn run_picker(
                 let _ = stopping.wait_for(|s| *s).await;
                 tokio::time::sleep(drain).await;
             } => tracing::warn!("drain timeout reached; closing the streams still open"),
+        }
+        if let Some(o) = otel {
+            tokio::task::spawn_blocking(move || o.flush()).await.ok();
         }
         Ok(())
     })

@@ -75,6 +75,8 @@ pub struct Metrics {
     pub config_last_reload_successful: IntGauge,
     /// Changed keys of the configuration file that wait for a restart.
     pub config_restart_pending: IntGauge,
+    /// OpenTelemetry spans by outcome (`ended`, `exported`, `failed`; `[otel]`).
+    pub otel_spans: IntCounterVec,
     /// Recent activity for the dashboard (not exported to Prometheus).
     pub recent: crate::dashboard::Recent,
 }
@@ -294,7 +296,19 @@ impl Metrics {
         registry.register(Box::new(config_reloads.clone()))?;
         registry.register(Box::new(config_last_reload_successful.clone()))?;
         registry.register(Box::new(config_restart_pending.clone()))?;
+        let otel_spans = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_otel_spans_total",
+                "OpenTelemetry spans ended, exported, and failed to export",
+            ),
+            &["outcome"],
+        )?;
+        for o in labels::OTEL_OUTCOMES {
+            otel_spans.with_label_values(&[o]);
+        }
+        registry.register(Box::new(otel_spans.clone()))?;
         Ok(Metrics {
+            otel_spans,
             recent: crate::dashboard::Recent::default(),
             config_reloads,
             config_last_reload_successful,
@@ -527,4 +541,6 @@ pub mod labels {
     ];
     /// `outcome` of `kvmesh_config_reloads_total`.
     pub const RELOAD_OUTCOMES: [&str; 3] = ["applied", "unchanged", "refused"];
+    /// `kvmesh_otel_spans_total` outcomes.
+    pub const OTEL_OUTCOMES: [&str; 3] = ["ended", "exported", "failed"];
 }

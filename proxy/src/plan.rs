@@ -131,10 +131,49 @@ impl Gateway {
         let Some(plan) = ctx.plan.as_ref() else {
             return Err(ApiError::new(ErrorKind::Internal, "no request plan"));
         };
-        let ranking = self.rank(&plan.facts)?;
+        let started = std::time::SystemTime::now();
+        let ranking = self.rank(&plan.facts);
+        if let Some(t) = ctx.trace.as_ref() {
+            let (attributes, error) = match &ranking {
+                Ok(r) => (self.route_attributes(&plan.facts, r), None),
+                Err(e) => (Vec::new(), Some(e.message.as_str())),
+            };
+            t.route(started, attributes, error);
+        }
+        let ranking = ranking?;
         ctx.forward_reason = ranking.forward_reason;
         ctx.decision = Some((ranking.candidates, ranking.decision));
         Ok(())
+    }
+
+    /// What a `kvmesh.route` span says of `ranking` (`[otel]`).
+    pub(crate) fn route_attributes(
+        &self,
+        facts: &RequestFacts,
+        ranking: &Ranking,
+    ) -> Vec<opentelemetry::KeyValue> {
+        use crate::otel::attr;
+        use opentelemetry::KeyValue;
+        let mut a = vec![
+            attr("gen_ai.request.model", facts.model.clone()),
+            attr("kvmesh.route.policy", self.live().router.policy().label()),
+            attr("kvmesh.route.reason", ranking.decision.reason.label()),
+            KeyValue::new("kvmesh.route.candidates", ranking.candidates.len() as i64),
+            KeyValue::new("kvmesh.prompt_blocks", facts.chain.len() as i64),
+        ];
+        if let Some(first) = ranking.ordered().next() {
+            if let Some(e) = self.fleet.get(first.node) {
+                a.push(attr("kvmesh.engine", e.name.clone()));
+            }
+            a.push(KeyValue::new(
+                "kvmesh.overlap_blocks",
+                first.overlap_blocks as i64,
+            ));
+        }
+        if self.live().cfg.mode == Mode::Sidecar && !facts.hop {
+            a.push(attr("kvmesh.forward_reason", ranking.forward_reason));
+        }
+        a
     }
 
     /// Ranks the engines for a request: the policy over the residency index and live load, and

@@ -58,10 +58,12 @@ use crate::feedback::UsageScan;
 use crate::fleet::{Dispatch, Engine, Fleet};
 use crate::metrics::labels as metrics_labels;
 use crate::metrics::Metrics;
+use crate::otel::{attr, millis, span_attributes, RequestTrace};
 use crate::plan::Plan;
 use crate::tls::{PeerIdentity, UpstreamTls};
 use crate::trust::HOP_HEADER;
 use kvmesh_filters::usage::Usage;
+use opentelemetry::KeyValue;
 
 /// What a reload replaces ([`crate::reload`]): the configuration in force and the policy made
 /// from it, swapped whole. Each use reads the one in force then (a request that spans a reload
@@ -122,6 +124,8 @@ pub struct Gateway {
     /// Who gossips with us (with `[cluster]`): `accept_hop_from = "members"` also trusts a
     /// host that sent authenticated gossip lately, before its URL is admitted.
     pub gossip: Option<Arc<kvmesh_cluster::GossipStats>>,
+    /// OpenTelemetry traces (`[otel]`), when on.
+    pub otel: Option<Arc<crate::otel::Otel>>,
 }
 
 impl Gateway {
@@ -158,6 +162,7 @@ impl Gateway {
             upstream_tls,
             peer_identity,
             gossip: None,
+            otel: None,
             live: Arc::new(ArcSwap::from_pointee(Live::new(cfg))),
             fleet,
             index,
@@ -230,6 +235,8 @@ pub struct Ctx {
     pub(crate) request_id: String,
     /// What the access log says of the request.
     access: Access,
+    /// Its spans (`[otel]`), from the first hook past the operators' endpoints to `logging`.
+    pub(crate) trace: Option<RequestTrace>,
 }
 
 /// The access log's facts about one request, gathered along the way.
@@ -286,8 +293,23 @@ impl Ctx {
             error: None,
             request_id: String::new(),
             access: Access::default(),
+            trace: None,
         }
     }
+}
+
+/// Why the request span failed, if it did: a server-side status (5xx), or the client gone or
+/// the answer cut (499).
+fn trace_error(line: &crate::access::Line<'_>, ctx: &Ctx) -> Option<String> {
+    if line.status < 499 {
+        return None;
+    }
+    Some(match (ctx.error.as_ref(), ctx.cut) {
+        (Some(e), _) => e.message.clone(),
+        (None, true) => "the engine's answer broke off".into(),
+        (None, false) if line.status == 499 => "the client went away".into(),
+        (None, false) => format!("status {}", line.status),
+    })
 }
 
 fn pingora_error(kind: ErrorKind, message: &str) -> Box<Error> {
@@ -407,6 +429,20 @@ impl ProxyHttp for Gateway {
             .map_or_else(String::new, |a| a.ip().to_string());
         if self.local(session, ctx, &path).await? {
             return Ok(true);
+        }
+        if let Some(otel) = self.otel.as_ref() {
+            let h = &session.req_header().headers;
+            let header = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+            ctx.trace = Some(otel.request(
+                header(crate::otel::TRACEPARENT),
+                header(crate::otel::TRACESTATE),
+                vec![
+                    attr("http.request.method", ctx.access.method.clone()),
+                    attr("url.path", path.clone()),
+                    attr("kvmesh.request_id", ctx.request_id.clone()),
+                    attr("client.address", ctx.access.client.clone()),
+                ],
+            ));
         }
         ctx.awaiting_continue = session
             .req_header()
@@ -551,6 +587,18 @@ impl ProxyHttp for Gateway {
                 .inc();
         }
         ctx.access.engine = Some(engine.name.clone());
+        if let Some(t) = ctx.trace.as_mut() {
+            let mut a = vec![
+                attr("kvmesh.engine", engine.name.clone()),
+                attr("server.address", engine.addr().to_string()),
+                KeyValue::new("kvmesh.attempt", i64::from(ctx.attempts)),
+                KeyValue::new("kvmesh.overlap_blocks", cand.overlap_blocks as i64),
+            ];
+            if let Some(peer) = engine.peer.as_ref().filter(|p| p.via_peer) {
+                a.push(attr("kvmesh.peer", peer.node_id.clone()));
+            }
+            t.attempt(a);
+        }
         ctx.dispatched_at = Some(Instant::now());
         ctx.predicted_overlap = cand.overlap_blocks;
         ctx.prediction_settled = engine.pending_prefill() == 0;
@@ -612,6 +660,12 @@ impl ProxyHttp for Gateway {
             req.insert_header(HOP_HEADER, "1")?;
         }
         req.insert_header(crate::access::REQUEST_ID, ctx.request_id.as_str())?;
+        // The attempt's context replaces the caller's (whose span is this one's ancestor).
+        if let Some(t) = ctx.trace.as_ref() {
+            for (name, value) in t.headers() {
+                req.insert_header(name, value)?;
+            }
+        }
         if !ctx.access.client.is_empty() {
             let xff = crate::access::forwarded_for(
                 req.headers
@@ -680,6 +734,15 @@ impl ProxyHttp for Gateway {
     ) -> Result<()> {
         ctx.response_started = true;
         ctx.status = resp.status.as_u16();
+        if let Some(t) = ctx.trace.as_ref() {
+            t.event(
+                "response_headers",
+                vec![KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(ctx.status),
+                )],
+            );
+        }
         let sse = resp
             .headers
             .get(http::header::CONTENT_TYPE)
@@ -737,6 +800,12 @@ impl ProxyHttp for Gateway {
                     .ttft
                     .with_label_values(&[ctx.route])
                     .observe(ttft.as_secs_f64());
+                if let (Some(t), Some(at)) = (ctx.trace.as_ref(), ctx.dispatched_at) {
+                    t.event(
+                        "first_byte",
+                        vec![KeyValue::new("kvmesh.ttfb_ms", millis(at.elapsed()))],
+                    );
+                }
                 if let Some(d) = ctx.dispatch.as_mut() {
                     d.prefill_done();
                     // Only answers feed the estimate: an overloaded engine's fast errors must
@@ -771,6 +840,9 @@ impl ProxyHttp for Gateway {
             tracing::warn!(engine = %engine.name, error = %e, "cannot connect to engine");
             self.fleet.mark_down(&engine);
         }
+        if let Some(t) = ctx.trace.as_mut() {
+            t.attempt_failed(Some(&format!("cannot connect: {e}")));
+        }
         if self.can_retry(ctx) {
             self.metrics.retries.with_label_values(&["connect"]).inc();
             e.set_retry(true);
@@ -787,6 +859,9 @@ impl ProxyHttp for Gateway {
         _reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("engine {peer}"));
+        if let Some(t) = ctx.trace.as_mut() {
+            t.attempt_failed(Some(&e.to_string()));
+        }
         // Replayable: Pingora still holds the body's tail, or has not read its end yet.
         let replayable = session.as_ref().get_retry_buffer().is_some() || !session.is_body_done();
         // An engine that timed out reading may be computing the answer still: sending the
@@ -917,6 +992,12 @@ impl ProxyHttp for Gateway {
             key: ctx.principal.as_ref().map_or("", |p| p.name.as_str()),
         };
         crate::access::log(&line);
+        if let Some(t) = ctx.trace.take() {
+            t.finish(
+                span_attributes(&line, ctx.local_only),
+                trace_error(&line, ctx),
+            );
+        }
         // The operators' own requests (probes, scrapes, the dashboard's polls) are not traffic.
         if ctx.route != "admin" {
             self.metrics.recent.finished(&line, ctx.error.as_ref());

@@ -579,19 +579,28 @@ mod grpc {
             .await
             .unwrap();
             let mut health = HealthClient::new(channel);
+            // Readiness is republished every 50 ms, so it may trail `/ready` by one poll.
             for service in [
                 "liveness",
                 "readiness",
                 "envoy.service.ext_proc.v3.ExternalProcessor",
             ] {
-                let r = health
-                    .check(HealthCheckRequest {
-                        service: service.into(),
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                assert_eq!(r.status(), ServingStatus::Serving, "{service}");
+                let mut status = ServingStatus::Unknown;
+                for _ in 0..200 {
+                    status = health
+                        .check(HealthCheckRequest {
+                            service: service.into(),
+                        })
+                        .await
+                        .unwrap()
+                        .into_inner()
+                        .status();
+                    if status == ServingStatus::Serving {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                assert_eq!(status, ServingStatus::Serving, "{service}");
             }
             // No healthy engine: not ready, still live.
             sims[0].kill();
@@ -743,6 +752,66 @@ mod grpc {
             == 0.0));
         assert_eq!(picker.metric("kvmesh_prompt_tokens_total"), 100.0);
         assert!(picker.metric("kvmesh_residency_verdicts_total") >= 1.0);
+    }
+
+    #[test]
+    fn a_traced_request_gets_its_spans_and_the_engine_the_pickers_context() {
+        use common::otlp::{child, one, traceparent, OtlpSink};
+        const TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
+        const CALLER_SPAN: &str = "b7ad6b7169203331";
+        let sink = OtlpSink::start(&[]);
+        let sims = [Sim::instant("e0")];
+        let picker = Picker::start(
+            &[&sims[0]],
+            &format!(
+                "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\n",
+                sink.endpoint()
+            ),
+        );
+        let caller = format!("00-{TRACE}-{CALLER_SPAN}-01");
+        let engine_parent = rt().block_on(async {
+            let mut s = Stream::open(picker.ext_proc).await;
+            s.send(headers(
+                &[
+                    (":method", "POST"),
+                    (":path", "/v1/chat/completions"),
+                    ("traceparent", &caller),
+                ],
+                false,
+            ))
+            .await;
+            s.send(body(&chat_body("sim-model", "hi", ""), true)).await;
+            let h = s.recv().await.unwrap();
+            assert_eq!(destination(&h), sims[0].addr.to_string());
+            let (set, _) = mutation(&h);
+            let tp = &set.iter().find(|(k, _)| k == "traceparent").unwrap().1;
+            let (trace, parent) = traceparent(tp);
+            assert_eq!(trace, TRACE);
+            s.recv().await.unwrap();
+            s.send(response_headers(200, "application/json", None))
+                .await;
+            s.recv().await.unwrap();
+            s.send(response_body(br#"{"usage":{"prompt_tokens":3}}"#, true))
+                .await;
+            s.recv().await.unwrap();
+            s.close();
+            parent
+        });
+        let spans = sink.trace(TRACE, 2);
+        let req = one(&spans, "kvmesh.request", None);
+        assert_eq!(req["parent_span_id"], CALLER_SPAN);
+        assert_eq!(req["kind"], "server");
+        assert_eq!(
+            req["span_id"],
+            engine_parent.as_str(),
+            "the engine's parent"
+        );
+        assert_eq!(req["attributes"]["http.response.status_code"], 200);
+        assert_eq!(req["attributes"]["kvmesh.engine"], "e0");
+        assert_eq!(req["status"]["code"], 0, "{req:#}");
+        let route = child(&spans, "kvmesh.route", req);
+        assert_eq!(route["attributes"]["kvmesh.engine"], "e0");
+        assert_eq!(route["attributes"]["gen_ai.request.model"], "sim-model");
     }
 
     #[test]

@@ -20,9 +20,22 @@ struct Node {
     gossip: u16,
     seed: u16,
     cold: String,
+    extra: String,
 }
 
 fn sidecar(name: &str, engine: SocketAddr, gossip: u16, seed: u16, cold: &str) -> Node {
+    sidecar_with(name, engine, gossip, seed, cold, "")
+}
+
+/// [`sidecar`] with `extra` TOML tables (before `[[engines]]`).
+fn sidecar_with(
+    name: &str,
+    engine: SocketAddr,
+    gossip: u16,
+    seed: u16,
+    cold: &str,
+    extra: &str,
+) -> Node {
     let port = free_port();
     let toml = format!(
         r#"listen = "127.0.0.1:{port}"
@@ -42,6 +55,7 @@ gossip_keys = ["{GOSSIP_KEY}"]
 [sidecar]
 peer_down_secs = 2
 cold_placement = "{cold}"
+{extra}
 [[engines]]
 name = "engine-{name}"
 url = "http://{engine}"
@@ -53,6 +67,7 @@ url = "http://{engine}"
         gossip,
         seed,
         cold: cold.into(),
+        extra: extra.into(),
     }
 }
 
@@ -60,7 +75,14 @@ impl Node {
     fn restart(&mut self, engine: SocketAddr) {
         let _ = self.proxy.child.kill();
         let _ = self.proxy.child.wait();
-        let n = sidecar(&self.name, engine, self.gossip, self.seed, &self.cold);
+        let n = sidecar_with(
+            &self.name,
+            engine,
+            self.gossip,
+            self.seed,
+            &self.cold,
+            &self.extra,
+        );
         // Keep the same listen port? Peers learn the new URL by gossip either way.
         *self = n;
     }
@@ -90,6 +112,11 @@ fn sim_requests(sim: SocketAddr) -> f64 {
 
 /// Three sidecars a, b, c on sims; a seeds the cluster. Waits until everyone sees two peers.
 fn cluster(sim_args: &[&[&str]; 3], cold: &str) -> (Vec<Sim>, Vec<Node>) {
+    cluster_with(sim_args, cold, "")
+}
+
+/// [`cluster`], each sidecar with `extra` TOML tables.
+fn cluster_with(sim_args: &[&[&str]; 3], cold: &str, extra: &str) -> (Vec<Sim>, Vec<Node>) {
     let names = ["a", "b", "c"];
     let sims: Vec<Sim> = names
         .iter()
@@ -103,7 +130,7 @@ fn cluster(sim_args: &[&[&str]; 3], cold: &str) -> (Vec<Sim>, Vec<Node>) {
         .enumerate()
         .map(|(i, (n, s))| {
             let gossip = if i == 0 { seed } else { udp_port() };
-            sidecar(n, s.addr, gossip, seed, cold)
+            sidecar_with(n, s.addr, gossip, seed, cold, extra)
         })
         .collect();
     // Live in gossip, then admitted (URL checked and probed) and healthy in every fleet.
@@ -644,4 +671,88 @@ fn a_peer_killed_mid_stream_cuts_that_stream_only_and_leaks_nothing() {
     let r = post(a.addr, CHAT, &body(2, r#","max_tokens":2"#));
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     assert_ne!(r.header("x-kvmesh-peer"), Some("c"));
+}
+
+#[test]
+fn one_trace_follows_a_request_across_the_hop_to_a_peer_sidecar() {
+    use common::otlp::{child, one, traceparent, OtlpSink};
+    use serde_json::json;
+    const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const CALLER_SPAN: &str = "00f067aa0ba902b7";
+    let sink = OtlpSink::start(&[]);
+    let otel = format!(
+        "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\n",
+        sink.endpoint()
+    );
+    let (_sims, nodes) = cluster_with(
+        &[&["--instant"], &["--instant"], &["--instant"]],
+        "local",
+        &otel,
+    );
+    let (a, c) = (&nodes[0], &nodes[2]);
+    let prefix = text(9, 8000);
+    let r = post(
+        c.proxy.addr,
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q1"), ""),
+    );
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    wait_for("a learns c's residency", 20, || a.residency_of("c") > 0.0);
+
+    let r = request(
+        a.proxy.addr,
+        "POST",
+        CHAT,
+        &chat_body("sim-model", &format!("{prefix} q2"), ""),
+        Framing::Length,
+        &[(
+            "traceparent",
+            &format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"),
+        )],
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.header("x-kvmesh-peer"), Some("c"));
+    let (trace, engine_parent) = traceparent(r.header("x-sim-traceparent").unwrap());
+    assert_eq!(trace, CALLER_TRACE);
+
+    // a: request, route, attempt to c's proxy; c: request, route, attempt to its engine.
+    let spans = sink.trace(CALLER_TRACE, 6);
+    assert_eq!(spans.len(), 6, "{spans:#?}");
+    // For the docs' sample trace (docs/observability.md).
+    if let Some(path) = std::env::var_os("KVMESH_TRACE_DUMP") {
+        std::fs::write(path, serde_json::to_string_pretty(&spans).unwrap()).unwrap();
+    }
+    let a_req = one(&spans, "kvmesh.request", Some(("kvmesh.hop", json!(false))));
+    let c_req = one(&spans, "kvmesh.request", Some(("kvmesh.hop", json!(true))));
+    assert_eq!(a_req["parent_span_id"], CALLER_SPAN);
+    assert_eq!(
+        a_req["attributes"]["kvmesh.request_id"], c_req["attributes"]["kvmesh.request_id"],
+        "one request id across the hop"
+    );
+    let a_up = one(&spans, "kvmesh.upstream", Some(("kvmesh.peer", json!("c"))));
+    assert_eq!(a_up["parent_span_id"], a_req["span_id"]);
+    assert_eq!(a_up["kind"], "client");
+    // The hop: c's server span is a child of a's client span.
+    assert_eq!(c_req["parent_span_id"], a_up["span_id"]);
+    let c_up = child(&spans, "kvmesh.upstream", c_req);
+    assert_eq!(c_up["attributes"]["kvmesh.engine"], "engine-c");
+    assert_eq!(
+        c_up["span_id"],
+        engine_parent.as_str(),
+        "the engine's parent"
+    );
+    let a_route = child(&spans, "kvmesh.route", a_req);
+    assert_eq!(
+        a_route["attributes"]["kvmesh.forward_reason"],
+        "prefix_saving"
+    );
+    assert!(
+        a_route["attributes"]["kvmesh.overlap_blocks"]
+            .as_i64()
+            .unwrap()
+            > 0
+    );
+    let c_route = child(&spans, "kvmesh.route", c_req);
+    assert_eq!(c_route["attributes"]["kvmesh.engine"], "engine-c");
 }

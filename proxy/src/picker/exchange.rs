@@ -26,6 +26,7 @@ use super::envoy::{self, Direction};
 use crate::body::{body_too_large, Admitted, BodyPermit};
 use crate::feedback::{Prediction, UsageScan};
 use crate::fleet::{Dispatch, Engine};
+use crate::otel::{attr, span_attributes, RequestTrace};
 use crate::plan::{RequestFacts, DIGESTS_HEADER};
 use crate::service::Gateway;
 use kvmesh_filters::usage::Usage;
@@ -101,6 +102,8 @@ pub(crate) struct Exchange {
     model: Option<String>,
     /// The refusal sent, if the picker answered with an error itself.
     refused: Option<ApiError>,
+    /// Its spans (`[otel]`), from the request headers of an inference call to the stream's end.
+    trace: Option<RequestTrace>,
 }
 
 impl Exchange {
@@ -131,6 +134,7 @@ impl Exchange {
             overlap_blocks: 0,
             model: None,
             refused: None,
+            trace: None,
         }
     }
 
@@ -233,6 +237,17 @@ impl Exchange {
             return Ok(self.local_path(method, path));
         };
         self.route = endpoint.label();
+        if let Some(otel) = self.gw.otel.as_ref() {
+            self.trace = Some(otel.request(
+                envoy::header(map, crate::otel::TRACEPARENT),
+                envoy::header(map, crate::otel::TRACESTATE),
+                vec![
+                    attr("http.request.method", method.to_string()),
+                    attr("url.path", path.to_string()),
+                    attr("kvmesh.request_id", self.request_id.clone()),
+                ],
+            ));
+        }
         if method != "POST" {
             let e = ApiError::new(
                 ErrorKind::MethodNotAllowed,
@@ -354,7 +369,15 @@ impl Exchange {
         };
         let facts = gw.facts(parsed, self.session.as_deref(), false);
         self.model = Some(facts.model.clone());
-        let ranking = match gw.rank(&facts) {
+        let started = std::time::SystemTime::now();
+        let ranking = gw.rank(&facts);
+        if let Some(t) = self.trace.as_ref() {
+            match &ranking {
+                Ok(r) => t.route(started, gw.route_attributes(&facts, r), None),
+                Err(e) => t.route(started, Vec::new(), Some(&e.message)),
+            }
+        }
+        let ranking = match ranking {
             Ok(r) => r,
             Err(e) => return self.refuse(e),
         };
@@ -371,13 +394,19 @@ impl Exchange {
         let endpoints: Vec<String> = engines.iter().map(|e| e.addr().to_string()).collect();
         let digests = gw.forwarded_digests(&facts);
         self.route_to(engine, facts, first.overlap_blocks);
+        // The engine's spans are children of this request's (Envoy sends the request on).
+        let trace_headers = self.trace.as_ref().map(RequestTrace::headers);
+        let mut headers = vec![
+            (DIGESTS_HEADER, digests.as_str()),
+            (crate::access::REQUEST_ID, self.request_id.as_str()),
+        ];
+        for (name, value) in trace_headers.iter().flatten() {
+            headers.push((name.as_str(), value.as_str()));
+        }
         let mut replies = vec![envoy::routed_headers(
             &endpoints,
             body_end.map(|_| body.len()),
-            &[
-                (DIGESTS_HEADER, &digests),
-                (crate::access::REQUEST_ID, &self.request_id),
-            ],
+            &headers,
         )];
         if let Some(end) = body_end {
             replies.extend(envoy::body_chunks(Direction::Request, body, end));
@@ -549,7 +578,7 @@ impl Exchange {
 
     /// The stream ended (whatever the reason): count the request; dropping the exchange
     /// releases its load, body budget and admission slot.
-    pub(crate) fn finish(self) {
+    pub(crate) fn finish(mut self) {
         let status = match self.status {
             // Envoy closed the stream before any response: the client went away, or Envoy
             // gave up (its timeouts).
@@ -580,6 +609,15 @@ impl Exchange {
             key: "",
         };
         crate::access::log(&line);
+        if let Some(t) = self.trace.take() {
+            let error = match (&self.refused, line.status) {
+                (Some(e), s) if s >= 500 => Some(e.message.clone()),
+                (_, 499) => Some("the stream ended before the response".to_string()),
+                (_, s) if s >= 500 => Some(format!("status {s}")),
+                _ => None,
+            };
+            t.finish(span_attributes(&line, false), error);
+        }
         self.gw
             .metrics
             .recent

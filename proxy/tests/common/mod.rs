@@ -3,6 +3,8 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod extproc;
+pub mod netns;
+pub mod otlp;
 pub mod pki;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -40,7 +42,13 @@ pub struct Sim {
 
 impl Sim {
     pub fn start(name: &str, args: &[&str]) -> Sim {
-        let mut child = Command::new(bin("kvmesh-sim-engine"))
+        Sim::start_in(Command::new(bin("kvmesh-sim-engine")), name, args)
+    }
+
+    /// [`Sim::start`] by `cmd` (the sim's binary, or a wrapper such as `ip netns exec` that
+    /// runs it).
+    pub fn start_in(mut cmd: Command, name: &str, args: &[&str]) -> Sim {
+        let mut child = cmd
             .args(["--listen", "127.0.0.1:0", "--name", name])
             .args(args)
             .stdout(Stdio::piped())
@@ -218,21 +226,43 @@ impl Proxy {
         wait_ready: bool,
         log: Option<&std::path::Path>,
     ) -> Proxy {
-        let config =
-            std::env::temp_dir().join(format!("kvmesh-test-{}-{port}.toml", std::process::id()));
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        Proxy::start_in(
+            Command::new(bin("kvmesh-proxy")),
+            toml,
+            addr,
+            wait_ready,
+            log,
+        )
+    }
+
+    /// [`Proxy::start_logged`] by `cmd` (the proxy's binary, or a wrapper that runs it), its
+    /// configuration listening on `addr`.
+    pub fn start_in(
+        mut cmd: Command,
+        toml: &str,
+        addr: SocketAddr,
+        wait_ready: bool,
+        log: Option<&std::path::Path>,
+    ) -> Proxy {
+        let config = std::env::temp_dir().join(format!(
+            "kvmesh-test-{}-{}-{}.toml",
+            std::process::id(),
+            addr.ip(),
+            addr.port()
+        ));
         std::fs::write(&config, toml).unwrap();
         let stderr = match log {
             Some(p) => Stdio::from(std::fs::File::create(p).unwrap()),
             None => Stdio::inherit(),
         };
-        let child = Command::new(bin("kvmesh-proxy"))
+        let child = cmd
             .arg("--config")
             .arg(&config)
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
             .expect("spawn proxy");
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let p = Proxy {
             child,
             addr,
