@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Installs what building kvmesh needs on a fresh Debian machine: cmake (Pingora's zlib-ng).
+# Installs what building kvmesh needs on a fresh Debian machine: cmake (Pingora's zlib-ng),
+# iproute2 (the partition test).
 # The Rust toolchain is expected on PATH. Safe to run repeatedly.
 set -euo pipefail
 missing=()
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
 command -v cc >/dev/null 2>&1 || missing+=(gcc)
 command -v c++ >/dev/null 2>&1 || missing+=(g++)
+# The partition chaos test makes a network namespace (proxy/tests/sidecar.rs; needs root).
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}" >&2
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

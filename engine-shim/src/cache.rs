@@ -154,6 +154,16 @@ impl PrefixCache {
         evicted
     }
 
+    /// The digests held, most recently used first.
+    pub fn digests_most_recent_first(&self) -> Vec<Digest> {
+        self.blocks.iter().map(|(d, _)| *d).collect()
+    }
+
+    /// The block at `d`, if held (without touching LRU order).
+    pub fn peek(&self, d: &Digest) -> Option<&KvBlock> {
+        self.blocks.peek(d)
+    }
+
     /// Drops one block (if held).
     pub fn remove(&mut self, d: &Digest) {
         self.blocks.pop(d);

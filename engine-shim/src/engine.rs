@@ -175,6 +175,11 @@ pub trait BlockStore: Send {
     fn put(&mut self, blocks: Vec<(Digest, Vec<u8>)>);
     /// Fetches blocks in order, stopping at the first missing one.
     fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>>;
+    /// Whether the store reported, since the last call, that it lost what it held (kvagent
+    /// restarted or was cleared): the blocks still cached here should be written again.
+    fn lost(&mut self) -> bool {
+        false
+    }
 }
 
 /// Live counters the HTTP side reads for `/metrics`.
@@ -206,6 +211,9 @@ pub struct Stats {
     pub writethrough_dropped_blocks: AtomicU64,
     /// Write-through `PutBlocks` calls that failed or timed out.
     pub writethrough_failed: AtomicU64,
+    /// Times kvagent was found to have lost its blocks (a new `kv_epoch`) and the cached
+    /// blocks were written through again.
+    pub writethrough_resyncs: AtomicU64,
 }
 
 /// The worker's state.
@@ -302,6 +310,7 @@ impl Worker {
     /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
     /// in chunks; returns the last position's logits and the cached token count.
     fn prefill(&mut self, prompt: &[u32], salt: &str, kv: &mut KvCache) -> (Tensor, usize) {
+        self.resync_if_lost();
         let chain = if salt.is_empty() {
             token_chain(&self.ns, prompt, BLOCK_TOKENS)
         } else {
@@ -363,6 +372,35 @@ impl Worker {
             logits.unwrap_or_else(|| Tensor::zeros([1, 1], (Kind::Float, tch::Device::Cpu))),
             cached,
         )
+    }
+
+    /// kvagent lost its blocks (restarted, or cleared): every block cached here, most recently
+    /// used first, is written through again, in batches, so that other engines can page
+    /// whole chains in again (without it, the leading blocks every prompt shares, such as
+    /// the chat template's system prompt, would stay missing there for as long as they stay
+    /// cached here). Batches that do not fit the write-through bound are dropped and counted.
+    fn resync_if_lost(&mut self) {
+        let Some(store) = self.store.as_mut() else {
+            return;
+        };
+        if !store.lost() {
+            return;
+        }
+        self.stats
+            .writethrough_resyncs
+            .fetch_add(1, Ordering::Relaxed);
+        let digests: Vec<Digest> = self.cache.digests_most_recent_first();
+        tracing::info!(
+            blocks = digests.len(),
+            "kvagent lost its blocks (new kv_epoch): writing the cached ones again"
+        );
+        for batch in digests.chunks(RESYNC_BATCH) {
+            let blocks = batch
+                .iter()
+                .filter_map(|d| self.cache.peek(d).map(|b| (*d, b.to_bytes())))
+                .collect();
+            store.put(blocks);
+        }
     }
 
     /// Prefill and decode; returns the events still to send (empty when the client left).
@@ -480,6 +518,9 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
 
 /// Temperatures below this are greedy: dividing logits by less overflows f32 (vLLM's
 /// `_SAMPLING_EPS`).
+/// Blocks per write-through call when the whole cache is written again ([`Worker::resync_if_lost`]).
+const RESYNC_BATCH: usize = 16;
+
 const MIN_TEMPERATURE: f64 = 1e-5;
 
 /// Greedy at temperature 0 (or below [`MIN_TEMPERATURE`]); otherwise the temperature-scaled

@@ -16,7 +16,7 @@
 //! dropped (counted in `engine_shim_kv_writethrough_dropped_blocks_total`), never waited for.
 
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -234,6 +234,25 @@ pub struct KvagentStore {
     limits: Limits,
     put_permits: Arc<Semaphore>,
     stats: Arc<Stats>,
+    /// The `kv_epoch` kvagent last answered a write with (0: none yet), and whether a write
+    /// was answered with another: kvagent restarted or was cleared since.
+    epoch: Arc<EpochWatch>,
+}
+
+/// What write-through answers say of kvagent's epoch.
+#[derive(Default)]
+struct EpochWatch {
+    last: AtomicU64,
+    changed: AtomicBool,
+}
+
+impl EpochWatch {
+    fn saw(&self, epoch: u64) {
+        let before = self.last.swap(epoch, Ordering::Relaxed);
+        if before != 0 && before != epoch {
+            self.changed.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 impl KvagentStore {
@@ -258,6 +277,7 @@ impl KvagentStore {
             put_permits: Arc::new(Semaphore::new(permits)),
             limits,
             stats,
+            epoch: Arc::default(),
         }
     }
 }
@@ -293,6 +313,7 @@ impl BlockStore for KvagentStore {
         let mut client = self.client.clone();
         let timeout = self.limits.put_timeout;
         let stats = self.stats.clone();
+        let epoch = self.epoch.clone();
         self.rt.spawn(async move {
             let _permit = permit;
             let mut rest = sealed;
@@ -300,7 +321,10 @@ impl BlockStore for KvagentStore {
                 let tail = rest.split_off(rest.len().min(PUT_BATCH));
                 let req = kvagent::pb::PutBlocksRequest { blocks: rest };
                 let failed = match tokio::time::timeout(timeout, client.put_blocks(req)).await {
-                    Ok(Ok(_)) => None,
+                    Ok(Ok(r)) => {
+                        epoch.saw(r.into_inner().kv_epoch);
+                        None
+                    }
                     Ok(Err(e)) => Some(e.to_string()),
                     Err(_) => Some(format!("no answer within {} ms", timeout.as_millis())),
                 };
@@ -312,6 +336,10 @@ impl BlockStore for KvagentStore {
                 rest = tail;
             }
         });
+    }
+
+    fn lost(&mut self) -> bool {
+        self.epoch.changed.swap(false, Ordering::Relaxed)
     }
 
     fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
@@ -390,6 +418,21 @@ mod tests {
             token_count: tc,
             payload: payload.into(),
         }
+    }
+
+    #[test]
+    fn a_new_epoch_after_the_first_is_reported_once() {
+        let w = EpochWatch::default();
+        w.saw(5);
+        w.saw(5);
+        assert!(
+            !w.changed.load(Ordering::Relaxed),
+            "the first epoch is no change"
+        );
+        w.saw(9);
+        assert!(w.changed.swap(false, Ordering::Relaxed));
+        w.saw(9);
+        assert!(!w.changed.load(Ordering::Relaxed));
     }
 
     #[test]

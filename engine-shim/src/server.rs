@@ -174,6 +174,7 @@ fn metrics(app: &App) -> String {
          # TYPE engine_shim_kv_pagein_errors_total counter\nengine_shim_kv_pagein_errors_total {}\n\
          # TYPE engine_shim_kv_writethrough_dropped_blocks_total counter\nengine_shim_kv_writethrough_dropped_blocks_total {}\n\
          # TYPE engine_shim_kv_writethrough_failed_total counter\nengine_shim_kv_writethrough_failed_total {}\n\
+         # TYPE engine_shim_kv_writethrough_resyncs_total counter\nengine_shim_kv_writethrough_resyncs_total {}\n\
          # TYPE engine_shim_kv_pagein_rejected_total counter\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
@@ -186,6 +187,7 @@ fn metrics(app: &App) -> String {
         s.pagein_errors.load(Ordering::Relaxed),
         s.writethrough_dropped_blocks.load(Ordering::Relaxed),
         s.writethrough_failed.load(Ordering::Relaxed),
+        s.writethrough_resyncs.load(Ordering::Relaxed),
     );
     for r in RejectReason::ALL {
         let n = s

@@ -72,6 +72,16 @@ pub struct Line<'a> {
     pub key: &'a str,
 }
 
+/// The first `max` bytes of `s` at most, cut at a character boundary (what clients send is
+/// shown or recorded only this far: the dashboard, span attributes).
+pub fn prefix(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Writes `l` at info level under target `kvmesh::access`.
 pub fn log(l: &Line<'_>) {
     tracing::info!(

@@ -452,6 +452,12 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
     /// Longest wait for any read from an engine (first byte included), seconds.
     pub read_timeout_secs: u64,
+    /// Most milliseconds bytes sent to an engine or peer may stay unacknowledged by its TCP
+    /// stack before the connection counts as dead (Linux `TCP_USER_TIMEOUT`, with keepalive
+    /// probes on idle pooled connections). Bounds how long a request sent to a host that fell
+    /// off the network waits (else up to `read_timeout_secs`); it is then failed over as a
+    /// broken connection. 0: the system's default (many minutes).
+    pub tcp_user_timeout_ms: u64,
     /// Most engines tried for one request (failover happens only before the first response byte).
     pub max_attempts: u32,
     /// PEM CA bundle that `https://` engines and peers are verified against. Empty: the system's
@@ -469,6 +475,7 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             connect_timeout_ms: 1000,
             read_timeout_secs: 600,
+            tcp_user_timeout_ms: 5000,
             max_attempts: 3,
             ca_file: String::new(),
             client_cert_file: String::new(),
@@ -788,6 +795,13 @@ impl ProxyConfig {
         }
         if self.upstream.connect_timeout_ms == 0 || self.upstream.read_timeout_secs == 0 {
             p.push("`upstream` timeouts must be > 0".into());
+        }
+        // TCP_USER_TIMEOUT takes milliseconds as a u32.
+        if self.upstream.tcp_user_timeout_ms > 3_600_000 {
+            p.push(format!(
+                "`upstream.tcp_user_timeout_ms` ({}) must be at most 3600000 (an hour)",
+                self.upstream.tcp_user_timeout_ms
+            ));
         }
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
             p.push("`health` interval and timeout must be > 0".into());

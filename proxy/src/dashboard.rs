@@ -108,11 +108,7 @@ const STATUS_TTL: Duration = Duration::from_secs(1);
 
 /// `s` cut to at most [`MAX_TEXT`] bytes, at a character boundary.
 fn cut(s: &str) -> String {
-    let mut end = s.len().min(MAX_TEXT);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
+    crate::access::prefix(s, MAX_TEXT).to_string()
 }
 
 /// The nearest-rank percentile `q` (0..=1) of sorted `v`.

@@ -313,12 +313,15 @@ fn main() -> anyhow::Result<()> {
     if let Some(g) = gossip {
         server.add_service(background_service("gossip", g));
     }
-    if let Some(otel) = otel {
-        server.add_service(background_service("otel", FlushAtShutdown(otel)));
-    }
     // The address was bindable a moment ago (probe_listen); Pingora binds it as it starts.
     tracing::info!(%listen, tls = listener_tls_on, "kvmesh-proxy listening");
-    server.run_forever()
+    // Returns once every service and runtime has stopped (requests drained).
+    server.run(pingora::server::RunArgs::default());
+    // What the drained requests traced leaves now.
+    if let Some(o) = otel {
+        o.shutdown();
+    }
+    std::process::exit(0)
 }
 
 /// The `[otel]` pipeline, when `otel.endpoint` is set.
@@ -329,22 +332,6 @@ fn start_otel(gateway: &Gateway) -> anyhow::Result<Option<Arc<Otel>>> {
         tracing::info!(endpoint = %cfg.endpoint, sample_ratio = cfg.sample_ratio, "exporting traces over OTLP");
     }
     Ok(otel.map(Arc::new))
-}
-
-/// Pingora ends the process after the drain without dropping the services: from the shutdown
-/// signal on, spans are flushed often, so that those of the requests drained still leave.
-struct FlushAtShutdown(Arc<Otel>);
-
-#[async_trait]
-impl BackgroundService for FlushAtShutdown {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let _ = shutdown.changed().await;
-        loop {
-            let otel = self.0.clone();
-            tokio::task::spawn_blocking(move || otel.flush()).await.ok();
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
 }
 
 /// Where the configuration came from, for reloading it.
@@ -471,7 +458,7 @@ fn run_picker(
             } => tracing::warn!("drain timeout reached; closing the streams still open"),
         }
         if let Some(o) = otel {
-            tokio::task::spawn_blocking(move || o.flush()).await.ok();
+            tokio::task::spawn_blocking(move || o.shutdown()).await.ok();
         }
         Ok(())
     })

@@ -19,10 +19,10 @@ use std::time::{Duration, SystemTime};
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{
-    Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
+    Link, Span as _, SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_otlp::WithExportConfig;
+use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{
@@ -40,22 +40,35 @@ pub enum OtelError {
     /// The exporter's runtime could not start.
     #[error("cannot start the OTLP exporter's runtime: {0}")]
     Runtime(std::io::Error),
-    /// The OTLP exporter could not be built from `otel.endpoint`.
-    #[error("`otel.endpoint` = {endpoint:?}: {message}")]
-    Exporter {
+    /// `otel.endpoint` is not a URI tonic can dial.
+    #[error("`otel.endpoint` = {endpoint:?}: {source}")]
+    Endpoint {
         /// The endpoint.
         endpoint: String,
         /// Why.
-        message: String,
+        source: tonic::transport::Error,
     },
+    /// The OTLP exporter could not be built.
+    #[error("the OTLP exporter: {0}")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
 }
+
+/// Most bytes of a client-supplied string recorded in a span (paths, model names, messages
+/// quoting them): a span's cost stays bounded whatever a client sends.
+pub const MAX_ATTRIBUTE_BYTES: usize = 256;
+
+/// Longest wait for the last export at shutdown.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// The tracer and its export pipeline. Dropping it flushes what is queued (bounded by
 /// `otel.export_timeout_ms`).
 pub struct Otel {
     tracer: SdkTracer,
     provider: SdkTracerProvider,
-    timeout: Duration,
+    /// Whether a caller's `traceparent` is followed (`otel.trust_client_context`).
+    trust_clients: bool,
+    /// Set once shut down.
+    down: std::sync::atomic::AtomicBool,
     /// Runs the gRPC client's connection; stopped last.
     runtime: Option<tokio::runtime::Runtime>,
 }
@@ -80,20 +93,25 @@ impl Otel {
             .build()
             .map_err(OtelError::Runtime)?;
         let timeout = Duration::from_millis(cfg.export_timeout_ms);
-        // The tonic channel spawns its connection task on the runtime it is built in (entered,
-        // not blocked on: the picker calls this from inside its own runtime).
+        // Connecting is bounded too (a collector that black-holes SYNs must not hold the
+        // export thread past the timeout). The channel spawns its connection task on the
+        // runtime it is built in: entered, not blocked on (the picker calls this from inside
+        // its own runtime).
+        let endpoint = tonic::transport::Endpoint::from_shared(cfg.endpoint.clone())
+            .map_err(|source| OtelError::Endpoint {
+                endpoint: cfg.endpoint.clone(),
+                source,
+            })?
+            .connect_timeout(timeout)
+            .timeout(timeout);
         let exporter = {
             let _in = runtime.enter();
             opentelemetry_otlp::SpanExporter::builder()
                 .with_tonic()
-                .with_endpoint(cfg.endpoint.clone())
+                .with_channel(endpoint.connect_lazy())
                 .with_timeout(timeout)
-                .build()
-        }
-        .map_err(|e| OtelError::Exporter {
-            endpoint: cfg.endpoint.clone(),
-            message: e.to_string(),
-        })?;
+                .build()?
+        };
         let exporter = Counted {
             inner: exporter,
             exported: spans.with_label_values(&["exported"]),
@@ -126,29 +144,43 @@ impl Otel {
         Ok(Some(Otel {
             tracer,
             provider,
-            timeout,
+            trust_clients: cfg.trust_client_context,
+            down: std::sync::atomic::AtomicBool::new(false),
             runtime: Some(runtime),
         }))
     }
 
-    /// Starts the trace of one API request, a child of the caller's `traceparent` (with its
-    /// `tracestate`) when it sends a valid one.
+    /// Starts the trace of one API request from its `traceparent` and `tracestate`. The
+    /// request span is a child of that context when it comes from a peer proxy (`peer`: a
+    /// trusted hop) or `otel.trust_client_context` is on; otherwise it starts a new trace
+    /// (sampled by `otel.sample_ratio`) and only links to the caller's span, so that a client
+    /// can neither force sampling nor write into another trace.
     pub fn request(
         &self,
         traceparent: Option<&str>,
         tracestate: Option<&str>,
+        peer: bool,
         attributes: Vec<KeyValue>,
     ) -> RequestTrace {
-        let parent = TraceContextPropagator::new().extract(&Incoming {
+        let caller = TraceContextPropagator::new().extract(&Incoming {
             traceparent,
             tracestate,
         });
-        let span = self
+        let builder = self
             .tracer
             .span_builder("kvmesh.request")
             .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
-            .start_with_context(&self.tracer, &parent);
+            .with_attributes(attributes);
+        let remote = caller.span().span_context().clone();
+        let (parent, builder) = if peer || self.trust_clients || !remote.is_valid() {
+            (caller, builder)
+        } else {
+            (
+                Context::new(),
+                builder.with_links(vec![Link::with_context(remote)]),
+            )
+        };
+        let span = builder.start_with_context(&self.tracer, &parent);
         RequestTrace {
             tracer: self.tracer.clone(),
             request: parent.with_span(span),
@@ -157,19 +189,21 @@ impl Otel {
         }
     }
 
-    /// Exports what is queued now, waiting at most `otel.export_timeout_ms` (blocking).
-    pub fn flush(&self) {
-        if let Err(e) = self.provider.force_flush() {
-            tracing::warn!(error = %e, "OTLP export failed while flushing");
+    /// Exports what is queued and stops the pipeline, waiting at most 5 s (blocking: call it
+    /// once requests have drained). Spans ended afterwards are not exported.
+    pub fn shutdown(&self) {
+        if self.down.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = self.provider.shutdown_with_timeout(SHUTDOWN_WAIT) {
+            tracing::warn!(error = %e, "OTLP exporter shut down with spans unexported");
         }
     }
 }
 
 impl Drop for Otel {
     fn drop(&mut self) {
-        if let Err(e) = self.provider.shutdown_with_timeout(self.timeout) {
-            tracing::warn!(error = %e, "OTLP exporter shut down with spans unexported");
-        }
+        self.shutdown();
         // Not a blocking drop: this may run inside another runtime.
         if let Some(rt) = self.runtime.take() {
             rt.shutdown_background();
@@ -189,11 +223,6 @@ pub struct RequestTrace {
 }
 
 impl RequestTrace {
-    /// Adds attributes to the request span.
-    pub fn set(&self, attributes: Vec<KeyValue>) {
-        self.request.span().set_attributes(attributes);
-    }
-
     /// Records a routing decision that began at `started` and ends now.
     pub fn route(&self, started: SystemTime, attributes: Vec<KeyValue>, error: Option<&str>) {
         let mut span = self
@@ -204,7 +233,9 @@ impl RequestTrace {
             .with_attributes(attributes)
             .start_with_context(&self.tracer, &self.request);
         if let Some(e) = error {
-            span.set_status(Status::error(e.to_string()));
+            span.set_status(Status::error(
+                crate::access::prefix(e, MAX_ATTRIBUTE_BYTES).to_string(),
+            ));
         }
         span.end();
     }
@@ -212,7 +243,7 @@ impl RequestTrace {
     /// Starts the span of a new attempt; one still open (an attempt that failed before its
     /// answer) ends first, as failed.
     pub fn attempt(&mut self, attributes: Vec<KeyValue>) {
-        self.attempt_failed(Some("failed before answering"));
+        self.attempt_failed("failed before answering");
         self.end_attempt();
         let span = self
             .tracer
@@ -226,8 +257,8 @@ impl RequestTrace {
 
     /// Marks the current attempt failed (`why`; its first cause is kept), leaving it open until
     /// the next attempt or the end of the request.
-    pub fn attempt_failed(&mut self, why: Option<&str>) {
-        if let (Some(a), Some(why), false) = (self.attempt.as_ref(), why, self.attempt_failed) {
+    pub fn attempt_failed(&mut self, why: &str) {
+        if let (Some(a), false) = (self.attempt.as_ref(), self.attempt_failed) {
             a.span().set_status(Status::error(why.to_string()));
             self.attempt_failed = true;
         }
@@ -248,6 +279,8 @@ impl RequestTrace {
         let mut out = Injected(Vec::new());
         let cx = self.attempt.as_ref().unwrap_or(&self.request);
         TraceContextPropagator::new().inject_context(cx, &mut out);
+        // An empty `tracestate` is no state: not sent.
+        out.0.retain(|(_, v)| !v.is_empty());
         out.0
     }
 
@@ -257,16 +290,48 @@ impl RequestTrace {
         }
     }
 
-    /// Ends the request (and its open attempt) with `attributes`; `error` marks both failed.
-    pub fn finish(mut self, attributes: Vec<KeyValue>, error: Option<String>) {
-        self.attempt_failed(error.as_deref());
+    /// Ends the request (and its open attempt) with `attributes`. A failed request's span
+    /// carries `failure`'s message; so does the open attempt's when the engine's side failed
+    /// (not when only the client went away).
+    pub fn finish(mut self, attributes: Vec<KeyValue>, failure: Option<Failure>) {
+        if let Some(f) = failure.as_ref().filter(|f| f.upstream) {
+            self.attempt_failed(&f.message);
+        }
         self.end_attempt();
         let span = self.request.span();
         span.set_attributes(attributes);
-        if let Some(e) = error {
-            span.set_status(Status::error(e));
+        if let Some(f) = failure {
+            span.set_status(Status::error(f.message));
         }
         span.end();
+    }
+}
+
+/// Why a traced request failed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Failure {
+    /// What the span says (cut to [`MAX_ATTRIBUTE_BYTES`]).
+    pub message: String,
+    /// The engine's (or peer's) side failed: its attempt is marked too.
+    pub upstream: bool,
+}
+
+impl Failure {
+    /// The failure of a request answered `status`: `refusal` is the proxy's own error message
+    /// if it refused; `cut` says the engine's answer broke off after its first byte. `None`
+    /// for a success or a client's error (4xx but 499).
+    pub fn of(status: u16, refusal: Option<&str>, cut: bool) -> Option<Failure> {
+        let (message, upstream) = match (cut, refusal, status) {
+            (true, _, _) => ("the engine's answer broke off".to_string(), true),
+            (false, _, 499) => ("the client went away".to_string(), false),
+            (false, Some(m), s) if s >= 500 => (m.to_string(), true),
+            (false, None, s) if s >= 500 => (format!("status {s}"), true),
+            _ => return None,
+        };
+        Some(Failure {
+            message: crate::access::prefix(&message, MAX_ATTRIBUTE_BYTES).to_string(),
+            upstream,
+        })
     }
 }
 
@@ -388,7 +453,7 @@ pub fn span_attributes(line: &crate::access::Line<'_>, hop: bool) -> Vec<KeyValu
         ("kvmesh.route.reason", line.reason),
     ] {
         if !value.is_empty() {
-            a.push(attr(key, value.to_string()));
+            a.push(client_attr(key, value));
         }
     }
     if let Some(t) = line.ttft {
@@ -417,4 +482,12 @@ pub fn millis(d: Duration) -> f64 {
 /// An attribute from a string that may be borrowed.
 pub fn attr(key: &'static str, value: impl Into<Cow<'static, str>>) -> KeyValue {
     KeyValue::new(key, value.into())
+}
+
+/// An attribute from a client-supplied string, cut to [`MAX_ATTRIBUTE_BYTES`].
+pub fn client_attr(key: &'static str, value: &str) -> KeyValue {
+    KeyValue::new(
+        key,
+        crate::access::prefix(value, MAX_ATTRIBUTE_BYTES).to_string(),
+    )
 }

@@ -131,23 +131,31 @@ impl Gateway {
         let Some(plan) = ctx.plan.as_ref() else {
             return Err(ApiError::new(ErrorKind::Internal, "no request plan"));
         };
-        let started = std::time::SystemTime::now();
-        let ranking = self.rank(&plan.facts);
-        if let Some(t) = ctx.trace.as_ref() {
-            let (attributes, error) = match &ranking {
-                Ok(r) => (self.route_attributes(&plan.facts, r), None),
-                Err(e) => (Vec::new(), Some(e.message.as_str())),
-            };
-            t.route(started, attributes, error);
-        }
-        let ranking = ranking?;
+        let ranking = self.rank_traced(&plan.facts, ctx.trace.as_ref())?;
         ctx.forward_reason = ranking.forward_reason;
         ctx.decision = Some((ranking.candidates, ranking.decision));
         Ok(())
     }
 
-    /// What a `kvmesh.route` span says of `ranking` (`[otel]`).
-    pub(crate) fn route_attributes(
+    /// [`Self::rank`], recorded as a `kvmesh.route` span of `trace` when there is one.
+    pub(crate) fn rank_traced(
+        &self,
+        facts: &RequestFacts,
+        trace: Option<&crate::otel::RequestTrace>,
+    ) -> std::result::Result<Ranking, ApiError> {
+        let started = std::time::SystemTime::now();
+        let ranking = self.rank(facts);
+        if let Some(t) = trace {
+            match &ranking {
+                Ok(r) => t.route(started, self.route_attributes(facts, r), None),
+                Err(e) => t.route(started, Vec::new(), Some(&e.message)),
+            }
+        }
+        ranking
+    }
+
+    /// What a `kvmesh.route` span says of `ranking`.
+    fn route_attributes(
         &self,
         facts: &RequestFacts,
         ranking: &Ranking,
@@ -155,7 +163,7 @@ impl Gateway {
         use crate::otel::attr;
         use opentelemetry::KeyValue;
         let mut a = vec![
-            attr("gen_ai.request.model", facts.model.clone()),
+            crate::otel::client_attr("gen_ai.request.model", &facts.model),
             attr("kvmesh.route.policy", self.live().router.policy().label()),
             attr("kvmesh.route.reason", ranking.decision.reason.label()),
             KeyValue::new("kvmesh.route.candidates", ranking.candidates.len() as i64),

@@ -58,7 +58,7 @@ use crate::feedback::UsageScan;
 use crate::fleet::{Dispatch, Engine, Fleet};
 use crate::metrics::labels as metrics_labels;
 use crate::metrics::Metrics;
-use crate::otel::{attr, millis, span_attributes, RequestTrace};
+use crate::otel::{attr, client_attr, millis, span_attributes, Failure, RequestTrace};
 use crate::plan::Plan;
 use crate::tls::{PeerIdentity, UpstreamTls};
 use crate::trust::HOP_HEADER;
@@ -298,20 +298,6 @@ impl Ctx {
     }
 }
 
-/// Why the request span failed, if it did: a server-side status (5xx), or the client gone or
-/// the answer cut (499).
-fn trace_error(line: &crate::access::Line<'_>, ctx: &Ctx) -> Option<String> {
-    if line.status < 499 {
-        return None;
-    }
-    Some(match (ctx.error.as_ref(), ctx.cut) {
-        (Some(e), _) => e.message.clone(),
-        (None, true) => "the engine's answer broke off".into(),
-        (None, false) if line.status == 499 => "the client went away".into(),
-        (None, false) => format!("status {}", line.status),
-    })
-}
-
 fn pingora_error(kind: ErrorKind, message: &str) -> Box<Error> {
     Error::explain(ErrorType::HTTPStatus(kind.status()), message.to_string())
 }
@@ -430,15 +416,18 @@ impl ProxyHttp for Gateway {
         if self.local(session, ctx, &path).await? {
             return Ok(true);
         }
-        if let Some(otel) = self.otel.as_ref() {
+        let endpoint = Endpoint::from_path(&path);
+        if let (Some(otel), Some(_)) = (self.otel.as_ref(), endpoint) {
             let h = &session.req_header().headers;
             let header = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+            let peer = h.contains_key(HOP_HEADER) && self.hop_trusted(session);
             ctx.trace = Some(otel.request(
                 header(crate::otel::TRACEPARENT),
                 header(crate::otel::TRACESTATE),
+                peer,
                 vec![
                     attr("http.request.method", ctx.access.method.clone()),
-                    attr("url.path", path.clone()),
+                    client_attr("url.path", &path),
                     attr("kvmesh.request_id", ctx.request_id.clone()),
                     attr("client.address", ctx.access.client.clone()),
                 ],
@@ -450,7 +439,7 @@ impl ProxyHttp for Gateway {
             .get(header::EXPECT)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.eq_ignore_ascii_case("100-continue"));
-        let Some(endpoint) = Endpoint::from_path(&path) else {
+        let Some(endpoint) = endpoint else {
             let e = ApiError::new(
                 ErrorKind::NotFound,
                 format!("no route for {} {path}", session.req_header().method),
@@ -634,6 +623,17 @@ impl ProxyHttp for Gateway {
             self.live().cfg.upstream.read_timeout_secs,
         ));
         peer.options.idle_timeout = Some(Duration::from_secs(60));
+        // A host that fell off the network never answers a reused connection: the unacked
+        // request bytes, or keepalive probes while it idles in the pool, end it instead.
+        let user_timeout = self.live().cfg.upstream.tcp_user_timeout_ms;
+        if user_timeout > 0 {
+            peer.options.tcp_keepalive = Some(pingora::protocols::TcpKeepalive {
+                idle: Duration::from_secs(10),
+                interval: Duration::from_secs(1),
+                count: 5,
+                user_timeout: Duration::from_millis(user_timeout),
+            });
+        }
         Ok(Box::new(peer))
     }
 
@@ -841,7 +841,7 @@ impl ProxyHttp for Gateway {
             self.fleet.mark_down(&engine);
         }
         if let Some(t) = ctx.trace.as_mut() {
-            t.attempt_failed(Some(&format!("cannot connect: {e}")));
+            t.attempt_failed(&format!("cannot connect: {e}"));
         }
         if self.can_retry(ctx) {
             self.metrics.retries.with_label_values(&["connect"]).inc();
@@ -860,7 +860,7 @@ impl ProxyHttp for Gateway {
     ) -> Box<Error> {
         let mut e = e.more_context(format!("engine {peer}"));
         if let Some(t) = ctx.trace.as_mut() {
-            t.attempt_failed(Some(&e.to_string()));
+            t.attempt_failed(&e.to_string());
         }
         // Replayable: Pingora still holds the body's tail, or has not read its end yet.
         let replayable = session.as_ref().get_retry_buffer().is_some() || !session.is_body_done();
@@ -993,10 +993,9 @@ impl ProxyHttp for Gateway {
         };
         crate::access::log(&line);
         if let Some(t) = ctx.trace.take() {
-            t.finish(
-                span_attributes(&line, ctx.local_only),
-                trace_error(&line, ctx),
-            );
+            let refusal = ctx.error.as_ref().map(|e| e.message.as_str());
+            let failure = Failure::of(code, refusal, ctx.cut);
+            t.finish(span_attributes(&line, ctx.local_only), failure);
         }
         // The operators' own requests (probes, scrapes, the dashboard's polls) are not traffic.
         if ctx.route != "admin" {

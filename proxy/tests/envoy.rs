@@ -764,7 +764,7 @@ mod grpc {
         let picker = Picker::start(
             &[&sims[0]],
             &format!(
-                "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\n",
+                "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\ntrust_client_context = true\n",
                 sink.endpoint()
             ),
         );
@@ -797,7 +797,7 @@ mod grpc {
             s.close();
             parent
         });
-        let spans = sink.trace(TRACE, 2);
+        let spans = sink.trace(TRACE, 1);
         let req = one(&spans, "kvmesh.request", None);
         assert_eq!(req["parent_span_id"], CALLER_SPAN);
         assert_eq!(req["kind"], "server");

@@ -18,9 +18,14 @@ const CALLER: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 const CALLER_TRACE: &str = "0af7651916cd43dd8448eb211c80319c";
 const CALLER_SPAN: &str = "b7ad6b7169203331";
 
+/// `[otel]` towards `sink`, following callers' contexts.
 fn otel_toml(sink: &OtlpSink) -> String {
+    otel_toml_with(sink, "trust_client_context = true\n")
+}
+
+fn otel_toml_with(sink: &OtlpSink, more: &str) -> String {
     format!(
-        "[otel]\nendpoint = \"{}\"\nservice_name = \"gw-under-test\"\nexport_interval_ms = 50\n",
+        "[otel]\nendpoint = \"{}\"\nservice_name = \"gw-under-test\"\nexport_interval_ms = 50\n{more}",
         sink.endpoint()
     )
 }
@@ -49,7 +54,7 @@ fn a_request_is_one_trace_from_the_callers_span_through_its_route_and_attempt_to
     assert_eq!(trace, CALLER_TRACE);
     assert_ne!(engine_parent, CALLER_SPAN);
 
-    let spans = sink.trace(CALLER_TRACE, 3);
+    let spans = sink.trace(CALLER_TRACE, 1);
     assert_eq!(spans.len(), 3, "{spans:#?}");
     let req = one(&spans, "kvmesh.request", None);
     assert_eq!(req["kind"], "server");
@@ -101,7 +106,7 @@ fn a_request_is_one_trace_from_the_callers_span_through_its_route_and_attempt_to
     assert_eq!(r.status, 200);
     let (trace, _) = traceparent(r.header("x-sim-traceparent").unwrap());
     assert_ne!(trace, CALLER_TRACE);
-    let spans = sink.trace(&trace, 3);
+    let spans = sink.trace(&trace, 1);
     let req = one(&spans, "kvmesh.request", None);
     assert_eq!(req["parent_span_id"], "", "a root span");
     let route = one(&spans, "kvmesh.route", None);
@@ -116,13 +121,26 @@ fn a_request_is_one_trace_from_the_callers_span_through_its_route_and_attempt_to
     assert!(eventually(Duration::from_secs(5), || {
         proxy.metric("kvmesh_otel_spans_total{outcome=\"exported\"}") >= 6.0
     }));
-    // Operators' endpoints are not traced.
+    // Operators' endpoints and unknown paths are not traced: after them, a traced request
+    // (the barrier) is all that arrives.
     let before = sink.spans().len();
     for _ in 0..3 {
         assert_eq!(get(proxy.addr, "/metrics").unwrap().status, 200);
     }
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(sink.spans().len(), before);
+    let r = request(
+        proxy.addr,
+        "POST",
+        "/v2/nothing",
+        b"{}",
+        Framing::Length,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(r.status, 404);
+    let r = chat_with(proxy.addr, "barrier", &[]);
+    let (trace, _) = traceparent(r.header("x-sim-traceparent").unwrap());
+    sink.trace(&trace, 1);
+    assert_eq!(sink.spans().len(), before + 3, "{:#?}", sink.spans());
 }
 
 #[test]
@@ -145,14 +163,12 @@ fn a_failed_attempt_is_its_own_failed_span_and_a_refusal_is_traced_with_its_stat
         assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
         let (trace, parent) = traceparent(r.header("x-sim-traceparent").unwrap());
         // Request, route and attempt spans; a failover adds one attempt.
-        sink.trace(&trace, 3);
-        std::thread::sleep(Duration::from_millis(300));
-        if sink.trace(&trace, 3).len() == 4 {
+        if sink.trace(&trace, 1).len() == 4 {
             failover = Some((trace, parent));
         }
     }
     let (trace, parent) = failover.expect("one of two round-robin requests met the dead engine");
-    let spans = sink.trace(&trace, 4);
+    let spans = sink.trace(&trace, 1);
     let failed = one(
         &spans,
         "kvmesh.upstream",
@@ -186,7 +202,7 @@ fn a_failed_attempt_is_its_own_failed_span_and_a_refusal_is_traced_with_its_stat
     )
     .unwrap();
     assert_eq!(r.status, 404);
-    let spans = sink.trace(CALLER_TRACE, 2);
+    let spans = sink.trace(CALLER_TRACE, 1);
     let req = one(&spans, "kvmesh.request", None);
     assert_eq!(attr(req, "http.response.status_code"), 404);
     assert_eq!(
@@ -273,4 +289,88 @@ fn check_config_names_a_bad_otel_table() {
         "{err}"
     );
     assert!(err.contains("`otel.sample_ratio`"), "{err}");
+}
+
+#[test]
+fn by_default_a_clients_context_is_only_a_link_and_cannot_force_sampling() {
+    let sink = OtlpSink::start(&[]);
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start(&otel_toml_with(&sink, ""), &[&sim], true);
+    let r = chat_with(proxy.addr, "hi", &[("traceparent", CALLER)]);
+    assert_eq!(r.status, 200);
+    let (trace, _) = traceparent(r.header("x-sim-traceparent").unwrap());
+    assert_ne!(trace, CALLER_TRACE, "a new trace");
+    let spans = sink.trace(&trace, 1);
+    let req = one(&spans, "kvmesh.request", None);
+    assert_eq!(req["parent_span_id"], "");
+    assert_eq!(
+        req["links"],
+        json!([{"trace_id": CALLER_TRACE, "span_id": CALLER_SPAN}])
+    );
+
+    // sample_ratio = 0: a client saying "sampled" records nothing, and the engine is told
+    // "not sampled"; malformed or oversized contexts are ignored. Every request is served.
+    let proxy = Proxy::start(
+        &otel_toml_with(&sink, "sample_ratio = 0.0\n"),
+        &[&sim],
+        true,
+    );
+    let huge = format!("00-{}-{CALLER_SPAN}-01", "a".repeat(4000));
+    for tp in [CALLER, "00-zz-yy-01", "garbage", huge.as_str()] {
+        let r = chat_with(
+            proxy.addr,
+            "hi",
+            &[("traceparent", tp), ("tracestate", "k=v")],
+        );
+        assert_eq!(r.status, 200);
+        let sent = r.header("x-sim-traceparent").unwrap();
+        assert!(sent.ends_with("-00"), "{tp} -> {sent}");
+        assert_ne!(traceparent(sent).0, CALLER_TRACE);
+    }
+    let r = chat_with(proxy.addr, "hi", &[]);
+    assert!(r.header("x-sim-traceparent").unwrap().ends_with("-00"));
+    assert_eq!(
+        proxy.metric("kvmesh_otel_spans_total{outcome=\"ended\"}"),
+        0.0
+    );
+}
+
+#[test]
+fn a_stream_the_engine_cuts_is_a_failed_request_and_a_failed_attempt() {
+    let sink = OtlpSink::start(&[]);
+    // 8 ms a token: the kill lands mid-answer.
+    let mut sim = Sim::start("slow", &[]);
+    let proxy = Proxy::start(&otel_toml(&sink), &[&sim], true);
+    let body = chat_body(
+        "sim-model",
+        "tell me a long story",
+        r#","stream":true,"max_tokens":400"#,
+    );
+    let mut s = start_request(
+        proxy.addr,
+        "POST",
+        CHAT,
+        &body,
+        Framing::Length,
+        &[("traceparent", CALLER)],
+    )
+    .unwrap();
+    assert_eq!(s.status, 200);
+    s.next_piece().unwrap();
+    sim.kill();
+    while let Ok(Some(_)) = s.next_piece() {}
+    let spans = sink.trace(CALLER_TRACE, 1);
+    let req = one(&spans, "kvmesh.request", None);
+    assert_eq!(req["status"]["code"], 2, "{req:#}");
+    assert_eq!(req["status"]["message"], "the engine's answer broke off");
+    let up = one(&spans, "kvmesh.upstream", None);
+    assert_eq!(up["status"]["code"], 2, "{up:#}");
+    assert!(
+        up["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "first_byte"),
+        "{up:#}"
+    );
 }

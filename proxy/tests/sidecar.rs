@@ -681,7 +681,7 @@ fn one_trace_follows_a_request_across_the_hop_to_a_peer_sidecar() {
     const CALLER_SPAN: &str = "00f067aa0ba902b7";
     let sink = OtlpSink::start(&[]);
     let otel = format!(
-        "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\n",
+        "[otel]\nendpoint = \"{}\"\nexport_interval_ms = 50\ntrust_client_context = true\n",
         sink.endpoint()
     );
     let (_sims, nodes) = cluster_with(
@@ -717,7 +717,7 @@ fn one_trace_follows_a_request_across_the_hop_to_a_peer_sidecar() {
     assert_eq!(trace, CALLER_TRACE);
 
     // a: request, route, attempt to c's proxy; c: request, route, attempt to its engine.
-    let spans = sink.trace(CALLER_TRACE, 6);
+    let spans = sink.trace(CALLER_TRACE, 2);
     assert_eq!(spans.len(), 6, "{spans:#?}");
     // For the docs' sample trace (docs/observability.md).
     if let Some(path) = std::env::var_os("KVMESH_TRACE_DUMP") {
@@ -755,4 +755,191 @@ fn one_trace_follows_a_request_across_the_hop_to_a_peer_sidecar() {
     );
     let c_route = child(&spans, "kvmesh.route", c_req);
     assert_eq!(c_route["attributes"]["kvmesh.engine"], "engine-c");
+}
+
+/// A sidecar's configuration on `ip` (listen `port`, gossip `gossip`), seeded by `seed`, with
+/// hops accepted from members (peers reach each other beyond loopback).
+fn sidecar_toml_on(
+    name: &str,
+    ip: &str,
+    port: u16,
+    gossip: u16,
+    seed: &str,
+    engine: SocketAddr,
+) -> String {
+    format!(
+        r#"listen = "{ip}:{port}"
+mode = "sidecar"
+threads = 2
+log = "error"
+[health]
+interval_ms = 200
+[upstream]
+connect_timeout_ms = 300
+[cluster]
+enabled = true
+cluster_id = "test"
+node_id = "{name}"
+gossip_listen = "{ip}:{gossip}"
+seeds = ["{seed}"]
+gossip_interval_ms = 100
+gossip_keys = ["{GOSSIP_KEY}"]
+[sidecar]
+peer_down_secs = 2
+accept_hop_from = "members"
+[[engines]]
+name = "engine-{name}"
+url = "http://{engine}"
+"#
+    )
+}
+
+/// `GET url` (or a JSON POST of `body`) from inside `ns`, by python3's urllib: the status line
+/// and body, or the error.
+fn from_inside(ns: &common::netns::Netns, url: &str, body: Option<&[u8]>) -> String {
+    let data = match body {
+        Some(b) => format!("{:?}.encode()", String::from_utf8_lossy(b)),
+        None => "None".into(),
+    };
+    let script = format!(
+        "import urllib.request\nreq = urllib.request.Request({url:?}, data={data}, headers={{'content-type': 'application/json'}})\ntry:\n r = urllib.request.urlopen(req, timeout=5)\n print(r.status, r.headers.get('x-kvmesh-engine'))\n print(r.read().decode())\nexcept Exception as e:\n print('error', e)"
+    );
+    let out = ns
+        .command(std::path::Path::new("python3"))
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Chaos: sidecar c, in a network namespace of its own, is partitioned from a and b (the link
+/// cut: gossip and HTTP alike), then the partition heals. Clients of a never see an error:
+/// requests a would have forwarded to c fail over to another engine (a broken pooled
+/// connection ends after `upstream.tcp_user_timeout_ms`), then go elsewhere once gossip
+/// declares c dead; c keeps serving its own clients alone. Healed, c is a peer again and a
+/// forwards there the prefix c's engine took while cut off. Nothing leaks in a.
+#[test]
+fn a_partitioned_sidecar_is_routed_around_and_taken_back_when_the_partition_heals() {
+    let ns = common::netns::Netns::new();
+    let host = ns.host_ip.to_string();
+    let inside = ns.inside_ip.to_string();
+    let sim_a = Sim::instant("engine-a");
+    let sim_b = Sim::instant("engine-b");
+    let sim_c = Sim::start_in(
+        ns.command(&bin("kvmesh-sim-engine")),
+        "engine-c",
+        &["--instant"],
+    );
+    let (ga, gb) = (udp_port(), udp_port());
+    let seed = format!("{host}:{ga}");
+    let start = |name: &str, ip: &str, port: u16, gossip: u16, engine: SocketAddr, cmd| {
+        let toml = sidecar_toml_on(name, ip, port, gossip, &seed, engine);
+        let addr: SocketAddr = format!("{ip}:{port}").parse().unwrap();
+        Proxy::start_in(cmd, &toml, addr, true, None)
+    };
+    let proxy_bin = bin("kvmesh-proxy");
+    let a = start(
+        "a",
+        &host,
+        free_port(),
+        ga,
+        sim_a.addr,
+        Command::new(&proxy_bin),
+    );
+    let b = start(
+        "b",
+        &host,
+        free_port(),
+        gb,
+        sim_b.addr,
+        Command::new(&proxy_bin),
+    );
+    // A fresh namespace: any port is free in it.
+    let c = start("c", &inside, 8080, 7946, sim_c.addr, ns.command(&proxy_bin));
+    let peers = |p: &Proxy| p.metric("kvmesh_gossip_peers");
+    let residency_of_c = |p: &Proxy| p.metric("kvmesh_engine_residency_digests{engine=\"c\"}");
+    wait_for("every sidecar admits 2 peers", 30, || {
+        [&a, &b, &c]
+            .iter()
+            .all(|p| peers(p) == 2.0 && p.metric("kvmesh_engine_healthy") == 3.0)
+    });
+    let prefix = text(11, 8000);
+    let body = |q: usize| chat_body("sim-model", &format!("{prefix} q{q}"), r#","max_tokens":2"#);
+    let r = post(c.addr, CHAT, &body(0));
+    assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
+    wait_for("a learns c's residency", 20, || residency_of_c(&a) > 0.0);
+    let r = post(a.addr, CHAT, &body(1));
+    assert_eq!(r.header("x-kvmesh-peer"), Some("c"));
+    let baseline = fds(a.child.id());
+
+    ns.set_link(false);
+    // Until gossip says c is gone: every request answered, by a's own engine.
+    let mut during = 0;
+    let mut slowest = Duration::ZERO;
+    let cut_at = Instant::now();
+    let deadline = cut_at + Duration::from_secs(30);
+    while peers(&a) != 1.0 || peers(&b) != 1.0 || residency_of_c(&a) != 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "c not declared gone: peers a {} b {}, c's residency in a {}",
+            peers(&a),
+            peers(&b),
+            residency_of_c(&a)
+        );
+        let sent = Instant::now();
+        let r = post(a.addr, CHAT, &body(2 + during));
+        slowest = slowest.max(sent.elapsed());
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        assert_ne!(r.header("x-kvmesh-engine"), Some("engine-c"));
+        during += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let gone_after = cut_at.elapsed();
+    assert!(during >= 1);
+    // The first, on a pooled connection or a new one, failed over to a's engine.
+    assert!(a.metric("kvmesh_upstream_retries_total") >= 1.0);
+    // c, alone, sees no peer and still serves its own clients.
+    wait_for("c sees no peer", 30, || {
+        let m = from_inside(&ns, &format!("http://{inside}:8080/metrics"), None);
+        m.starts_with("200") && metric_sum(&m, "kvmesh_gossip_peers ") == 0.0
+    });
+    // A prefix only c's engine will hold: taken while c was cut off.
+    let alone = text(12, 8000);
+    let alone_body =
+        |q: usize| chat_body("sim-model", &format!("{alone} q{q}"), r#","max_tokens":2"#);
+    let answer = from_inside(
+        &ns,
+        &format!("http://{inside}:8080{CHAT}"),
+        Some(&alone_body(0)),
+    );
+    assert!(answer.starts_with("200 engine-c"), "{answer}");
+
+    ns.set_link(true);
+    wait_for("c is a peer again, with its residency", 60, || {
+        peers(&a) == 2.0 && peers(&b) == 2.0 && peers(&c) == 2.0 && residency_of_c(&a) > 0.0
+    });
+    let r = post(a.addr, CHAT, &alone_body(1));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-kvmesh-peer"), Some("c"), "forwarded to c again");
+    let settled = eventually(Duration::from_secs(10), || {
+        a.metric("kvmesh_inflight_requests") == 0.0
+            && a.metric("kvmesh_engine_inflight") == 0.0
+            && a.metric("kvmesh_engine_pending_prefill_bytes") == 0.0
+            && fds(a.child.id()) <= baseline + 4
+    });
+    assert!(
+        settled,
+        "a leaked: fds {} (baseline {baseline})",
+        fds(a.child.id())
+    );
+    eprintln!(
+        "partition: {during} requests through a in the {:.1} s until c was declared gone, all 200, \
+         slowest {} ms; retries {:?}",
+        gone_after.as_secs_f64(),
+        slowest.as_millis(),
+        (
+            a.metric("kvmesh_upstream_retries_total{cause=\"connect\"}"),
+            a.metric("kvmesh_upstream_retries_total{cause=\"proxy\"}")
+        )
+    );
 }

@@ -22,7 +22,8 @@ use serde_json::{json, Map, Value};
 #[derive(Parser, Debug)]
 #[command(about = "OTLP/gRPC trace receiver printing each span as a JSON line (test instrument)")]
 struct Args {
-    /// Address to serve OTLP/gRPC on.
+    /// Address to serve OTLP/gRPC on (port 0: any free one). The address bound is the first
+    /// line on stderr: `kvmesh-otlp-sink listening on http://ADDR`.
     #[arg(long, default_value = "127.0.0.1:4317")]
     listen: SocketAddr,
     /// Refuse every export with UNAVAILABLE (to test an exporter's failure path).
@@ -58,6 +59,11 @@ impl TraceService for Sink {
                         .iter()
                         .map(|e| json!({"name": e.name, "attributes": attributes(&e.attributes)}))
                         .collect();
+                    let links: Vec<Value> = s
+                        .links
+                        .iter()
+                        .map(|l| json!({"trace_id": hex::encode(&l.trace_id), "span_id": hex::encode(&l.span_id)}))
+                        .collect();
                     let line = json!({
                         "service": service,
                         "resource": resource,
@@ -70,6 +76,7 @@ impl TraceService for Sink {
                         "end_unix_nano": s.end_time_unix_nano,
                         "attributes": attributes(&s.attributes),
                         "events": events,
+                        "links": links,
                         "status": {"code": status.code, "message": status.message},
                     });
                     writeln!(out, "{line}")
@@ -120,7 +127,10 @@ fn value(v: Option<&AnyValue>) -> Value {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    eprintln!("kvmesh-otlp-sink listening on {}", listener.local_addr()?);
+    eprintln!(
+        "kvmesh-otlp-sink listening on http://{}",
+        listener.local_addr()?
+    );
     tonic::transport::Server::builder()
         .add_service(TraceServiceServer::new(Sink {
             refuse: args.refuse,

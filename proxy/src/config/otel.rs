@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Most spans `otel.max_queue_spans` may hold.
-pub const MAX_QUEUE_SPANS: usize = 1 << 20;
+pub const MAX_QUEUE_SPANS: usize = 1 << 16;
 
 /// The `[otel]` table. With `endpoint` set, every API request is traced: a `kvmesh.request`
 /// span (a child of the client's W3C `traceparent`, when it sends one), a `kvmesh.route` span
@@ -19,9 +19,13 @@ pub struct OtelConfig {
     pub endpoint: String,
     /// `service.name` of the spans' resource.
     pub service_name: String,
-    /// Share of new traces recorded, 0.0 to 1.0. A request whose `traceparent` says sampled
-    /// (or not) follows its caller's choice.
+    /// Share of new traces recorded, 0.0 to 1.0 (by trace id).
     pub sample_ratio: f64,
+    /// Whether a client's `traceparent` makes the request span its child (and its sampled flag
+    /// is followed). Off (the default): a client's context only becomes a span link, and the
+    /// trace is new, so that clients can neither force sampling nor write into other traces.
+    /// A peer proxy's context (a trusted hop, docs/sidecar.md) is always followed.
+    pub trust_client_context: bool,
     /// Most milliseconds between a span's end and its export (spans leave in batches).
     pub export_interval_ms: u64,
     /// Most milliseconds one export may take before it counts as failed.
@@ -37,6 +41,7 @@ impl Default for OtelConfig {
             endpoint: String::new(),
             service_name: "kvmesh-proxy".into(),
             sample_ratio: 1.0,
+            trust_client_context: false,
             export_interval_ms: 1000,
             export_timeout_ms: 10_000,
             max_queue_spans: 4096,
@@ -56,11 +61,20 @@ impl OtelConfig {
         if self.enabled() {
             match self.endpoint.parse::<http::Uri>() {
                 Ok(uri) if uri.scheme_str() == Some("http") && uri.host().is_some() => {
-                    if uri.path() != "/" && !uri.path().is_empty() {
-                        p.push(format!(
-                            "`otel.endpoint` = {:?}: OTLP/gRPC takes no path (http://host:port)",
+                    let says = |what: &str| {
+                        format!(
+                            "`otel.endpoint` = {:?}: {what} (http://host:port)",
                             self.endpoint
-                        ));
+                        )
+                    };
+                    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+                        p.push(says("OTLP/gRPC takes no path or query"));
+                    }
+                    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+                        p.push(says("no user or password in the URL"));
+                    }
+                    if uri.port_u16().is_none_or(|port| port == 0) {
+                        p.push(says("name the port (a collector listens on 4317)"));
                     }
                 }
                 Ok(uri) if uri.scheme_str() == Some("https") => p.push(format!(
@@ -128,6 +142,10 @@ mod tests {
             ("https://collector:4317", "not supported yet"),
             ("collector:4317", "not an http://host:port"),
             ("http://collector:4317/v1/traces", "takes no path"),
+            ("http://collector:4317/?x=1", "takes no path"),
+            ("http://collector", "name the port"),
+            ("http://collector:0", "name the port"),
+            ("http://user:secret@collector:4317", "no user or password"),
             ("ftp://x", "not an http://host:port"),
         ] {
             let p = with_endpoint(e).problems();

@@ -25,6 +25,7 @@ pub const RELOADABLE: &[&str] = &[
     "routing.max_prefix_blocks",
     "upstream.connect_timeout_ms",
     "upstream.read_timeout_secs",
+    "upstream.tcp_user_timeout_ms",
     "upstream.max_attempts",
     "sidecar.forward_min_saving",
     "sidecar.cold_placement",

@@ -26,7 +26,7 @@ use super::envoy::{self, Direction};
 use crate::body::{body_too_large, Admitted, BodyPermit};
 use crate::feedback::{Prediction, UsageScan};
 use crate::fleet::{Dispatch, Engine};
-use crate::otel::{attr, span_attributes, RequestTrace};
+use crate::otel::{attr, client_attr, span_attributes, Failure, RequestTrace};
 use crate::plan::{RequestFacts, DIGESTS_HEADER};
 use crate::service::Gateway;
 use kvmesh_filters::usage::Usage;
@@ -238,12 +238,14 @@ impl Exchange {
         };
         self.route = endpoint.label();
         if let Some(otel) = self.gw.otel.as_ref() {
+            // Envoy passes the client's context on: a client's, not a peer's.
             self.trace = Some(otel.request(
                 envoy::header(map, crate::otel::TRACEPARENT),
                 envoy::header(map, crate::otel::TRACESTATE),
+                false,
                 vec![
                     attr("http.request.method", method.to_string()),
-                    attr("url.path", path.to_string()),
+                    client_attr("url.path", path),
                     attr("kvmesh.request_id", self.request_id.clone()),
                 ],
             ));
@@ -369,15 +371,7 @@ impl Exchange {
         };
         let facts = gw.facts(parsed, self.session.as_deref(), false);
         self.model = Some(facts.model.clone());
-        let started = std::time::SystemTime::now();
-        let ranking = gw.rank(&facts);
-        if let Some(t) = self.trace.as_ref() {
-            match &ranking {
-                Ok(r) => t.route(started, gw.route_attributes(&facts, r), None),
-                Err(e) => t.route(started, Vec::new(), Some(&e.message)),
-            }
-        }
-        let ranking = match ranking {
+        let ranking = match gw.rank_traced(&facts, self.trace.as_ref()) {
             Ok(r) => r,
             Err(e) => return self.refuse(e),
         };
@@ -610,13 +604,9 @@ impl Exchange {
         };
         crate::access::log(&line);
         if let Some(t) = self.trace.take() {
-            let error = match (&self.refused, line.status) {
-                (Some(e), s) if s >= 500 => Some(e.message.clone()),
-                (_, 499) => Some("the stream ended before the response".to_string()),
-                (_, s) if s >= 500 => Some(format!("status {s}")),
-                _ => None,
-            };
-            t.finish(span_attributes(&line, false), error);
+            let refusal = self.refused.as_ref().map(|e| e.message.as_str());
+            let failure = Failure::of(line.status, refusal, false);
+            t.finish(span_attributes(&line, false), failure);
         }
         self.gw
             .metrics

@@ -3,14 +3,14 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::{bin, free_port};
+use super::bin;
 
 /// A running sink; killed on drop.
 pub struct OtlpSink {
@@ -20,16 +20,32 @@ pub struct OtlpSink {
 }
 
 impl OtlpSink {
-    /// Starts a sink with `args` (e.g. `--refuse`) and waits for its port.
+    /// Starts a sink with `args` (e.g. `--refuse`) on a port it picks (so that no other
+    /// process can hold it) and waits for it to listen.
     pub fn start(args: &[&str]) -> OtlpSink {
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut child = Command::new(bin("kvmesh-otlp-sink"))
-            .args(["--listen", &addr.to_string()])
+            .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kvmesh-otlp-sink");
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        err.read_line(&mut line).unwrap();
+        let addr: SocketAddr = line
+            .trim()
+            .rsplit("http://")
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|_| panic!("kvmesh-otlp-sink did not start: {line:?}"));
+        // The rest of its stderr, to the test's.
+        std::thread::spawn(move || {
+            for l in err.lines().map_while(Result::ok) {
+                eprintln!("{l}");
+            }
+        });
         let out = child.stdout.take().unwrap();
         let spans = Arc::new(Mutex::new(Vec::new()));
         let into = spans.clone();
@@ -40,11 +56,6 @@ impl OtlpSink {
                 into.lock().unwrap().push(v);
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(addr).is_err() {
-            assert!(Instant::now() < deadline, "kvmesh-otlp-sink did not listen");
-            std::thread::sleep(Duration::from_millis(20));
-        }
         OtlpSink { child, addr, spans }
     }
 
@@ -58,8 +69,10 @@ impl OtlpSink {
         self.spans.lock().unwrap().clone()
     }
 
-    /// The spans of `trace_id` once there are at least `n` (panics after 15 s).
-    pub fn trace(&self, trace_id: &str, n: usize) -> Vec<Value> {
+    /// The spans of `trace_id` once `requests` of its `kvmesh.request` spans have arrived
+    /// (panics after 15 s). A proxy ends a request's span after all the others of that
+    /// request, and spans leave in the order they end: then the proxy's spans are all here.
+    pub fn trace(&self, trace_id: &str, requests: usize) -> Vec<Value> {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let got: Vec<Value> = self
@@ -67,13 +80,13 @@ impl OtlpSink {
                 .into_iter()
                 .filter(|s| s["trace_id"] == trace_id)
                 .collect();
-            if got.len() >= n {
+            let done = got.iter().filter(|s| s["name"] == "kvmesh.request").count();
+            if done >= requests {
                 return got;
             }
             assert!(
                 Instant::now() < deadline,
-                "trace {trace_id}: {} of {n} spans arrived: {got:#?}",
-                got.len()
+                "trace {trace_id}: {done} of {requests} request spans arrived: {got:#?}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
