@@ -176,9 +176,10 @@ pub trait BlockStore: Send {
     /// Fetches blocks in order, stopping at the first missing one.
     fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>>;
     /// Whether the store reported, since the last call, that it lost what it held (kvagent
-    /// restarted or was cleared): the blocks still cached here should be written again.
-    fn lost(&mut self) -> bool {
-        false
+    /// restarted or was cleared): then how many of the blocks still cached here to write
+    /// again (the rest of the write-through bound stays for new blocks).
+    fn lost(&mut self) -> Option<usize> {
+        None
     }
 }
 
@@ -310,7 +311,6 @@ impl Worker {
     /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
     /// in chunks; returns the last position's logits and the cached token count.
     fn prefill(&mut self, prompt: &[u32], salt: &str, kv: &mut KvCache) -> (Tensor, usize) {
-        self.resync_if_lost();
         let chain = if salt.is_empty() {
             token_chain(&self.ns, prompt, BLOCK_TOKENS)
         } else {
@@ -365,6 +365,8 @@ impl Worker {
         if let (Some(store), false) = (self.store.as_mut(), fresh.is_empty()) {
             store.put(fresh);
         }
+        // After this request's own new blocks, which must not lose their place to it.
+        self.resync_if_lost();
         self.stats
             .cache_blocks
             .store(self.cache.len() as u64, Ordering::Relaxed);
@@ -374,22 +376,23 @@ impl Worker {
         )
     }
 
-    /// kvagent lost its blocks (restarted, or cleared): every block cached here, most recently
-    /// used first, is written through again, in batches, so that other engines can page
-    /// whole chains in again (without it, the leading blocks every prompt shares, such as
-    /// the chat template's system prompt, would stay missing there for as long as they stay
-    /// cached here). Batches that do not fit the write-through bound are dropped and counted.
+    /// kvagent lost its blocks (restarted, or cleared): the blocks cached here, most recently
+    /// used first and as many as the store allows, are written through again, in batches, so
+    /// that other engines can page whole chains in again (without it, the leading blocks every
+    /// prompt shares, such as the chat template's system prompt, would stay missing there for
+    /// as long as they stay cached here).
     fn resync_if_lost(&mut self) {
         let Some(store) = self.store.as_mut() else {
             return;
         };
-        if !store.lost() {
+        let Some(budget) = store.lost() else {
             return;
-        }
+        };
         self.stats
             .writethrough_resyncs
             .fetch_add(1, Ordering::Relaxed);
-        let digests: Vec<Digest> = self.cache.digests_most_recent_first();
+        let mut digests: Vec<Digest> = self.cache.digests_most_recent_first();
+        digests.truncate(budget);
         tracing::info!(
             blocks = digests.len(),
             "kvagent lost its blocks (new kv_epoch): writing the cached ones again"
@@ -516,11 +519,11 @@ fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// Temperatures below this are greedy: dividing logits by less overflows f32 (vLLM's
-/// `_SAMPLING_EPS`).
-/// Blocks per write-through call when the whole cache is written again ([`Worker::resync_if_lost`]).
+/// Blocks per write-through call when the cache is written again ([`Worker::resync_if_lost`]).
 const RESYNC_BATCH: usize = 16;
 
+/// Temperatures below this are greedy: dividing logits by less overflows f32 (vLLM's
+/// `_SAMPLING_EPS`).
 const MIN_TEMPERATURE: f64 = 1e-5;
 
 /// Greedy at temperature 0 (or below [`MIN_TEMPERATURE`]); otherwise the temperature-scaled

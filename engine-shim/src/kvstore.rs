@@ -16,7 +16,7 @@
 //! dropped (counted in `engine_shim_kv_writethrough_dropped_blocks_total`), never waited for.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -234,24 +234,67 @@ pub struct KvagentStore {
     limits: Limits,
     put_permits: Arc<Semaphore>,
     stats: Arc<Stats>,
-    /// The `kv_epoch` kvagent last answered a write with (0: none yet), and whether a write
-    /// was answered with another: kvagent restarted or was cleared since.
+    /// The `kv_epoch`s kvagent answered writes with: a new one means it restarted or was
+    /// cleared since.
     epoch: Arc<EpochWatch>,
 }
+
+/// Epochs remembered, so that one seen again (answers arriving out of order, two agents
+/// behind one address) is no news.
+const EPOCHS_REMEMBERED: usize = 8;
+
+/// Least time between two resyncs: a flapping epoch (two agents behind one address, or a
+/// hostile one) cannot make the engine rewrite its cache at every request.
+const RESYNC_EVERY: Duration = Duration::from_secs(30);
 
 /// What write-through answers say of kvagent's epoch.
 #[derive(Default)]
 struct EpochWatch {
-    last: AtomicU64,
-    changed: AtomicBool,
+    state: parking_lot::Mutex<EpochState>,
+}
+
+#[derive(Default)]
+struct EpochState {
+    /// Epochs seen, oldest first.
+    seen: std::collections::VecDeque<u64>,
+    /// A new epoch came after the first: a resync is due.
+    changed: bool,
+    /// When the last resync was handed out.
+    last_resync: Option<std::time::Instant>,
 }
 
 impl EpochWatch {
     fn saw(&self, epoch: u64) {
-        let before = self.last.swap(epoch, Ordering::Relaxed);
-        if before != 0 && before != epoch {
-            self.changed.store(true, Ordering::Relaxed);
+        // 0 is no epoch (an agent that does not say).
+        if epoch == 0 {
+            return;
         }
+        let mut st = self.state.lock();
+        if st.seen.contains(&epoch) {
+            return;
+        }
+        if !st.seen.is_empty() {
+            st.changed = true;
+        }
+        if st.seen.len() == EPOCHS_REMEMBERED {
+            st.seen.pop_front();
+        }
+        st.seen.push_back(epoch);
+    }
+
+    /// Whether a resync is due now: once per new epoch, and never sooner than
+    /// [`RESYNC_EVERY`] after the last (a change meanwhile waits for that).
+    fn take_resync(&self, now: std::time::Instant) -> bool {
+        let mut st = self.state.lock();
+        let ready = st
+            .last_resync
+            .is_none_or(|t| now.duration_since(t) >= RESYNC_EVERY);
+        if st.changed && ready {
+            st.changed = false;
+            st.last_resync = Some(now);
+            return true;
+        }
+        false
     }
 }
 
@@ -338,8 +381,11 @@ impl BlockStore for KvagentStore {
         });
     }
 
-    fn lost(&mut self) -> bool {
-        self.epoch.changed.swap(false, Ordering::Relaxed)
+    fn lost(&mut self) -> Option<usize> {
+        // Half the write-through bound: new blocks keep the rest.
+        self.epoch
+            .take_resync(std::time::Instant::now())
+            .then_some(self.limits.put_max_blocks / 2)
     }
 
     fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
@@ -421,18 +467,25 @@ mod tests {
     }
 
     #[test]
-    fn a_new_epoch_after_the_first_is_reported_once() {
+    fn a_new_epoch_is_one_resync_and_a_flapping_one_is_rate_limited() {
         let w = EpochWatch::default();
+        let t0 = std::time::Instant::now();
         w.saw(5);
         w.saw(5);
-        assert!(
-            !w.changed.load(Ordering::Relaxed),
-            "the first epoch is no change"
-        );
+        w.saw(0);
+        assert!(!w.take_resync(t0), "the first epoch is no change");
         w.saw(9);
-        assert!(w.changed.swap(false, Ordering::Relaxed));
-        w.saw(9);
-        assert!(!w.changed.load(Ordering::Relaxed));
+        assert!(w.take_resync(t0));
+        assert!(!w.take_resync(t0), "once");
+        // Back and forth between two agents: old epochs are no news.
+        for e in [5, 9, 5, 9] {
+            w.saw(e);
+        }
+        assert!(!w.take_resync(t0 + RESYNC_EVERY));
+        // A really new one within the interval waits for it.
+        w.saw(11);
+        assert!(!w.take_resync(t0 + RESYNC_EVERY / 2));
+        assert!(w.take_resync(t0 + RESYNC_EVERY));
     }
 
     #[test]

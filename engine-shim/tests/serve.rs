@@ -999,20 +999,23 @@ fn a_kvagent_killed_and_restarted_under_write_through_costs_no_request_and_pagin
             i * 11 + 5
         ));
     }
+    assert_eq!(
+        kvagent_stored_blocks(agent.addr),
+        0,
+        "nothing survived the kill"
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut asked = 0;
     while metric(e.addr, "engine_shim_kv_writethrough_resyncs_total") < 1.0 {
         assert!(Instant::now() < deadline, "no resync after the restart");
-        // A new question each time: the first may still meet the old, broken connection.
-        if asked < 4 {
-            chat(
-                e.addr,
-                &format!("{doc2}Which town lends {} books?", asked * 11 + 5),
-                json!({"max_tokens": 4}),
-            );
-            asked += 1;
-        }
-        std::thread::sleep(Duration::from_millis(100));
+        // A new question each time (the first may still meet the old, broken connection):
+        // a write's answer brings the new epoch, the request after it resyncs.
+        chat(
+            e.addr,
+            &format!("{doc2}Which town lends {} books?", asked * 11 + 5),
+            json!({"max_tokens": 4}),
+        );
+        asked += 1;
     }
     let cached_here = (metric(e.addr, "vllm:kv_cache_usage_perc") * 256.0).round() as u64;
     let deadline = Instant::now() + Duration::from_secs(60);

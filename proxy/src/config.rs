@@ -454,9 +454,10 @@ pub struct UpstreamConfig {
     pub read_timeout_secs: u64,
     /// Most milliseconds bytes sent to an engine or peer may stay unacknowledged by its TCP
     /// stack before the connection counts as dead (Linux `TCP_USER_TIMEOUT`, with keepalive
-    /// probes on idle pooled connections). Bounds how long a request sent to a host that fell
-    /// off the network waits (else up to `read_timeout_secs`); it is then failed over as a
-    /// broken connection. 0: the system's default (many minutes).
+    /// probes every fifth of it on quiet connections). Bounds how long a request sent to a host
+    /// that fell off the network waits (else up to `read_timeout_secs`); it is then failed
+    /// over as a broken connection. 0: the system's default (many minutes); else 1000 to
+    /// 3600000.
     pub tcp_user_timeout_ms: u64,
     /// Most engines tried for one request (failover happens only before the first response byte).
     pub max_attempts: u32,
@@ -475,7 +476,7 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             connect_timeout_ms: 1000,
             read_timeout_secs: 600,
-            tcp_user_timeout_ms: 5000,
+            tcp_user_timeout_ms: 10_000,
             max_attempts: 3,
             ca_file: String::new(),
             client_cert_file: String::new(),
@@ -796,11 +797,13 @@ impl ProxyConfig {
         if self.upstream.connect_timeout_ms == 0 || self.upstream.read_timeout_secs == 0 {
             p.push("`upstream` timeouts must be > 0".into());
         }
-        // TCP_USER_TIMEOUT takes milliseconds as a u32.
-        if self.upstream.tcp_user_timeout_ms > 3_600_000 {
+        // Under a second, one lost segment (TCP retransmits after 200 ms at least) would
+        // break a healthy connection; TCP_USER_TIMEOUT takes milliseconds as a u32.
+        let t = self.upstream.tcp_user_timeout_ms;
+        if t != 0 && !(1000..=3_600_000).contains(&t) {
             p.push(format!(
-                "`upstream.tcp_user_timeout_ms` ({}) must be at most 3600000 (an hour)",
-                self.upstream.tcp_user_timeout_ms
+                "`upstream.tcp_user_timeout_ms` ({t}) must be 0 (the system's default) or from \
+                 1000 to 3600000"
             ));
         }
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {

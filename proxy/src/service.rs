@@ -625,13 +625,15 @@ impl ProxyHttp for Gateway {
         peer.options.idle_timeout = Some(Duration::from_secs(60));
         // A host that fell off the network never answers a reused connection: the unacked
         // request bytes, or keepalive probes while it idles in the pool, end it instead.
-        let user_timeout = self.live().cfg.upstream.tcp_user_timeout_ms;
-        if user_timeout > 0 {
+        // Probes every fifth of it, so that no single lost probe reaches the timeout.
+        let user_timeout = Duration::from_millis(self.live().cfg.upstream.tcp_user_timeout_ms);
+        if !user_timeout.is_zero() {
+            let probe = (user_timeout / 5).max(Duration::from_secs(1));
             peer.options.tcp_keepalive = Some(pingora::protocols::TcpKeepalive {
-                idle: Duration::from_secs(10),
-                interval: Duration::from_secs(1),
+                idle: probe,
+                interval: probe,
                 count: 5,
-                user_timeout: Duration::from_millis(user_timeout),
+                user_timeout,
             });
         }
         Ok(Box::new(peer))

@@ -776,6 +776,7 @@ log = "error"
 interval_ms = 200
 [upstream]
 connect_timeout_ms = 300
+tcp_user_timeout_ms = 3000
 [cluster]
 enabled = true
 cluster_id = "test"
@@ -871,6 +872,7 @@ fn a_partitioned_sidecar_is_routed_around_and_taken_back_when_the_partition_heal
     let r = post(a.addr, CHAT, &body(1));
     assert_eq!(r.header("x-kvmesh-peer"), Some("c"));
     let baseline = fds(a.child.id());
+    let broken_before = a.metric("kvmesh_upstream_retries_total{cause=\"proxy\"}");
 
     ns.set_link(false);
     // Until gossip says c is gone: every request answered, by a's own engine.
@@ -896,8 +898,12 @@ fn a_partitioned_sidecar_is_routed_around_and_taken_back_when_the_partition_heal
     }
     let gone_after = cut_at.elapsed();
     assert!(during >= 1);
-    // The first, on a pooled connection or a new one, failed over to a's engine.
-    assert!(a.metric("kvmesh_upstream_retries_total") >= 1.0);
+    // The first went on the connection pooled since q1, and failed over once its bytes stayed
+    // unacknowledged for `tcp_user_timeout_ms`; later ones found c down or gone.
+    assert_eq!(
+        a.metric("kvmesh_upstream_retries_total{cause=\"proxy\"}") - broken_before,
+        1.0
+    );
     // c, alone, sees no peer and still serves its own clients.
     wait_for("c sees no peer", 30, || {
         let m = from_inside(&ns, &format!("http://{inside}:8080/metrics"), None);
@@ -915,9 +921,17 @@ fn a_partitioned_sidecar_is_routed_around_and_taken_back_when_the_partition_heal
     assert!(answer.starts_with("200 engine-c"), "{answer}");
 
     ns.set_link(true);
-    wait_for("c is a peer again, with its residency", 60, || {
-        peers(&a) == 2.0 && peers(&b) == 2.0 && peers(&c) == 2.0 && residency_of_c(&a) > 0.0
-    });
+    wait_for(
+        "c is a peer again, with its residency, and healthy",
+        60,
+        || {
+            peers(&a) == 2.0
+                && peers(&b) == 2.0
+                && peers(&c) == 2.0
+                && residency_of_c(&a) > 0.0
+                && a.metric("kvmesh_engine_healthy") == 3.0
+        },
+    );
     let r = post(a.addr, CHAT, &alone_body(1));
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-kvmesh-peer"), Some("c"), "forwarded to c again");

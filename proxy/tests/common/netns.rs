@@ -28,21 +28,31 @@ fn ip(args: &[&str]) {
 }
 
 impl Netns {
-    /// A fresh namespace named after this test process, with `lo` up and a /30 to the host.
+    /// A fresh namespace, with `lo` up and a /30 to the host. Needs root.
     pub fn new() -> Netns {
-        let pid = std::process::id();
-        let name = format!("kvmesh-test-{pid}");
-        let host_link = format!("kvp{pid}h");
-        let inside_link = format!("kvp{pid}n");
-        // Leftovers of an earlier process with this pid (killed before its drop).
-        let _ = Command::new("ip")
-            .args(["link", "del", &host_link])
-            .output();
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        let third = (pid % 250 + 1) as u8;
+        let root = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+        assert!(
+            root,
+            "this test makes a network namespace: run it as root (CI does), with iproute2"
+        );
+        // Unique names: a random tag, retried while taken (another job on the host).
+        let (tag, name) = loop {
+            let tag = fastrand::u32(..0x10_0000);
+            let name = format!("kvmesh-test-{tag:05x}");
+            let added = Command::new("ip").args(["netns", "add", &name]).output();
+            if added.is_ok_and(|o| o.status.success()) {
+                break (tag, name);
+            }
+        };
+        let host_link = format!("kvp{tag:05x}h");
+        let inside_link = format!("kvp{tag:05x}n");
+        let [_, _, hi, lo] = tag.to_be_bytes();
+        let third = hi.wrapping_add(lo);
         let host_ip = Ipv4Addr::new(10, 213, third, 1);
         let inside_ip = Ipv4Addr::new(10, 213, third, 2);
-        ip(&["netns", "add", &name]);
         let ns = Netns {
             name,
             host_link,
@@ -82,7 +92,15 @@ impl Netns {
         ]);
         inside(&["link", "set", &inside_link, "up"]);
         inside(&["link", "set", "lo", "up"]);
+        // While the link is down its route is gone: without this, packets for the namespace
+        // would follow the host's default route out of the machine.
+        ip(&["route", "add", "blackhole", &ns.subnet(), "metric", "4000"]);
         ns
+    }
+
+    fn subnet(&self) -> String {
+        let [a, b, c, _] = self.host_ip.octets();
+        format!("{a}.{b}.{c}.0/30")
     }
 
     /// A command that runs `program` inside the namespace.
@@ -105,6 +123,9 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["route", "del", "blackhole", &self.subnet()])
+            .output();
         let _ = Command::new("ip")
             .args(["link", "del", &self.host_link])
             .output();
