@@ -60,7 +60,8 @@ pub struct SimConfig {
     pub model: String,
     /// Name of this replica, returned in the `x-sim-engine` response header (beside
     /// `x-sim-body-blake3`, `x-sim-body-len`, `x-sim-body-framing` and
-    /// `x-sim-saw-authorization`, and `x-sim-traceparent` when it was sent one: what it received).
+    /// `x-sim-saw-authorization`, and `x-sim-traceparent` / `x-sim-tracestate` when it was sent
+    /// them: what it received).
     #[arg(long, default_value = "sim")]
     pub name: String,
     /// Tokens per KV block.
@@ -445,6 +446,7 @@ async fn handle(
             };
             // The W3C trace context the engine was sent, for the tracing tests.
             let traceparent = req.headers().get("traceparent").cloned();
+            let tracestate = req.headers().get("tracestate").cloned();
             // Whether credentials reached the engine (never their value).
             let saw_auth = if req.headers().contains_key(hyper::header::AUTHORIZATION) {
                 "yes"
@@ -473,6 +475,9 @@ async fn handle(
             );
             if let Some(v) = traceparent {
                 resp.headers_mut().insert("x-sim-traceparent", v);
+            }
+            if let Some(v) = tracestate {
+                resp.headers_mut().insert("x-sim-tracestate", v);
             }
             resp
         }

@@ -273,15 +273,24 @@ impl RequestTrace {
         }
     }
 
-    /// The `traceparent` (and `tracestate`) headers an upstream request carries: the current
-    /// attempt's context.
-    pub fn headers(&self) -> Vec<(String, String)> {
+    /// The `traceparent` and `tracestate` headers an upstream request carries: the current
+    /// attempt's context. An empty value means the header is to be removed (a caller's
+    /// `tracestate` must not travel with a context that is not its own).
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
         let mut out = Injected(Vec::new());
         let cx = self.attempt.as_ref().unwrap_or(&self.request);
         TraceContextPropagator::new().inject_context(cx, &mut out);
-        // An empty `tracestate` is no state: not sent.
-        out.0.retain(|(_, v)| !v.is_empty());
-        out.0
+        [TRACEPARENT, TRACESTATE]
+            .into_iter()
+            .map(|name| {
+                let value = out
+                    .0
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone());
+                (name, value.unwrap_or_default())
+            })
+            .collect()
     }
 
     fn end_attempt(&mut self) {

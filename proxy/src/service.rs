@@ -665,7 +665,11 @@ impl ProxyHttp for Gateway {
         // The attempt's context replaces the caller's (whose span is this one's ancestor).
         if let Some(t) = ctx.trace.as_ref() {
             for (name, value) in t.headers() {
-                req.insert_header(name, value)?;
+                if value.is_empty() {
+                    req.remove_header(name);
+                } else {
+                    req.insert_header(name, value)?;
+                }
             }
         }
         if !ctx.access.client.is_empty() {

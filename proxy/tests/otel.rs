@@ -46,8 +46,14 @@ fn a_request_is_one_trace_from_the_callers_span_through_its_route_and_attempt_to
     let proxy = Proxy::start(&otel_toml(&sink), &[&sim], true);
     let prompt = text(7, 4000);
 
-    let r = chat_with(proxy.addr, &prompt, &[("traceparent", CALLER)]);
+    let r = chat_with(
+        proxy.addr,
+        &prompt,
+        &[("traceparent", CALLER), ("tracestate", "vendor=1")],
+    );
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // The caller's vendor state travels with its trace.
+    assert_eq!(r.header("x-sim-tracestate"), Some("vendor=1"));
     let request_id = r.header("x-request-id").unwrap().to_string();
     // The engine was sent this trace, with a span of kvmesh's as its parent.
     let (trace, engine_parent) = traceparent(r.header("x-sim-traceparent").unwrap());
@@ -161,6 +167,10 @@ fn a_failed_attempt_is_its_own_failed_span_and_a_refusal_is_traced_with_its_stat
         engines_toml(&[&dead, &live])
     );
     let proxy = Proxy::start_with(&toml, port, true);
+    // Both probed healthy first: then "dead" is a candidate until a request finds it gone.
+    assert!(eventually(Duration::from_secs(10), || {
+        proxy.metric("kvmesh_engine_healthy") == 2.0
+    }));
     dead.kill();
     let mut failover = None;
     for i in 0..2 {
@@ -301,10 +311,19 @@ fn by_default_a_clients_context_is_only_a_link_and_cannot_force_sampling() {
     let sink = OtlpSink::start(&[]);
     let sim = Sim::instant("e0");
     let proxy = Proxy::start(&otel_toml_with(&sink, ""), &[&sim], true);
-    let r = chat_with(proxy.addr, "hi", &[("traceparent", CALLER)]);
+    let r = chat_with(
+        proxy.addr,
+        "hi",
+        &[("traceparent", CALLER), ("tracestate", "vendor=1")],
+    );
     assert_eq!(r.status, 200);
     let (trace, _) = traceparent(r.header("x-sim-traceparent").unwrap());
     assert_ne!(trace, CALLER_TRACE, "a new trace");
+    assert_eq!(
+        r.header("x-sim-tracestate"),
+        None,
+        "not the new trace's state"
+    );
     let spans = sink.trace(&trace, 1);
     let req = one(&spans, "kvmesh.request", None);
     assert_eq!(req["parent_span_id"], "");

@@ -395,7 +395,7 @@ impl Exchange {
             (crate::access::REQUEST_ID, self.request_id.as_str()),
         ];
         for (name, value) in trace_headers.iter().flatten() {
-            headers.push((name.as_str(), value.as_str()));
+            headers.push((*name, value.as_str()));
         }
         let mut replies = vec![envoy::routed_headers(
             &endpoints,
