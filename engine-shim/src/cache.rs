@@ -154,9 +154,9 @@ impl PrefixCache {
         evicted
     }
 
-    /// The digests held, most recently used first.
-    pub fn digests_most_recent_first(&self) -> Vec<Digest> {
-        self.blocks.iter().map(|(d, _)| *d).collect()
+    /// The `n` most recently used digests held, most recent first.
+    pub fn most_recent(&self, n: usize) -> Vec<Digest> {
+        self.blocks.iter().take(n).map(|(d, _)| *d).collect()
     }
 
     /// The block at `d`, if held (without touching LRU order).

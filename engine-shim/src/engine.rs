@@ -391,8 +391,7 @@ impl Worker {
         self.stats
             .writethrough_resyncs
             .fetch_add(1, Ordering::Relaxed);
-        let mut digests: Vec<Digest> = self.cache.digests_most_recent_first();
-        digests.truncate(budget);
+        let digests = self.cache.most_recent(budget);
         tracing::info!(
             blocks = digests.len(),
             "kvagent lost its blocks (new kv_epoch): writing the cached ones again"

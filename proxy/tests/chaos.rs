@@ -12,13 +12,6 @@ use common::*;
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// Open file descriptors of process `pid`.
-fn fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .count()
-}
-
 /// Resident set of process `pid`, KiB.
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))

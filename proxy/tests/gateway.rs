@@ -876,22 +876,9 @@ fn admin_settings_that_cannot_work_are_refused() {
             "picker.metrics_listen",
         ),
     ] {
-        let file = std::env::temp_dir().join(format!("kvmesh-admin-{}.toml", std::process::id()));
-        std::fs::write(
-            &file,
-            format!("{toml}[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n"),
-        )
-        .unwrap();
-        let out = std::process::Command::new(bin("kvmesh-proxy"))
-            .arg("check-config")
-            .arg(&file)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains(needle),
-            "{toml}: {err}"
-        );
-        let _ = std::fs::remove_file(file);
+        let (ok, err) = check_config(&format!(
+            "{toml}[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n"
+        ));
+        assert!(!ok && err.contains(needle), "{toml}: {err}");
     }
 }

@@ -285,20 +285,10 @@ fn off_by_default_the_callers_context_passes_untouched_and_a_failing_collector_c
 
 #[test]
 fn check_config_names_a_bad_otel_table() {
-    let file = std::env::temp_dir().join(format!("kvmesh-otel-bad-{}.toml", std::process::id()));
-    std::fs::write(
-        &file,
+    let (ok, err) = check_config(
         "[otel]\nendpoint = \"https://collector:4317\"\nsample_ratio = 2.0\n\n[[engines]]\nname = \"e\"\nurl = \"http://127.0.0.1:1\"\n",
-    )
-    .unwrap();
-    let out = std::process::Command::new(bin("kvmesh-proxy"))
-        .arg("check-config")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let _ = std::fs::remove_file(&file);
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    );
+    assert!(!ok);
     assert!(
         err.contains("`otel.endpoint`") && err.contains("not supported yet"),
         "{err}"

@@ -37,29 +37,15 @@ fn sidecar_with(
     extra: &str,
 ) -> Node {
     let port = free_port();
-    let toml = format!(
-        r#"listen = "127.0.0.1:{port}"
-mode = "sidecar"
-threads = 2
-log = "warn"
-[health]
-interval_ms = 200
-[cluster]
-enabled = true
-cluster_id = "test"
-node_id = "{name}"
-gossip_listen = "127.0.0.1:{gossip}"
-seeds = ["127.0.0.1:{seed}"]
-gossip_interval_ms = 100
-gossip_keys = ["{GOSSIP_KEY}"]
-[sidecar]
-peer_down_secs = 2
-cold_placement = "{cold}"
-{extra}
-[[engines]]
-name = "engine-{name}"
-url = "http://{engine}"
-"#
+    let toml = sidecar_toml(
+        name,
+        "127.0.0.1",
+        port,
+        gossip,
+        &format!("127.0.0.1:{seed}"),
+        engine,
+        &format!("cold_placement = \"{cold}\"\n"),
+        extra,
     );
     Node {
         name: name.into(),
@@ -757,26 +743,26 @@ fn one_trace_follows_a_request_across_the_hop_to_a_peer_sidecar() {
     assert_eq!(c_route["attributes"]["kvmesh.engine"], "engine-c");
 }
 
-/// A sidecar's configuration on `ip` (listen `port`, gossip `gossip`), seeded by `seed`, with
-/// hops accepted from members (peers reach each other beyond loopback).
-fn sidecar_toml_on(
+/// A sidecar's configuration: listening on `ip` (`port`, gossip on `gossip`), seeded by `seed`,
+/// in front of `engine`, with `sidecar_keys` in its `[sidecar]` table and `extra` TOML tables.
+#[allow(clippy::too_many_arguments)]
+fn sidecar_toml(
     name: &str,
     ip: &str,
     port: u16,
     gossip: u16,
     seed: &str,
     engine: SocketAddr,
+    sidecar_keys: &str,
+    extra: &str,
 ) -> String {
     format!(
         r#"listen = "{ip}:{port}"
 mode = "sidecar"
 threads = 2
-log = "error"
+log = "warn"
 [health]
 interval_ms = 200
-[upstream]
-connect_timeout_ms = 300
-tcp_user_timeout_ms = 3000
 [cluster]
 enabled = true
 cluster_id = "test"
@@ -787,7 +773,7 @@ gossip_interval_ms = 100
 gossip_keys = ["{GOSSIP_KEY}"]
 [sidecar]
 peer_down_secs = 2
-accept_hop_from = "members"
+{sidecar_keys}{extra}
 [[engines]]
 name = "engine-{name}"
 url = "http://{engine}"
@@ -834,7 +820,17 @@ fn a_partitioned_sidecar_is_routed_around_and_taken_back_when_the_partition_heal
     let (ga, gb) = (udp_port(), udp_port());
     let seed = format!("{host}:{ga}");
     let start = |name: &str, ip: &str, port: u16, gossip: u16, engine: SocketAddr, cmd| {
-        let toml = sidecar_toml_on(name, ip, port, gossip, &seed, engine);
+        // Hops from peers beyond loopback; a broken connection found within 3 s.
+        let toml = sidecar_toml(
+            name,
+            ip,
+            port,
+            gossip,
+            &seed,
+            engine,
+            "accept_hop_from = \"members\"\n",
+            "[upstream]\nconnect_timeout_ms = 300\ntcp_user_timeout_ms = 3000\n",
+        );
         let addr: SocketAddr = format!("{ip}:{port}").parse().unwrap();
         Proxy::start_in(cmd, &toml, addr, true, None)
     };

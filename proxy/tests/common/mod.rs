@@ -173,6 +173,27 @@ pub fn fds(pid: u32) -> usize {
         .count()
 }
 
+/// `kvmesh-proxy check-config` on `toml` (written to a temporary file): whether it passed,
+/// and what it printed on stderr.
+pub fn check_config(toml: &str) -> (bool, String) {
+    let file = std::env::temp_dir().join(format!(
+        "kvmesh-check-{}-{}.toml",
+        std::process::id(),
+        free_port()
+    ));
+    std::fs::write(&file, toml).unwrap();
+    let out = Command::new(bin("kvmesh-proxy"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A child process killed (and reaped) on drop, also when an assertion fails.
 pub struct Killed(pub Child);
 
