@@ -183,9 +183,122 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
         ms(&paged) / ms(&cold),
     );
 
+    out += &batching(b, &client, model_name).await?;
     if let Some(py) = &b.llama_python {
         out += &llama_cpp(py, &b.model, &b.prompts, b.max_tokens)?;
     }
+    Ok(out)
+}
+
+/// Sends `bodies` at once (or at `gaps` apart when given); returns every sample and the wall
+/// time from the first send to the last answer.
+async fn concurrent(
+    client: &HttpClient,
+    url: &str,
+    bodies: Vec<Bytes>,
+    gaps: Option<Vec<Duration>>,
+) -> anyhow::Result<(Vec<Sample>, Duration)> {
+    let t0 = std::time::Instant::now();
+    let mut tasks = Vec::new();
+    let mut at = Duration::ZERO;
+    for (i, body) in bodies.into_iter().enumerate() {
+        if let Some(g) = gaps.as_ref().and_then(|g| g.get(i)) {
+            at += *g;
+        }
+        let (client, url, start) = (client.clone(), url.to_string(), at);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(tokio::time::Instant::from_std(t0 + start)).await;
+            one(&client, &url, body).await
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.push(t.await??);
+    }
+    Ok((samples, t0.elapsed()))
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Continuous batching: aggregate decode tokens/s at 1/4/8/16 concurrent streams (one fresh
+/// engine, distinct prompts so nothing is cached), then TTFT and ITL under a Poisson load.
+async fn batching(b: &ShimBench, client: &HttpClient, model_name: &str) -> anyhow::Result<String> {
+    let e = engine(b, &[])?;
+    let url = format!("http://{}/v1/completions", e.addr);
+    one(client, &url, body(model_name, &words(64, 999), 4)).await?;
+    let mut out = String::from(
+        "\n| concurrent streams (128-token prompts) | generated tokens | wall s | aggregate decode tok/s | vs 1 stream | mean ITL ms | peak RSS MiB |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut single = 0.0;
+    for (round, n) in [1usize, 4, 8, 16].into_iter().enumerate() {
+        let bodies = (0..n)
+            .map(|i| {
+                body(
+                    model_name,
+                    &words(128, 10_000 + 100 * round as u64 + i as u64),
+                    b.max_tokens,
+                )
+            })
+            .collect();
+        let (samples, _) = concurrent(client, &url, bodies, None).await?;
+        // Decode only: from the last stream's first token (every prefill done) to the last
+        // answer, the tokens generated in that window are approximated by each stream's events
+        // after its own first one.
+        let first_all = samples.iter().map(|s| s.ttft).max().unwrap_or_default();
+        let end = samples.iter().map(|s| s.latency).max().unwrap_or_default();
+        let tokens: u64 = samples
+            .iter()
+            .map(|s| s.output_events.saturating_sub(1))
+            .sum();
+        let itl: Vec<f64> = samples
+            .iter()
+            .flat_map(|s| s.itl_ms.iter().map(|&x| x as f64))
+            .collect();
+        let mean_itl = itl.iter().sum::<f64>() / itl.len().max(1) as f64;
+        // Aggregate rate = streams / mean gap between a stream's tokens (every stream decodes
+        // in every step while all run).
+        let rate = n as f64 * 1e3 / mean_itl.max(1e-9);
+        if n == 1 {
+            single = rate;
+        }
+        out += &format!(
+            "| {n} | {tokens} | {:.2} | {rate:.1} | {:.2} | {mean_itl:.1} | {:.0} |\n",
+            (end - first_all.min(end)).as_secs_f64(),
+            rate / single.max(1e-9),
+            peak_rss_mib(e.pid()),
+        );
+        eprintln!("batching: {n} streams done");
+    }
+    // Poisson arrivals at `rate` requests/s for a fixed count.
+    let (count, rate) = (48usize, 1.5f64);
+    let mut rng = fastrand::Rng::with_seed(42);
+    let gaps: Vec<Duration> = (0..count)
+        .map(|_| Duration::from_secs_f64(-(1.0 - rng.f64()).ln() / rate))
+        .collect();
+    let bodies = (0..count)
+        .map(|i| body(model_name, &words(64 + 16 * (i % 8), 20_000 + i as u64), 32))
+        .collect();
+    let (samples, wall) = concurrent(client, &url, bodies, Some(gaps)).await?;
+    let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+    let mut itl: Vec<f64> = samples
+        .iter()
+        .flat_map(|s| s.itl_ms.iter().map(|&x| x as f64))
+        .collect();
+    out += &format!(
+        "\n| Poisson load | requests | wall s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|\n| {rate} req/s, 64-176-token prompts, 32 tokens | {count} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} |\n",
+        wall.as_secs_f64(),
+        percentile(&mut ttft, 0.5),
+        percentile(&mut ttft, 0.99),
+        percentile(&mut itl, 0.5),
+        percentile(&mut itl, 0.99),
+        peak_rss_mib(e.pid()),
+    );
     Ok(out)
 }
 

@@ -1,12 +1,19 @@
-//! The engine worker: one thread that owns the model and the prefix cache and serves requests
-//! first come, first served (a fair FIFO queue; continuous batching is not built yet).
+//! The engine worker: one thread that owns the model and the prefix cache and runs an
+//! iteration-level scheduler (continuous batching, Sarathi-Serve's stall-free batching).
 //!
-//! Per request: tokenised prompt -> token digest chain -> leading blocks from the prefix cache
-//! (or paged in from kvagent) copied into the sequence's KV -> chunked prefill of the rest ->
-//! new full prompt blocks stored (and written through to kvagent) -> sampled decode, streamed as
-//! [`Event`]s until EOS, a stop string or `max_tokens`.
+//! Each step is one batched forward over every decoding sequence's next token plus at most one
+//! chunk of one sequence's prefill, within `max_num_batched_tokens`; sequences join (admission)
+//! and leave (finished, failed, or their client gone) between steps. On admission a request's
+//! tokenised prompt becomes a token digest chain; its leading blocks found in the prefix cache
+//! (or paged in from kvagent) are copied into the sequence's KV and skipped. Once its prompt is
+//! computed, its new full blocks are stored (and written through to kvagent), then it decodes,
+//! streaming [`Event`]s until EOS, a stop string or `max_tokens`. When the KV pool cannot hold
+//! the batch's growth, the newest sequence is preempted: its KV is dropped and it waits at the
+//! front of the queue, to be recomputed (its prompt mostly from the prefix cache) when admitted
+//! again; what it already streamed is not sent twice.
 
-use std::panic::AssertUnwindSafe;
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -15,7 +22,7 @@ use tch::{Kind, Tensor};
 use tokio::sync::mpsc;
 
 use crate::cache::{KvBlock, PrefixCache, BLOCK_TOKENS};
-use crate::model::{KvCache, Llama};
+use crate::model::{Chunk, KvCache, Llama};
 use crate::tokenizer::ModelTokenizer;
 
 /// Sampling and stopping.
@@ -186,9 +193,9 @@ pub trait BlockStore: Send {
 /// Live counters the HTTP side reads for `/metrics`.
 #[derive(Default)]
 pub struct Stats {
-    /// Requests waiting in the queue.
+    /// Requests waiting: queued, or preempted and waiting to be admitted again.
     pub waiting: AtomicU64,
-    /// Requests running (0 or 1).
+    /// Sequences in the running batch.
     pub running: AtomicU64,
     /// Blocks in the prefix cache.
     pub cache_blocks: AtomicU64,
@@ -215,9 +222,125 @@ pub struct Stats {
     /// Times kvagent was found to have lost its blocks (a new `kv_epoch`) and the cached
     /// blocks were written through again.
     pub writethrough_resyncs: AtomicU64,
+    /// Sequences preempted (their KV dropped, recomputed when admitted again).
+    pub preemptions: AtomicU64,
+    /// Tokens of KV the running sequences hold (their buffers' capacity).
+    pub kv_pool_used_tokens: AtomicU64,
+    /// Per-step distributions.
+    pub steps: StepMetrics,
 }
 
-/// The worker's state.
+/// Distributions over the scheduler's steps (one batched forward each).
+pub struct StepMetrics {
+    /// Sequences per step.
+    pub batch_size: prometheus::Histogram,
+    /// Tokens per step (decode tokens plus the prefill chunk): vLLM's `iteration_tokens_total`.
+    pub tokens: prometheus::Histogram,
+    /// Seconds per step (forward and sampling).
+    pub seconds: prometheus::Histogram,
+}
+
+impl Default for StepMetrics {
+    fn default() -> Self {
+        let h = |name: &str, help: &str, buckets: Vec<f64>| {
+            prometheus::Histogram::with_opts(
+                prometheus::HistogramOpts::new(name, help).buckets(buckets),
+            )
+            .unwrap_or_else(|e| panic!("histogram {name}: {e}"))
+        };
+        StepMetrics {
+            batch_size: h(
+                "engine_shim_batch_size",
+                "Sequences per engine step.",
+                vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0],
+            ),
+            tokens: h(
+                "vllm:iteration_tokens_total",
+                "Tokens per engine step.",
+                vec![
+                    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+                ],
+            ),
+            seconds: h(
+                "engine_shim_step_seconds",
+                "Seconds per engine step.",
+                vec![0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56],
+            ),
+        }
+    }
+}
+
+/// How the scheduler batches (docs/engine-shim.md, "Scheduling").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedule {
+    /// Prefix cache capacity, in blocks.
+    pub cache_blocks: usize,
+    /// Most prompt tokens of one sequence computed in one step.
+    pub prefill_chunk: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step: every decoding sequence's one, plus at most one prefill chunk
+    /// in what is left.
+    pub max_num_batched_tokens: usize,
+    /// Most tokens of KV the running sequences hold together; a sequence that cannot grow
+    /// preempts the newest one.
+    pub kv_pool_tokens: usize,
+}
+
+/// Tokens of KV room a sequence is admitted with beyond its prompt (then it grows by half
+/// again, at least this much, each time it runs out).
+const KV_GROWTH: usize = 64;
+
+/// One request in the scheduler.
+struct Seq {
+    job: Job,
+    /// Prompt, then every generated token (the last one not yet computed while decoding).
+    tokens: Vec<u32>,
+    /// The prompt's token digest chain.
+    chain: Vec<Digest>,
+    /// `None` while waiting (new or preempted).
+    kv: Option<KvCache>,
+    generated: Vec<u32>,
+    /// Bytes of text already sent.
+    sent: usize,
+    rng: fastrand::Rng,
+    /// Prompt tokens reused from the cache at first admission (`None`: not admitted yet).
+    cached: Option<usize>,
+    /// Whether the prompt's blocks are in the prefix cache and `Started` was sent.
+    prefilled: bool,
+    /// Blocks this request added to the pool (paged in or computed): dropped from it if the
+    /// request fails. Blocks it only read stay: they were copied into its own KV buffer, never
+    /// written, and other requests' prefixes depend on them.
+    created: Vec<Digest>,
+    started: std::time::Instant,
+}
+
+impl Seq {
+    fn computed(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.len)
+    }
+
+    fn capacity(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.capacity)
+    }
+
+    /// Tokens the sequence can ever hold (its prompt and `max_tokens`).
+    fn max_len(&self) -> usize {
+        self.job.prompt.len() + self.job.params.max_tokens
+    }
+}
+
+/// What a step does with one running sequence.
+enum Outcome {
+    /// Still running.
+    Continue,
+    /// Finished (or failed); its last events.
+    Finish(Vec<Event>),
+    /// The client left.
+    Gone,
+}
+
+/// The worker's state: the model, the prefix cache, and the scheduler's queues.
 pub struct Worker {
     model: Llama,
     tokenizer: Arc<ModelTokenizer>,
@@ -225,106 +348,203 @@ pub struct Worker {
     /// The unsalted namespace, and the model name salted ones are derived from.
     ns: Namespace,
     model_name: String,
-    prefill_chunk: usize,
+    schedule: Schedule,
     store: Option<Box<dyn BlockStore>>,
     stats: Arc<Stats>,
-    /// Blocks the current request added to the pool (paged in or computed): dropped from it if
-    /// the request fails. Blocks it only read stay: they were copied into its own KV buffer,
-    /// never written, and other requests' prefixes depend on them.
-    created: Vec<Digest>,
+    /// Admitted, in admission order (the newest last: the first to be preempted).
+    running: Vec<Seq>,
+    /// Not admitted yet, in order (preempted sequences go back to the front).
+    waiting: VecDeque<Seq>,
 }
 
 impl Worker {
-    /// A worker over a loaded model.
+    /// A worker over a loaded model. The schedule's bounds are clamped to sane minimums: a
+    /// prefill chunk of at least 1, one sequence, a step budget above `max_num_seqs` (so that
+    /// prefill always progresses). A sequence alone in the batch runs even if it outgrows
+    /// `kv_pool_tokens` (the binary refuses a pool smaller than `max_model_len`).
     pub fn new(
         model: Llama,
         tokenizer: Arc<ModelTokenizer>,
         model_name: &str,
-        cache_blocks: usize,
-        prefill_chunk: usize,
+        schedule: Schedule,
         store: Option<Box<dyn BlockStore>>,
         stats: Arc<Stats>,
     ) -> Self {
+        let mut schedule = schedule;
+        schedule.prefill_chunk = schedule.prefill_chunk.max(1);
+        schedule.max_num_seqs = schedule.max_num_seqs.max(1);
+        schedule.max_num_batched_tokens = schedule
+            .max_num_batched_tokens
+            .max(schedule.max_num_seqs + 1);
         Worker {
+            cache: PrefixCache::new(schedule.cache_blocks),
             model,
             tokenizer,
-            cache: PrefixCache::new(cache_blocks),
             ns: Namespace::new(model_name, b""),
             model_name: model_name.to_string(),
-            prefill_chunk: prefill_chunk.max(1),
+            schedule,
             store,
             stats,
-            created: Vec::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
         }
     }
 
-    /// Serves jobs until the queue closes. A job that fails (or panics) inside the model gets
-    /// [`Event::Failed`]; the blocks it added leave the pool and the next job is served.
+    /// Serves jobs until the queue closes and every admitted one is done: each turn takes the
+    /// new jobs, drops those whose client left, admits what the batch and the KV pool allow,
+    /// and runs one step.
     pub fn run(mut self, jobs: std::sync::mpsc::Receiver<Job>) {
         let _no_grad = tch::no_grad_guard();
-        while let Ok(job) = jobs.recv() {
-            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if job.events.is_closed() {
-                continue;
+        let mut open = true;
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => self.enqueue(job),
+                    Err(_) => return,
+                }
             }
-            self.stats.running.store(1, Ordering::Relaxed);
-            let last = self.serve_one(&job);
-            // The load gauges change before the answer can complete: a client that reads
-            // /metrics right after its response sees its request finished.
-            self.stats.running.store(0, Ordering::Relaxed);
-            for ev in last {
-                let _ = job.events.send(ev);
+            while open {
+                match jobs.try_recv() {
+                    Ok(job) => self.enqueue(job),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            self.drop_departed();
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            } else if !open && self.waiting.is_empty() {
+                return;
             }
         }
     }
 
-    /// Serves one job, isolating its failure; returns the events still to send (the final text
-    /// and `Done`, or `Failed`).
-    fn serve_one(&mut self, job: &Job) -> Vec<Event> {
-        self.created.clear();
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| self.serve(job)));
-        let message = match outcome {
-            Ok(Ok(last)) => return last,
-            Ok(Err(e)) => e.to_string(),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".into());
-                tracing::error!(error = %what, prompt = job.prompt.len(), "request failed in the engine; serving the next");
-                format!("the engine failed while serving this request: {what}")
-            }
+    /// A new job joins the waiting queue, or is answered at once when it cannot run.
+    fn enqueue(&mut self, job: Job) {
+        let context = self.model.cfg.context;
+        let refusal = if job.prompt.is_empty() {
+            Some(ServeError::EmptyPrompt)
+        } else if job
+            .prompt
+            .len()
+            .checked_add(job.params.max_tokens)
+            .is_none_or(|n| n > context)
+        {
+            Some(ServeError::TooLong {
+                prompt: job.prompt.len(),
+                max_tokens: job.params.max_tokens,
+                context,
+            })
+        } else {
+            None
         };
-        self.stats.requests_failed.fetch_add(1, Ordering::Relaxed);
-        // Whatever the failed request put into the pool is not trusted (what it only read is
-        // unchanged: blocks are copied out, never written in place).
-        for d in self.created.drain(..) {
-            self.cache.remove(&d);
+        if job.events.is_closed() || refusal.is_some() {
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         }
-        self.stats
-            .cache_blocks
-            .store(self.cache.len() as u64, Ordering::Relaxed);
-        vec![Event::Failed { message }]
-    }
-
-    /// Reuses cached leading blocks (paging missing ones in from the store), prefills the rest
-    /// in chunks; returns the last position's logits and the cached token count.
-    fn prefill(&mut self, prompt: &[u32], salt: &str, kv: &mut KvCache) -> (Tensor, usize) {
-        let chain = if salt.is_empty() {
-            token_chain(&self.ns, prompt, BLOCK_TOKENS)
+        if let Some(e) = refusal {
+            self.stats.requests_failed.fetch_add(1, Ordering::Relaxed);
+            let _ = job.events.send(Event::Failed {
+                message: e.to_string(),
+            });
+            return;
+        }
+        if job.events.is_closed() {
+            return;
+        }
+        let chain = if job.cache_salt.is_empty() {
+            token_chain(&self.ns, &job.prompt, BLOCK_TOKENS)
         } else {
             token_chain(
-                &Namespace::new(&self.model_name, salt.as_bytes()),
-                prompt,
+                &Namespace::new(&self.model_name, job.cache_salt.as_bytes()),
+                &job.prompt,
                 BLOCK_TOKENS,
             )
         };
-        // At least one prompt token is always computed: its logits start the answer.
-        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
-        let mut local = self.cache.leading(&chain[..usable.min(chain.len())]);
+        let seed = job.params.seed.unwrap_or_else(|| fastrand::u64(..));
+        self.waiting.push_back(Seq {
+            tokens: job.prompt.clone(),
+            chain,
+            kv: None,
+            generated: Vec::new(),
+            sent: 0,
+            rng: fastrand::Rng::with_seed(seed),
+            cached: None,
+            prefilled: false,
+            created: Vec::new(),
+            started: std::time::Instant::now(),
+            job,
+        });
+    }
+
+    /// Sequences whose client left are dropped, freeing their KV.
+    fn drop_departed(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|s| !s.job.events.is_closed());
+        let gone = (before - self.waiting.len()) as u64;
+        self.stats.waiting.fetch_sub(gone, Ordering::Relaxed);
+        self.running.retain(|s| !s.job.events.is_closed());
+        self.publish_gauges();
+    }
+
+    fn pool_used(&self) -> usize {
+        self.running.iter().map(Seq::capacity).sum()
+    }
+
+    fn publish_gauges(&self) {
+        self.stats
+            .running
+            .store(self.running.len() as u64, Ordering::Relaxed);
+        self.stats
+            .kv_pool_used_tokens
+            .store(self.pool_used() as u64, Ordering::Relaxed);
+        self.stats
+            .cache_blocks
+            .store(self.cache.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Admits waiting sequences in order while the batch has room and the KV pool can hold
+    /// their prompt: each gets its KV buffer, with the leading blocks found in the prefix cache
+    /// (or paged in from the store) copied in.
+    fn admit(&mut self) {
+        while self.running.len() < self.schedule.max_num_seqs {
+            let Some(front) = self.waiting.front() else {
+                return;
+            };
+            let room = (front.tokens.len() + KV_GROWTH).min(front.max_len());
+            if !self.running.is_empty() && self.pool_used() + room > self.schedule.kv_pool_tokens {
+                return;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                return;
+            };
+            self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            let mut kv = KvCache::new(&self.model.cfg, room);
+            let cached = self.reuse_prefix(&mut seq, &mut kv);
+            seq.kv = Some(kv);
+            if seq.cached.is_none() {
+                seq.cached = Some(cached);
+                self.stats
+                    .prompt_tokens
+                    .fetch_add(seq.job.prompt.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .cached_tokens
+                    .fetch_add(cached as u64, Ordering::Relaxed);
+            }
+            self.running.push(seq);
+        }
+        self.publish_gauges();
+    }
+
+    /// Copies the sequence's leading cached blocks into `kv` (paging missing ones in from the
+    /// store first); returns the tokens reused. At least one token is always left to compute:
+    /// its logits start (or resume) the answer.
+    fn reuse_prefix(&mut self, seq: &mut Seq, kv: &mut KvCache) -> usize {
+        let usable = ((seq.tokens.len() - 1) / BLOCK_TOKENS).min(seq.chain.len());
+        let chain = &seq.chain[..usable];
+        let mut local = self.cache.leading(chain);
         if let Some(store) = self.store.as_mut() {
-            let want = &chain[local..usable.min(chain.len())];
+            let want = &chain[local..];
             if !want.is_empty() {
                 let got = store.get_leading(want);
                 let mut paged = 0;
@@ -332,7 +552,7 @@ impl Worker {
                     match KvBlock::from_bytes(&self.model.cfg, &bytes) {
                         Some(b) => {
                             self.cache.insert(*d, b);
-                            self.created.push(*d);
+                            seq.created.push(*d);
                             paged += 1;
                         }
                         None => break,
@@ -341,39 +561,327 @@ impl Worker {
                 self.stats
                     .paged_in_tokens
                     .fetch_add((paged * BLOCK_TOKENS) as u64, Ordering::Relaxed);
-                local = self.cache.leading(&chain[..usable.min(chain.len())]);
+                local = self.cache.leading(chain);
             }
         }
-        self.cache.load(&chain, local, kv);
-        let cached = local * BLOCK_TOKENS;
-        let mut logits = None;
-        for chunk in prompt[cached..].chunks(self.prefill_chunk) {
-            logits = Some(self.model.forward(chunk, kv, true));
+        self.cache.load(chain, local, kv);
+        local * BLOCK_TOKENS
+    }
+
+    /// The step's plan: tokens to compute per running sequence (0: none this step). Every
+    /// decoding sequence computes its one token; the oldest sequence still in prefill gets one
+    /// chunk of what is left of the budget.
+    fn plan(&self) -> Vec<usize> {
+        let mut plan: Vec<usize> = self
+            .running
+            .iter()
+            .map(|s| usize::from(s.tokens.len() - s.computed() == 1))
+            .collect();
+        let left = self
+            .schedule
+            .max_num_batched_tokens
+            .saturating_sub(plan.iter().sum());
+        if let Some((i, s)) = self
+            .running
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.tokens.len() - s.computed() > 1)
+        {
+            plan[i] = (s.tokens.len() - s.computed())
+                .min(self.schedule.prefill_chunk)
+                .min(left);
         }
-        // New full prompt blocks join the pool (and kvagent).
-        let mut fresh = Vec::new();
-        for (i, d) in chain.iter().enumerate().skip(local) {
-            if !self.cache.contains(d) {
-                let block = KvBlock::from_sequence(kv, i);
-                if self.store.is_some() {
-                    fresh.push((*d, block.to_bytes()));
+        plan
+    }
+
+    /// Extra KV room each planned sequence needs at least.
+    fn growth_needed(&self, plan: &[usize]) -> usize {
+        self.running
+            .iter()
+            .zip(plan)
+            .map(|(s, &n)| (s.computed() + n).saturating_sub(s.capacity()))
+            .sum()
+    }
+
+    /// Makes room for the plan: preempts the newest sequences (their KV dropped, recomputed
+    /// when admitted again) until every planned one can grow, then grows them, by half again
+    /// where the pool allows. Returns the plan that fits.
+    fn make_room(&mut self) -> Vec<usize> {
+        let mut plan = self.plan();
+        while self.running.len() > 1
+            && self.pool_used() + self.growth_needed(&plan) > self.schedule.kv_pool_tokens
+        {
+            if let Some(mut victim) = self.running.pop() {
+                tracing::debug!(
+                    computed = victim.computed(),
+                    "KV pool full: preempting the newest sequence (recomputed when admitted again)"
+                );
+                victim.kv = None;
+                self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+                self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+                self.waiting.push_front(victim);
+            }
+            plan = self.plan();
+        }
+        let mut used = self.pool_used();
+        let mut still_needed = self.growth_needed(&plan);
+        let pool = self.schedule.kv_pool_tokens;
+        let cfg = &self.model.cfg;
+        for (s, &n) in self.running.iter_mut().zip(&plan) {
+            let (cap, need) = (s.capacity(), s.computed() + n);
+            if need <= cap {
+                continue;
+            }
+            still_needed -= need - cap;
+            let roomy = need.max(cap + KV_GROWTH.max(cap / 2)).min(s.max_len());
+            let target = if used + (roomy - cap) + still_needed <= pool {
+                roomy
+            } else {
+                need
+            };
+            if let Some(kv) = s.kv.as_mut() {
+                kv.reserve(cfg, target);
+            }
+            used += target - cap;
+        }
+        plan
+    }
+
+    /// One iteration: a batched forward over the plan, then sampling for every sequence whose
+    /// computed tokens reached its end.
+    fn step(&mut self) {
+        let t0 = std::time::Instant::now();
+        let plan = self.make_room();
+        let (logits, failed) = self.forward(&plan);
+        let greedy: Vec<i64> = match &logits {
+            Some(l) if l.size()[0] > 0 => Vec::try_from(l.argmax(-1, false)).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        let mut row = 0usize;
+        let mut outcomes = Vec::with_capacity(self.running.len());
+        for (i, &n) in plan.iter().enumerate() {
+            if failed.contains(&i) {
+                outcomes.push(Outcome::Finish(vec![self.fail(i)]));
+                continue;
+            }
+            if n == 0 {
+                outcomes.push(Outcome::Continue);
+                continue;
+            }
+            let wants = self.running[i].computed() == self.running[i].tokens.len();
+            if !wants {
+                outcomes.push(Outcome::Continue);
+                continue;
+            }
+            let this = row;
+            row += 1;
+            if !self.running[i].prefilled {
+                self.store_prompt_blocks(i);
+            }
+            let next = match (&logits, greedy.get(this)) {
+                (Some(_), Some(&g)) if self.running[i].job.params.temperature < MIN_TEMPERATURE => {
+                    g as u32
                 }
-                self.cache.insert(*d, block);
-                self.created.push(*d);
+                (Some(l), _) => {
+                    let s = &mut self.running[i];
+                    sample(&l.get(this as i64), &s.job.params, &mut s.rng)
+                }
+                (None, _) => self.tokenizer.eos,
+            };
+            outcomes.push(self.advance(i, next));
+        }
+        // Finished sequences leave the batch (and the gauges change) before their last events
+        // are sent: a client that reads /metrics right after its answer sees it finished.
+        let mut last_events = Vec::new();
+        let mut kept = Vec::with_capacity(self.running.len());
+        for (seq, outcome) in std::mem::take(&mut self.running).into_iter().zip(outcomes) {
+            match outcome {
+                Outcome::Continue => kept.push(seq),
+                Outcome::Finish(events) => last_events.push((seq, events)),
+                Outcome::Gone => {}
             }
+        }
+        self.running = kept;
+        self.publish_gauges();
+        for (seq, events) in last_events {
+            for ev in events {
+                let _ = seq.job.events.send(ev);
+            }
+        }
+        let tokens: usize = plan.iter().sum();
+        self.stats.steps.tokens.observe(tokens as f64);
+        self.stats
+            .steps
+            .batch_size
+            .observe(plan.iter().filter(|&&n| n > 0).count() as f64);
+        self.stats.steps.seconds.observe(t0.elapsed().as_secs_f64());
+    }
+
+    /// The batched forward over `plan`: the logits of every chunk that reached its sequence's
+    /// end, in order, and the sequences that failed. When the batch fails (libtorch raised),
+    /// each sequence is run again alone, so only the one that cannot be computed fails.
+    fn forward(&mut self, plan: &[usize]) -> (Option<Tensor>, Vec<usize>) {
+        let model = &self.model;
+        let mut chunks = Vec::new();
+        let mut who = Vec::new();
+        for (i, (s, &n)) in self.running.iter_mut().zip(plan).enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let Some(kv) = s.kv.as_mut() else { continue };
+            let from = kv.len;
+            let wants = from + n == s.tokens.len();
+            chunks.push(Chunk {
+                tokens: &s.tokens[from..from + n],
+                kv,
+                logits: wants,
+            });
+            who.push(i);
+        }
+        match catch_unwind(AssertUnwindSafe(|| model.forward_batch(&mut chunks))) {
+            Ok(l) => return (Some(l), Vec::new()),
+            Err(panic) if chunks.len() == 1 => {
+                tracing::error!(error = %panic_text(&panic), "a sequence failed in the engine; serving the others");
+                return (None, who);
+            }
+            Err(panic) => {
+                tracing::warn!(error = %panic_text(&panic), batch = chunks.len(), "a batched step failed: running its sequences one at a time");
+            }
+        }
+        let mut rows = Vec::new();
+        let mut failed = Vec::new();
+        for (chunk, &i) in chunks.iter_mut().zip(&who) {
+            let one = std::slice::from_mut(chunk);
+            match catch_unwind(AssertUnwindSafe(|| model.forward_batch(one))) {
+                Ok(l) => rows.push(l),
+                Err(panic) => {
+                    tracing::error!(error = %panic_text(&panic), "a sequence failed in the engine; serving the others");
+                    failed.push(i);
+                }
+            }
+        }
+        let logits = (!rows.is_empty()).then(|| Tensor::cat(&rows, 0));
+        (logits, failed)
+    }
+
+    /// The sequence's answer to a failure; the blocks it added leave the pool.
+    fn fail(&mut self, i: usize) -> Event {
+        self.stats.requests_failed.fetch_add(1, Ordering::Relaxed);
+        let created = std::mem::take(&mut self.running[i].created);
+        for d in &created {
+            self.cache.remove(d);
+        }
+        Event::Failed {
+            message: "the engine failed while serving this request".into(),
+        }
+    }
+
+    /// The prompt is computed: its new full blocks join the pool (and kvagent), and the client
+    /// is told how much of it was cached.
+    fn store_prompt_blocks(&mut self, i: usize) {
+        let mut fresh = Vec::new();
+        {
+            let s = &mut self.running[i];
+            s.prefilled = true;
+            if let Some(kv) = s.kv.as_ref() {
+                for (b, d) in s.chain.iter().enumerate() {
+                    if (b + 1) * BLOCK_TOKENS > kv.len {
+                        break;
+                    }
+                    if !self.cache.contains(d) {
+                        let block = KvBlock::from_sequence(kv, b);
+                        if self.store.is_some() {
+                            fresh.push((*d, block.to_bytes()));
+                        }
+                        self.cache.insert(*d, block);
+                        s.created.push(*d);
+                    }
+                }
+            }
+            let _ = s.job.events.send(Event::Started {
+                prompt_tokens: s.job.prompt.len(),
+                cached_tokens: s.cached.unwrap_or(0),
+            });
+            tracing::debug!(
+                prompt = s.job.prompt.len(),
+                cached = s.cached.unwrap_or(0),
+                prefill_ms = s.started.elapsed().as_secs_f64() * 1e3,
+                "prefill done"
+            );
         }
         if let (Some(store), false) = (self.store.as_mut(), fresh.is_empty()) {
             store.put(fresh);
         }
         // After this request's own new blocks, which must not lose their place to it.
         self.resync_if_lost();
-        self.stats
-            .cache_blocks
-            .store(self.cache.len() as u64, Ordering::Relaxed);
-        (
-            logits.unwrap_or_else(|| Tensor::zeros([1, 1], (Kind::Float, tch::Device::Cpu))),
-            cached,
-        )
+    }
+
+    /// Takes the sampled token `next` into sequence `i`: streams new text, and says whether it
+    /// goes on.
+    fn advance(&mut self, i: usize, next: u32) -> Outcome {
+        let eos = self.tokenizer.eos;
+        let s = &mut self.running[i];
+        let p = &s.job.params;
+        let mut finish = None;
+        if next == eos {
+            finish = Some("stop");
+        } else {
+            s.generated.push(next);
+            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        }
+        let text = self.tokenizer.decode(&s.generated).unwrap_or_default();
+        if finish.is_none() && p.stop.iter().any(|st| text.contains(st.as_str())) {
+            finish = Some("stop");
+        }
+        if finish.is_none() {
+            // Hold back an incomplete UTF-8 sequence, and text that may begin a stop string.
+            let hold = p
+                .stop
+                .iter()
+                .map(|st| longest_suffix_prefix(&text, st))
+                .max()
+                .unwrap_or(0);
+            let mut upto = text.len() - hold;
+            while upto > s.sent && !text.is_char_boundary(upto) {
+                upto -= 1;
+            }
+            if s.job.stream && !text[..upto].ends_with('\u{FFFD}') && upto > s.sent {
+                if s.job
+                    .events
+                    .send(Event::Text(text[s.sent..upto].to_string()))
+                    .is_err()
+                {
+                    return Outcome::Gone;
+                }
+                s.sent = upto;
+            }
+            if s.generated.len() >= p.max_tokens {
+                finish = Some("length");
+            }
+        }
+        let Some(finish_reason) = finish else {
+            s.tokens.push(next);
+            return Outcome::Continue;
+        };
+        let text = match p.stop.iter().filter_map(|st| text.find(st.as_str())).min() {
+            Some(cut) => &text[..cut],
+            None => &text[..],
+        };
+        let mut last = Vec::with_capacity(2);
+        if text.len() > s.sent {
+            last.push(Event::Text(text[s.sent..].to_string()));
+        }
+        tracing::debug!(
+            prompt = s.job.prompt.len(),
+            generated = s.generated.len(),
+            ms = s.started.elapsed().as_secs_f64() * 1e3,
+            "request done"
+        );
+        last.push(Event::Done {
+            finish_reason,
+            completion_tokens: s.generated.len(),
+        });
+        Outcome::Finish(last)
     }
 
     /// kvagent lost its blocks (restarted, or cleared): the blocks cached here, most recently
@@ -404,108 +912,14 @@ impl Worker {
             store.put(blocks);
         }
     }
+}
 
-    /// Prefill and decode; returns the events still to send (empty when the client left).
-    fn serve(&mut self, job: &Job) -> Result<Vec<Event>, ServeError> {
-        let p = &job.params;
-        let started = std::time::Instant::now();
-        let context = self.model.cfg.context;
-        if job.prompt.is_empty() {
-            return Err(ServeError::EmptyPrompt);
-        }
-        let capacity = job
-            .prompt
-            .len()
-            .checked_add(p.max_tokens)
-            .filter(|&n| n <= context)
-            .ok_or(ServeError::TooLong {
-                prompt: job.prompt.len(),
-                max_tokens: p.max_tokens,
-                context,
-            })?;
-        let mut kv = KvCache::new(&self.model.cfg, capacity + 1);
-        let (mut logits, cached) = self.prefill(&job.prompt, &job.cache_salt, &mut kv);
-        let prefilled = started.elapsed();
-        self.stats
-            .prompt_tokens
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-        self.stats
-            .cached_tokens
-            .fetch_add(cached as u64, Ordering::Relaxed);
-        let _ = job.events.send(Event::Started {
-            prompt_tokens: job.prompt.len(),
-            cached_tokens: cached,
-        });
-        let mut rng = fastrand::Rng::with_seed(p.seed.unwrap_or_else(|| fastrand::u64(..)));
-        let mut generated: Vec<u32> = Vec::new();
-        let mut sent = 0usize; // bytes of text already sent
-        let mut finish = "length";
-        while generated.len() < p.max_tokens {
-            let next = sample(&logits, p, &mut rng);
-            if next == self.tokenizer.eos {
-                finish = "stop";
-                break;
-            }
-            generated.push(next);
-            self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            let text = self.tokenizer.decode(&generated).unwrap_or_default();
-            if p.stop.iter().any(|s| text.contains(s.as_str())) {
-                finish = "stop";
-                break;
-            }
-            // Hold back an incomplete UTF-8 sequence, and text that may begin a stop string.
-            let hold = p
-                .stop
-                .iter()
-                .map(|s| longest_suffix_prefix(&text, s))
-                .max()
-                .unwrap_or(0);
-            let mut upto = text.len() - hold;
-            while upto > sent && !text.is_char_boundary(upto) {
-                upto -= 1;
-            }
-            if job.stream && !text[..upto].ends_with('\u{FFFD}') && upto > sent {
-                if job
-                    .events
-                    .send(Event::Text(text[sent..upto].to_string()))
-                    .is_err()
-                {
-                    return Ok(Vec::new()); // client gone
-                }
-                sent = upto;
-            }
-            if generated.len() == p.max_tokens {
-                break;
-            }
-            if job.events.is_closed() {
-                return Ok(Vec::new()); // client gone
-            }
-            logits = self.model.forward(&[next], &mut kv, true);
-        }
-        let text = self.tokenizer.decode(&generated).unwrap_or_default();
-        let text = match p.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-            Some(cut) => &text[..cut],
-            None => &text[..],
-        };
-        let mut last = Vec::with_capacity(2);
-        if text.len() > sent {
-            last.push(Event::Text(text[sent..].to_string()));
-        }
-        let decode = started.elapsed() - prefilled;
-        tracing::debug!(
-            prompt = job.prompt.len(),
-            cached,
-            prefill_ms = prefilled.as_secs_f64() * 1e3,
-            generated = generated.len(),
-            decode_ms_per_token = decode.as_secs_f64() * 1e3 / generated.len().max(1) as f64,
-            "request done"
-        );
-        last.push(Event::Done {
-            finish_reason: finish,
-            completion_tokens: generated.len(),
-        });
-        Ok(last)
-    }
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of `stop`.

@@ -5,12 +5,10 @@
 //! - [`tokenizer`]: the model's tokenizer and chat template, built from GGUF metadata.
 //!
 //! - [`cache`]: the paged prefix cache (16-token blocks named by the token digest chain);
-//! - [`engine`]: the worker: FIFO queue, prefix reuse, chunked prefill, sampling;
+//! - [`engine`]: the worker: continuous batching, prefix reuse, chunked prefill, preemption,
+//!   sampling;
 //! - [`kvstore`]: blocks written through to kvagent and paged back in, sealed with a MAC;
 //! - [`server`]: the OpenAI HTTP surface.
-//!
-//! Not built yet (docs/engine-shim.md): continuous batching of decode steps (requests are served
-//! one at a time, first come first served).
 
 pub mod cache;
 pub mod engine;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use engine_shim::cache::KvBlock;
-use engine_shim::engine::{BlockStore, Stats, Worker};
+use engine_shim::engine::{BlockStore, Schedule, Stats, Worker};
 use engine_shim::gguf::Gguf;
 use engine_shim::kvstore::{KvagentStore, Limits, MacKey};
 use engine_shim::model::{Llama, WeightType};
@@ -51,6 +51,15 @@ struct Cli {
     /// Overrides `weights` (`bf16` or `f32`).
     #[arg(long)]
     weights: Option<String>,
+    /// Overrides `max_num_seqs`.
+    #[arg(long)]
+    max_num_seqs: Option<usize>,
+    /// Overrides `max_num_batched_tokens`.
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
+    /// Overrides `kv_pool_tokens`.
+    #[arg(long)]
+    kv_pool_tokens: Option<usize>,
     /// Overrides `threads`.
     #[arg(long)]
     threads: Option<usize>,
@@ -87,8 +96,17 @@ struct EngineConfig {
     max_model_len: usize,
     /// `max_tokens` when a request gives none.
     default_max_tokens: usize,
-    /// Tokens per prefill step (chunked prefill).
+    /// Most prompt tokens of one sequence computed in one step (chunked prefill).
     prefill_chunk: usize,
+    /// Most sequences in the running batch (continuous batching).
+    max_num_seqs: usize,
+    /// Most tokens one step computes: one per decoding sequence, plus at most one prefill
+    /// chunk in what is left (must exceed `max_num_seqs`, so prefill always progresses).
+    max_num_batched_tokens: usize,
+    /// Most tokens of KV the running sequences hold together (~45 KiB each for SmolLM2-135M);
+    /// when the batch cannot grow, the newest sequence is preempted and recomputed later. At
+    /// least the longest sequence (`max_model_len`); 0: 4x `max_model_len`.
+    kv_pool_tokens: usize,
     /// Prefix cache capacity in 16-token blocks (each ~737 KB for SmolLM2-135M).
     cache_blocks: usize,
     /// Most requests waiting; more get 429.
@@ -146,6 +164,9 @@ impl Default for EngineConfig {
             max_model_len: 0,
             default_max_tokens: 256,
             prefill_chunk: 256,
+            max_num_seqs: 16,
+            max_num_batched_tokens: 512,
+            kv_pool_tokens: 0,
             cache_blocks: 512,
             max_queue: 64,
             max_body_bytes: 4 << 20,
@@ -198,6 +219,15 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
     if let Some(n) = cli.threads {
         cfg.threads = n;
     }
+    if let Some(n) = cli.max_num_seqs {
+        cfg.max_num_seqs = n;
+    }
+    if let Some(n) = cli.max_num_batched_tokens {
+        cfg.max_num_batched_tokens = n;
+    }
+    if let Some(n) = cli.kv_pool_tokens {
+        cfg.kv_pool_tokens = n;
+    }
     if let Some(p) = &cli.kv_mac_key_file {
         cfg.kv_mac_key_file = p.clone();
     }
@@ -205,15 +235,20 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
         cfg.kvagent_token_file = p.clone();
     }
     if let Some(w) = &cli.weights {
-        cfg.weights = match w.as_str() {
-            "bf16" => WeightType::Bf16,
-            "f32" => WeightType::F32,
-            other => anyhow::bail!("--weights {other:?}: use bf16 or f32"),
-        };
+        cfg.weights = w
+            .parse::<WeightType>()
+            .map_err(|e| anyhow::anyhow!("--weights {e}"))?;
     }
     anyhow::ensure!(cfg.prefill_chunk > 0, "prefill_chunk must be > 0");
     anyhow::ensure!(cfg.cache_blocks > 0, "cache_blocks must be > 0");
     anyhow::ensure!(cfg.max_queue > 0, "max_queue must be > 0");
+    anyhow::ensure!(cfg.max_num_seqs > 0, "max_num_seqs must be > 0");
+    anyhow::ensure!(
+        cfg.max_num_batched_tokens > cfg.max_num_seqs,
+        "max_num_batched_tokens ({}) must exceed max_num_seqs ({}): a step with every sequence decoding must leave room for prefill",
+        cfg.max_num_batched_tokens,
+        cfg.max_num_seqs
+    );
     anyhow::ensure!(cfg.default_max_tokens > 0, "default_max_tokens must be > 0");
     anyhow::ensure!(
         cfg.kvagent_fetch_timeout_ms > 0 && cfg.kvagent_put_timeout_ms > 0,
@@ -434,13 +469,38 @@ fn run() -> anyhow::Result<()> {
             stats.clone(),
         )))
     };
+    let kv_pool_tokens = if cfg.kv_pool_tokens == 0 {
+        4 * max_model_len
+    } else {
+        anyhow::ensure!(
+            cfg.kv_pool_tokens >= max_model_len,
+            "kv_pool_tokens ({}) must hold at least one sequence of max_model_len ({max_model_len}) tokens",
+            cfg.kv_pool_tokens
+        );
+        cfg.kv_pool_tokens
+    };
     let (jobs, queue) = std::sync::mpsc::sync_channel(cfg.max_queue);
+    let schedule = Schedule {
+        cache_blocks: cfg.cache_blocks,
+        prefill_chunk: cfg.prefill_chunk,
+        max_num_seqs: cfg.max_num_seqs,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+        kv_pool_tokens,
+    };
+    tracing::info!(
+        weights = cfg.weights.as_str(),
+        max_num_seqs = schedule.max_num_seqs,
+        max_num_batched_tokens = schedule.max_num_batched_tokens,
+        prefill_chunk = schedule.prefill_chunk,
+        kv_pool_tokens,
+        kv_pool_mib = (kv_pool_tokens * model.cfg.kv_bytes_per_token()) >> 20,
+        "continuous batching"
+    );
     let worker = Worker::new(
         model,
         tokenizer.clone(),
         &cfg.served_model_name,
-        cfg.cache_blocks,
-        cfg.prefill_chunk,
+        schedule,
         store,
         stats.clone(),
     );
@@ -460,6 +520,7 @@ fn run() -> anyhow::Result<()> {
         tokenizing: Arc::new(Semaphore::new(server::TOKENIZE_CONCURRENCY)),
         max_queue: cfg.max_queue as u64,
         cache_capacity: cfg.cache_blocks,
+        kv_pool_tokens,
         kv_epoch: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)

@@ -64,6 +64,8 @@ pub struct App {
     pub max_queue: u64,
     /// Prefix cache capacity, blocks (for the KV usage gauge).
     pub cache_capacity: usize,
+    /// The KV pool of running sequences, tokens (`kv_pool_tokens`).
+    pub kv_pool_tokens: usize,
     /// Changes on every start (reported as `kv_epoch`): the cache starts empty.
     pub kv_epoch: u64,
 }
@@ -175,6 +177,11 @@ fn metrics(app: &App) -> String {
          # TYPE engine_shim_kv_writethrough_dropped_blocks_total counter\nengine_shim_kv_writethrough_dropped_blocks_total {}\n\
          # TYPE engine_shim_kv_writethrough_failed_total counter\nengine_shim_kv_writethrough_failed_total {}\n\
          # TYPE engine_shim_kv_writethrough_resyncs_total counter\nengine_shim_kv_writethrough_resyncs_total {}\n\
+         # TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
+         # TYPE engine_shim_kv_pool_used_tokens gauge\nengine_shim_kv_pool_used_tokens {}\n\
+         # TYPE engine_shim_kv_pool_capacity_tokens gauge\nengine_shim_kv_pool_capacity_tokens {}\n\
          # TYPE engine_shim_kv_pagein_rejected_total counter\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
@@ -188,6 +195,11 @@ fn metrics(app: &App) -> String {
         s.writethrough_dropped_blocks.load(Ordering::Relaxed),
         s.writethrough_failed.load(Ordering::Relaxed),
         s.writethrough_resyncs.load(Ordering::Relaxed),
+        s.preemptions.load(Ordering::Relaxed),
+        s.prompt_tokens.load(Ordering::Relaxed),
+        s.cached_tokens.load(Ordering::Relaxed),
+        s.kv_pool_used_tokens.load(Ordering::Relaxed),
+        app.kv_pool_tokens,
     );
     for r in RejectReason::ALL {
         let n = s
@@ -198,6 +210,13 @@ fn metrics(app: &App) -> String {
             "engine_shim_kv_pagein_rejected_total{{reason=\"{}\"}} {n}\n",
             r.as_str()
         ));
+    }
+    let mut families = Vec::new();
+    for h in [&s.steps.batch_size, &s.steps.tokens, &s.steps.seconds] {
+        families.extend(prometheus::core::Collector::collect(h));
+    }
+    if let Err(e) = prometheus::TextEncoder::new().encode_utf8(&families, &mut out) {
+        tracing::warn!(error = %e, "encoding the step histograms");
     }
     out
 }

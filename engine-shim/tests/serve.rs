@@ -1421,3 +1421,349 @@ fn idle_and_slow_connections_are_capped_and_closed() {
         "The capital of France is Paris."
     );
 }
+
+/// Continuous batching over the real HTTP surface: concurrent answers equal the lone ones, a long
+/// prefill does not stall running decodes, an aborted stream frees its KV, a full KV pool
+/// preempts without changing any answer, a full queue answers 429, and the prefix cache and
+/// kvagent paging serve concurrent requests.
+mod batching {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Sends a streamed request and calls `piece` with each text delta as it arrives; returns
+    /// the whole text.
+    fn stream(addr: SocketAddr, path: &str, body: &Value, mut piece: impl FnMut(&str)) -> String {
+        let body = serde_json::to_vec(body).unwrap();
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        s.write_all(&body).unwrap();
+        let mut text = String::new();
+        for line in BufReader::new(s).lines() {
+            let line = line.unwrap();
+            let Some(data) = line.strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                break;
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            assert!(v.get("error").is_none(), "{v}");
+            let c = &v["choices"][0];
+            let t = c["delta"]["content"]
+                .as_str()
+                .or_else(|| c["text"].as_str())
+                .unwrap_or("");
+            if !t.is_empty() {
+                piece(t);
+                text.push_str(t);
+            }
+        }
+        text
+    }
+
+    fn chat_body(content: &str, max_tokens: u64) -> Value {
+        json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
+               "temperature": 0, "max_tokens": max_tokens, "stream": true})
+    }
+
+    /// Eight questions of different lengths, and different answer lengths.
+    fn questions() -> Vec<(String, u64)> {
+        let topics = [
+            "What is the capital of France?",
+            "Name three colours of the rainbow.",
+            "Write one sentence about the sea, the wind and the sailors who cross it at night.",
+            "What is 12 plus 30?",
+            "Explain in two sentences why the sky is blue, as you would to a curious child who keeps asking why.",
+            "Say hello.",
+            "List the days of the week.",
+            "Describe a cat.",
+        ];
+        topics
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), 12 + 4 * i as u64))
+            .collect()
+    }
+
+    /// A histogram's count of observations above `le`.
+    fn above(addr: SocketAddr, name: &str, le: &str) -> f64 {
+        metric(addr, &format!("{name}_count"))
+            - metric(addr, &format!("{name}_bucket{{le=\"{le}\"}}"))
+    }
+
+    #[test]
+    fn concurrent_streams_get_the_greedy_answers_they_get_alone() {
+        let qs = questions();
+        let alone_engine = engine(&[]);
+        let alone: Vec<String> = qs
+            .iter()
+            .map(|(q, n)| {
+                stream(
+                    alone_engine.addr,
+                    "/v1/chat/completions",
+                    &chat_body(q, *n),
+                    |_| {},
+                )
+            })
+            .collect();
+        drop(alone_engine);
+        let e = engine(&[]);
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = qs
+                .iter()
+                .map(|(q, n)| {
+                    let addr = e.addr;
+                    s.spawn(move || stream(addr, "/v1/chat/completions", &chat_body(q, *n), |_| {}))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+            assert!(!a.is_empty());
+            assert_eq!(a, b, "question {i}: alone vs batched");
+        }
+        assert!(
+            above(e.addr, "engine_shim_batch_size", "4") > 0.0,
+            "no step ran more than 4 sequences at once"
+        );
+        assert_eq!(metric(e.addr, "vllm:num_requests_running"), 0.0);
+        assert_eq!(metric(e.addr, "engine_shim_kv_pool_used_tokens"), 0.0);
+    }
+
+    #[test]
+    fn a_long_prefill_does_not_stall_running_decodes() {
+        // Steps of at most 72 tokens: the long prompt takes many steps, and the running stream
+        // must get a token in each of them.
+        let e = engine(&["--prefill-chunk", "64", "--max-num-batched-tokens", "72"]);
+        let counting = json!({"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "temperature": 0,
+                              "max_tokens": 400, "stream": true});
+        let got = Arc::new(AtomicUsize::new(0));
+        let addr = e.addr;
+        let runner = {
+            let got = got.clone();
+            std::thread::spawn(move || {
+                stream(addr, "/v1/completions", &counting, |_| {
+                    got.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while got.load(Ordering::SeqCst) < 3 {
+            assert!(Instant::now() < deadline, "the stream never started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let before = got.load(Ordering::SeqCst);
+        let long = json!({"model": MODEL, "prompt": document(), "temperature": 0, "max_tokens": 1});
+        let (status, body) = post(
+            e.addr,
+            "/v1/completions",
+            &serde_json::to_vec(&long).unwrap(),
+        );
+        let during = got.load(Ordering::SeqCst) - before;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        let steps = prompt.div_ceil(64);
+        assert!(prompt > 600, "{prompt}");
+        // One decode token per prefill step (a few are lost to SSE pieces that hold back an
+        // incomplete character or arrive after the long answer).
+        assert!(
+            during + 3 >= steps,
+            "the stream got {during} tokens while a {prompt}-token prompt took {steps} steps"
+        );
+        assert!(
+            above(e.addr, "vllm:iteration_tokens_total", "64") > 0.0
+                && metric(e.addr, "vllm:iteration_tokens_total_bucket{le=\"128\"}")
+                    == metric(e.addr, "vllm:iteration_tokens_total_count"),
+            "steps went over the 72-token budget"
+        );
+        drop(e);
+        let _ = runner.join();
+    }
+
+    #[test]
+    fn an_aborted_stream_frees_its_kv() {
+        let e = engine(&[]);
+        assert_eq!(metric(e.addr, "engine_shim_kv_pool_used_tokens"), 0.0);
+        let body = serde_json::to_vec(
+            &json!({"model": MODEL, "prompt": "1, 2, 3, 4,", "temperature": 0,
+                                              "max_tokens": 1000, "stream": true}),
+        )
+        .unwrap();
+        let mut s = TcpStream::connect(e.addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .unwrap();
+        s.write_all(&body).unwrap();
+        let mut r = BufReader::new(s);
+        let mut data = 0;
+        let mut line = String::new();
+        while data < 4 {
+            line.clear();
+            assert!(r.read_line(&mut line).unwrap() > 0);
+            data += usize::from(line.starts_with("data: "));
+        }
+        assert_eq!(metric(e.addr, "vllm:num_requests_running"), 1.0);
+        assert!(metric(e.addr, "engine_shim_kv_pool_used_tokens") > 0.0);
+        drop(r);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while metric(e.addr, "engine_shim_kv_pool_used_tokens") > 0.0
+            || metric(e.addr, "vllm:num_requests_running") > 0.0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the aborted sequence kept its KV"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let generated = metric(e.addr, "engine_shim_generated_tokens_total");
+        assert!(generated < 1000.0, "it ran to the end: {generated}");
+    }
+
+    #[test]
+    fn a_full_kv_pool_preempts_and_no_answer_changes() {
+        // Counting never ends early, so every sequence grows past its admission room.
+        let body = |i: usize| {
+            let prompt: String = (0..8).map(|k| format!("{}, ", 100 * i + k)).collect();
+            json!({"model": MODEL, "prompt": prompt.trim_end(), "temperature": 0,
+                   "max_tokens": 120, "stream": true})
+        };
+        let alone_engine = engine(&[]);
+        let alone: Vec<String> = (0..6)
+            .map(|i| stream(alone_engine.addr, "/v1/completions", &body(i), |_| {}))
+            .collect();
+        drop(alone_engine);
+        // A pool of 640 tokens: six sequences of ~150 tokens each cannot all grow.
+        let cfg = temp_file(
+            "small-pool.toml",
+            "max_model_len = 512\nkv_pool_tokens = 640\n",
+        );
+        let e = engine(&["--config", cfg.to_str().unwrap()]);
+        let together: Vec<String> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|i| {
+                    let (addr, b) = (e.addr, body(i));
+                    s.spawn(move || stream(addr, "/v1/completions", &b, |_| {}))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(alone, together);
+        assert!(metric(e.addr, "vllm:num_preemptions_total") > 0.0);
+        assert_eq!(metric(e.addr, "engine_shim_kv_pool_used_tokens"), 0.0);
+        assert_eq!(metric(e.addr, "vllm:num_requests_waiting"), 0.0);
+        // A pool smaller than one sequence is refused at start, naming the key.
+        let bad = temp_file(
+            "tiny-pool.toml",
+            "max_model_len = 512\nkv_pool_tokens = 100\n",
+        );
+        let out = refused_start(&bad, "engine-shim listening");
+        assert!(out.contains("kv_pool_tokens"), "{out}");
+    }
+
+    #[test]
+    fn a_full_queue_is_answered_429() {
+        let cfg_queue = temp_file("queue1.toml", "max_queue = 1\n");
+        let e = engine(&[
+            "--config",
+            cfg_queue.to_str().unwrap(),
+            "--max-num-seqs",
+            "1",
+            "--max-num-batched-tokens",
+            "64",
+        ]);
+        let statuses: Vec<(u16, String)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6)
+                .map(|i| {
+                    let addr = e.addr;
+                    s.spawn(move || {
+                        let b = json!({"model": MODEL, "prompt": format!("{i}, {},", i + 1),
+                                       "temperature": 0, "max_tokens": 48});
+                        let (st, body) =
+                            post(addr, "/v1/completions", &serde_json::to_vec(&b).unwrap());
+                        (st, String::from_utf8_lossy(&body).to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(statuses.iter().any(|(s, _)| *s == 200), "{statuses:?}");
+        let refused: Vec<_> = statuses.iter().filter(|(s, _)| *s == 429).collect();
+        assert!(!refused.is_empty(), "{statuses:?}");
+        assert!(
+            refused.iter().all(|(_, b)| b.contains("queue is full")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn concurrent_requests_reuse_and_page_in_a_shared_prefix() {
+        let dir = tempdir("batching-paging");
+        let agent = kvagent(&dir);
+        let url = format!("http://{}", agent.addr);
+        let engine_args = ["--kvagent", url.as_str(), "--kv-mac-key-file"];
+        let key = temp_file("batching.key", MAC_KEY_HEX);
+        let mut args: Vec<&str> = engine_args.to_vec();
+        args.push(key.to_str().unwrap());
+        let ask = |q: &str| {
+            json!({"model": MODEL, "temperature": 0, "max_tokens": 12, "stream": false,
+                   "messages": [{"role": "system", "content": document()}, {"role": "user", "content": q}]})
+        };
+        let qs = [
+            "How many crates are in district 3?",
+            "How many crates are in district 9?",
+            "Which district has titled notes?",
+            "Summarise note 1.",
+        ];
+        // Engine A answers one at a time: the document is computed once, then reused.
+        let a = engine(&args);
+        let alone: Vec<Value> = qs.iter().map(|q| chat_json(a.addr, &ask(q))).collect();
+        assert!(cached(&alone[1]) > 600, "{}", alone[1]);
+        drop(a);
+        // A fresh engine B gets all four at once: each pages the document in from kvagent or
+        // reuses what the others brought, and answers as A did.
+        let b = engine(&args);
+        let together: Vec<Value> = std::thread::scope(|s| {
+            let handles: Vec<_> = qs
+                .iter()
+                .map(|q| {
+                    let (addr, body) = (b.addr, ask(q));
+                    s.spawn(move || chat_json(addr, &body))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (x, y) in alone.iter().zip(&together) {
+            assert_eq!(answer(x), answer(y));
+            assert!(cached(y) > 600, "{y}");
+        }
+        assert!(metric(b.addr, "engine_shim_paged_in_tokens_total") > 600.0);
+    }
+
+    fn chat_json(addr: SocketAddr, body: &Value) -> Value {
+        let (status, b) = post(
+            addr,
+            "/v1/chat/completions",
+            &serde_json::to_vec(body).unwrap(),
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    fn tempdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("engine-shim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}

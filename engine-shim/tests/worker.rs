@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use engine_shim::cache::KvBlock;
-use engine_shim::engine::{BlockStore, Event, Job, SamplingParams, Stats, Worker};
+use engine_shim::engine::{BlockStore, Event, Job, SamplingParams, Schedule, Stats, Worker};
 use engine_shim::gguf::Gguf;
 use engine_shim::model::{Llama, WeightType};
 use engine_shim::tokenizer::ModelTokenizer;
@@ -110,8 +110,13 @@ fn a_failing_job_is_answered_and_the_worker_keeps_serving() {
         model,
         tok.clone(),
         "SmolLM2-135M-Instruct",
-        64,
-        256,
+        Schedule {
+            cache_blocks: 64,
+            prefill_chunk: 256,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 512,
+            kv_pool_tokens: 8192,
+        },
         Some(Box::new(QueuedStore(queued.clone()))),
         stats.clone(),
     );

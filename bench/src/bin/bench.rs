@@ -86,8 +86,9 @@ enum Cmd {
         #[arg(long, default_value_t = 10)]
         changes: usize,
     },
-    /// engine-shim: prefill/decode tokens/s and peak RSS (chunked prefill on and off), and TTFT
-    /// of a shared prefix cold, resident and paged in from kvagent.
+    /// engine-shim: prefill/decode tokens/s and peak RSS (chunked prefill on and off), TTFT of a
+    /// shared prefix cold, resident and paged in from kvagent, aggregate decode tokens/s at
+    /// 1/4/8/16 concurrent streams, and TTFT/ITL under a Poisson load.
     EngineShim {
         /// The GGUF model.
         #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
@@ -421,8 +422,8 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
             seed: a.workload.seed,
         };
         // ~25 blocks per system prompt (plus question blocks): a 56-block cache holds two of
-        // the four, not all four. One request at a time: engine-shim serves FIFO
-        // without batching, so concurrent requests would measure its queue, not the routing.
+        // the four, not all four. One request at a time: the demo measures routing (hit ratio,
+        // TTFT per request), not how engine-shim's batch shares its steps among requests.
         (w, 2, 56, 1)
     } else {
         (
