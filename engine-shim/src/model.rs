@@ -340,7 +340,9 @@ impl Llama {
         }]);
         let t = tokens.len() as i64;
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
-        self.output.apply(&self.norm(&x, &self.out_norm))
+        let logits = self.output.apply(&self.norm(&x, &self.out_norm));
+        cache.len += tokens.len();
+        logits
     }
 
     /// One batched step: appends each chunk's tokens to its sequence, and returns the logits
@@ -357,10 +359,16 @@ impl Llama {
         }
         let x = self.layers_over(chunks);
         let x = x.index_select(0, &Tensor::from_slice(&rows));
-        self.output.apply(&self.norm(&x, &self.out_norm))
+        let logits = self.output.apply(&self.norm(&x, &self.out_norm));
+        // Only now: a step that failed anywhere above left every cache as it was.
+        for ch in chunks.iter_mut() {
+            ch.kv.len += ch.tokens.len();
+        }
+        logits
     }
 
-    /// The transformer over every chunk's tokens; returns the final hidden states `[T, d]`.
+    /// The transformer over every chunk's tokens (their K and V written after each cache's
+    /// `len`, which the caller advances); returns the final hidden states `[T, d]`.
     fn layers_over(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
         let c = &self.cfg;
         let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
@@ -446,9 +454,6 @@ impl Llama {
             let f = c.ffn as i64;
             let ff = gu.narrow(1, 0, f).silu() * gu.narrow(1, f, f);
             x += l.w_down.apply(&ff);
-        }
-        for ch in chunks.iter_mut() {
-            ch.kv.len += ch.tokens.len();
         }
         x
     }
