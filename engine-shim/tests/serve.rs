@@ -103,8 +103,8 @@ fn kvagent_at(dir: &std::path::Path, port: u16, config: Option<&std::path::Path>
     Proc { child, addr }
 }
 
-/// POST and read the whole response: (status, body).
-fn post(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+/// Sends a JSON POST (`Connection: close`); the response is left to read.
+fn send(addr: SocketAddr, path: &str, body: &[u8]) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
     write!(
@@ -114,6 +114,12 @@ fn post(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
     )
     .unwrap();
     s.write_all(body).unwrap();
+    s
+}
+
+/// POST and read the whole response: (status, body).
+fn post(addr: SocketAddr, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+    let mut s = send(addr, path, body);
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
@@ -1434,16 +1440,7 @@ mod batching {
     /// Sends a streamed request and calls `piece` with each text delta as it arrives; returns
     /// the whole text.
     fn stream(addr: SocketAddr, path: &str, body: &Value, mut piece: impl FnMut(&str)) -> String {
-        let body = serde_json::to_vec(body).unwrap();
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        write!(
-            s,
-            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        )
-        .unwrap();
-        s.write_all(&body).unwrap();
+        let s = send(addr, path, &serde_json::to_vec(body).unwrap());
         let mut text = String::new();
         for line in BufReader::new(s).lines() {
             let line = line.unwrap();
