@@ -27,8 +27,8 @@ pub struct ShimBench {
     pub shared_prefix: usize,
     /// Python with llama-cpp-python installed, for the side-by-side (skipped when absent).
     pub llama_python: Option<PathBuf>,
-    /// engine-shim's `weights` (`f32` or `bf16`).
-    pub weights: String,
+    /// engine-shim's `weights` to measure (`f32`, `bf16`, `q8_0`): every table once for each.
+    pub weights: Vec<String>,
 }
 
 const WORDS: &[&str] = &[
@@ -65,12 +65,12 @@ fn body(model: &str, prompt: &str, max_tokens: u64) -> Bytes {
     )
 }
 
-fn engine(b: &ShimBench, args: &[String]) -> anyhow::Result<Proc> {
+fn engine(b: &ShimBench, weights: &str, args: &[String]) -> anyhow::Result<Proc> {
     let mut a = vec![
         "--model".to_string(),
         b.model.display().to_string(),
         "--weights".into(),
-        b.weights.clone(),
+        weights.to_string(),
         "--cache-blocks".into(),
         "1024".into(),
     ];
@@ -97,17 +97,30 @@ async fn one(client: &HttpClient, url: &str, b: Bytes) -> anyhow::Result<Sample>
     Ok(s)
 }
 
-/// Runs everything; returns Markdown tables.
+/// Runs everything, every engine table once per `weights`, then llama.cpp; returns Markdown
+/// tables.
 pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
+    let mut out = String::new();
+    for w in &b.weights {
+        out += &tables(b, w).await?;
+    }
+    if let Some(py) = &b.llama_python {
+        out += &llama_cpp(py, &b.model, &b.prompts, b.max_tokens)?;
+    }
+    Ok(out)
+}
+
+/// The engine tables for one `weights` setting.
+async fn tables(b: &ShimBench, weights: &str) -> anyhow::Result<String> {
     let client = load::client(1);
     let model_name = "SmolLM2-135M-Instruct";
-    let mut out = format!("engine-shim weights: {}\n\n", b.weights);
+    let mut out = format!("\n### engine-shim, weights = {weights}\n\n");
     out += &String::from(
         "| prompt tokens | prefill | prefill tok/s | decode tok/s | peak RSS MiB | RSS over idle MiB |\n|---:|---|---:|---:|---:|---:|\n",
     );
     for &n in &b.prompts {
         for (label, chunk) in [("chunked 256", 256usize), ("one step", 1 << 20)] {
-            let e = engine(b, &["--prefill-chunk".into(), chunk.to_string()])?;
+            let e = engine(b, weights, &["--prefill-chunk".into(), chunk.to_string()])?;
             let url = format!("http://{}/v1/completions", e.addr);
             // Warm-up (allocator, libtorch kernels), on a different prompt.
             one(&client, &url, body(model_name, &words(64, 999), 4)).await?;
@@ -127,7 +140,7 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
                 s.prompt_tokens,
                 peak - idle
             );
-            eprintln!("prompt {n} {label}: done");
+            eprintln!("{weights}: prompt {n} {label}: done");
         }
     }
 
@@ -154,14 +167,14 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
     ];
     let doc = words(b.shared_prefix, 7);
     let ask = |q: &str| body(model_name, &format!("{doc}\nQuestion: {q}"), 8);
-    let a = engine(b, &kv)?;
+    let a = engine(b, weights, &kv)?;
     let url_a = format!("http://{}/v1/completions", a.addr);
     one(&client, &url_a, body(model_name, &words(64, 999), 4)).await?;
     let cold = one(&client, &url_a, ask("which word comes first?")).await?;
     let resident = one(&client, &url_a, ask("which word comes last?")).await?;
     drop(a);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let fresh = engine(b, &kv)?;
+    let fresh = engine(b, weights, &kv)?;
     let url_f = format!("http://{}/v1/completions", fresh.addr);
     one(&client, &url_f, body(model_name, &words(64, 998), 4)).await?;
     let paged = one(&client, &url_f, ask("how many words are there?")).await?;
@@ -183,10 +196,7 @@ pub async fn run(b: &ShimBench) -> anyhow::Result<String> {
         ms(&paged) / ms(&cold),
     );
 
-    out += &batching(b, &client, model_name).await?;
-    if let Some(py) = &b.llama_python {
-        out += &llama_cpp(py, &b.model, &b.prompts, b.max_tokens)?;
-    }
+    out += &batching(b, weights, &client, model_name).await?;
     Ok(out)
 }
 
@@ -228,8 +238,13 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 /// Continuous batching: aggregate decode tokens/s at 1/4/8/16 concurrent streams (one fresh
 /// engine, distinct prompts so nothing is cached), then TTFT and ITL under a Poisson load.
-async fn batching(b: &ShimBench, client: &HttpClient, model_name: &str) -> anyhow::Result<String> {
-    let e = engine(b, &[])?;
+async fn batching(
+    b: &ShimBench,
+    weights: &str,
+    client: &HttpClient,
+    model_name: &str,
+) -> anyhow::Result<String> {
+    let e = engine(b, weights, &[])?;
     let url = format!("http://{}/v1/completions", e.addr);
     one(client, &url, body(model_name, &words(64, 999), 4)).await?;
     let mut out = String::from(
@@ -273,7 +288,7 @@ async fn batching(b: &ShimBench, client: &HttpClient, model_name: &str) -> anyho
             rate / single.max(1e-9),
             peak_rss_mib(e.pid()),
         );
-        eprintln!("batching: {n} streams done");
+        eprintln!("{weights}: batching: {n} streams done");
     }
     // Poisson arrivals at `rate` requests/s for a fixed count.
     let (count, rate) = (48usize, 1.5f64);

@@ -735,6 +735,9 @@ impl Worker {
                 tokens: &s.tokens[from..from + n],
                 kv,
                 logits: wants,
+                // One token past the prompt: a decode step. A preempted sequence recomputes what
+                // it generated together with its prompt, as prompt rows.
+                decode: n == 1 && from >= s.job.prompt.len(),
             });
             who.push(i);
         }

@@ -48,7 +48,7 @@ struct Cli {
     /// Overrides `kvagent_url`.
     #[arg(long)]
     kvagent: Option<String>,
-    /// Overrides `weights` (`bf16` or `f32`).
+    /// Overrides `weights` (`f32`, `bf16` or `q8_0`).
     #[arg(long)]
     weights: Option<String>,
     /// Overrides `max_num_seqs`.
@@ -123,10 +123,12 @@ struct EngineConfig {
     header_read_timeout_ms: u64,
     /// Longest wait for a request's whole body, milliseconds; then 408 and the connection closes.
     body_read_timeout_ms: u64,
-    /// libtorch intra-op threads (0: one per CPU).
+    /// libtorch intra-op threads, and candle's for `q8_0` unless `CANDLE_NUM_THREADS` is set
+    /// (0: one per CPU).
     threads: usize,
-    /// Matrix weights: `f32` (default: the reference precision) or `bf16` (faster decode, but
-    /// near-tied tokens flip: it answers the France test prompt wrongly).
+    /// Matrix weights: `f32` (default: the reference precision), `bf16` (near-tied tokens flip:
+    /// it answers the France test prompt wrongly) or `q8_0` (decode tokens through GGML Q8_0
+    /// kernels: faster decode, logits 0.985-0.993 correlated with f32's).
     weights: WeightType,
     /// kvagent gRPC URL for spilling and paging in blocks; empty: none.
     kvagent_url: String,
@@ -344,6 +346,10 @@ fn inspect(model: &Path) -> anyhow::Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
+    let reexec_failed = passive_openmp();
+    if let Some(e) = &reexec_failed {
+        eprintln!("warning: could not restart with OMP_WAIT_POLICY=passive ({e}); set it to keep OpenMP's spinning threads off the cores");
+    }
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -353,6 +359,30 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// Restarts this process (same pid, same arguments) with `OMP_WAIT_POLICY=passive` unless the
+/// environment already sets a policy; returns only when that failed, with why.
+///
+/// libgomp (libtorch's OpenMP runtime) reads the policy when it is loaded, before `main`, and
+/// by default a thread spins for milliseconds after every parallel region. Measured here, those
+/// spinning threads took the cores from candle's Q8_0 kernels (a decode step of 168 ms instead
+/// of 33) and gave f32 nothing back (43-50 ms either way).
+fn passive_openmp() -> Option<std::io::Error> {
+    use std::os::unix::process::CommandExt;
+    if std::env::var_os("OMP_WAIT_POLICY").is_some() {
+        return None;
+    }
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return Some(e),
+    };
+    Some(
+        std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("OMP_WAIT_POLICY", "passive")
+            .exec(),
+    )
 }
 
 fn run() -> anyhow::Result<()> {
@@ -384,6 +414,11 @@ fn run() -> anyhow::Result<()> {
     };
     // The model runs on this (the main) thread: measured, libtorch's OpenMP kernels ran a decode
     // step in 34-38 ms here and in 53-60 ms on a spawned thread. HTTP runs on a small runtime.
+    // candle's kernels (`weights = "q8_0"`) size their pool from this when they first run; no
+    // other thread exists yet.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    }
     tch::set_num_threads(threads as i32);
     let g = Gguf::open(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
     let tokenizer = Arc::new(ModelTokenizer::from_gguf(&g)?);

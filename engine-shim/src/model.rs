@@ -9,6 +9,8 @@
 //! new tokens (a decode token each, or a prefill chunk) are stacked into one matrix for every
 //! product, and only attention runs per sequence (each over its own cache).
 
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::Module;
 use tch::{Kind, Tensor};
 
 use crate::gguf::{Gguf, GgufError};
@@ -69,6 +71,13 @@ pub enum WeightType {
     /// bfloat16 weights and matmul inputs (norms, softmax and the residual stream stay f32):
     /// half the memory traffic per token, and AVX-512 BF16 kernels where the CPU has them.
     Bf16,
+    /// Decode tokens through GGML's Q8_0 (int8 with an f16 scale per 32 weights, requantised
+    /// at load from what the file holds) with candle's GGML kernels, which quantise the
+    /// activations per row as llama.cpp does (AVX-512 VNNI on CPUs that have it); prompt tokens
+    /// through f32 matrices kept beside them, where a GEMM over many rows is faster. Which
+    /// path a row takes depends only on whether it is a decode token ([`Chunk::decode`]), so
+    /// a sequence's numbers do not depend on what else shares its step.
+    Q8_0,
 }
 
 impl WeightType {
@@ -77,6 +86,7 @@ impl WeightType {
         match self {
             WeightType::F32 => "f32",
             WeightType::Bf16 => "bf16",
+            WeightType::Q8_0 => "q8_0",
         }
     }
 }
@@ -87,28 +97,147 @@ impl std::str::FromStr for WeightType {
         match s {
             "f32" => Ok(WeightType::F32),
             "bf16" => Ok(WeightType::Bf16),
-            other => Err(format!("{other:?}: use f32 or bf16")),
+            "q8_0" => Ok(WeightType::Q8_0),
+            other => Err(format!("{other:?}: use f32, bf16 or q8_0")),
         }
     }
 }
 
-/// A weight matrix `W` (`[out, in]`) held as `W^T` (`[in, out]`) in f32 or bf16, applied to
-/// f32 rows as `x W^T`.
+/// candle's repacked x86 kernels need the inner dimension in whole 256-value superblocks.
+const Q8_K_MULTIPLE: usize = 256;
+
+/// A weight matrix `W` (`[out, in]`) applied to f32 rows as `x W^T`.
 struct Linear {
+    /// `W^T` (`[in, out]`) in f32 or bf16, for libtorch's GEMM.
     wt: Tensor,
     kind: Kind,
+    /// `W` as Q8_0 with `in` zero-padded to `k_pad`, for decode rows.
+    q8: Option<Q8Matrix>,
+}
+
+/// Which rows of a step are decode tokens (the Q8_0 path in `q8_0` mode).
+enum Rows {
+    /// Every row.
+    Decode,
+    /// None.
+    Prompt,
+    /// Some: the indices of each kind.
+    Mixed { decode: Tensor, prompt: Tensor },
+}
+
+impl Rows {
+    /// From one flag per row (`true`: a decode token).
+    fn from_flags(decode: impl Iterator<Item = bool>) -> Rows {
+        let (mut d, mut p) = (Vec::new(), Vec::new());
+        for (i, is_decode) in decode.enumerate() {
+            if is_decode { &mut d } else { &mut p }.push(i as i64);
+        }
+        match (d.is_empty(), p.is_empty()) {
+            (false, true) => Rows::Decode,
+            (true, _) => Rows::Prompt,
+            (false, false) => Rows::Mixed {
+                decode: Tensor::from_slice(&d),
+                prompt: Tensor::from_slice(&p),
+            },
+        }
+    }
+}
+
+struct Q8Matrix {
+    m: QMatMul,
+    k: usize,
+    k_pad: usize,
+    n: usize,
+}
+
+/// A failure inside candle's kernels is a broken invariant (shapes are fixed at load), so it
+/// panics as libtorch's ops do; the worker catches it and fails only that step's sequences.
+fn q8_failed(e: candle_core::Error) -> ! {
+    panic!("Q8_0 matrix product failed: {e}")
+}
+
+impl Q8Matrix {
+    fn new(w: &Tensor) -> Result<Q8Matrix, ModelError> {
+        let (n, k) = w
+            .size2()
+            .map_err(|e| ModelError::Shape(format!("a weight matrix is not 2-D: {e}")))?;
+        let (n, k) = (n as usize, k as usize);
+        let k_pad = k.next_multiple_of(Q8_K_MULTIPLE);
+        let padded = Tensor::zeros([n as i64, k_pad as i64], (Kind::Float, tch::Device::Cpu));
+        padded.narrow(1, 0, k as i64).copy_(w);
+        let data = Vec::<f32>::try_from(padded.view([-1]))
+            .map_err(|e| ModelError::Shape(format!("weight matrix: {e}")))?;
+        let q = candle_core::Tensor::from_vec(data, (n, k_pad), &candle_core::Device::Cpu)
+            .and_then(|t| QTensor::quantize(&t, GgmlDType::Q8_0))
+            .and_then(QMatMul::from_qtensor)
+            .map_err(|e| ModelError::Shape(format!("Q8_0 quantisation: {e}")))?;
+        // candle repacks the blocks for its x86 kernels on first use: do it now, so the first
+        // request does not pay for it and the memory shows at start.
+        candle_core::Tensor::zeros(
+            (1, k_pad),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .and_then(|x| q.forward(&x))
+        .map_err(|e| ModelError::Shape(format!("Q8_0 product: {e}")))?;
+        Ok(Q8Matrix { m: q, k, k_pad, n })
+    }
+
+    /// `x` (`[t, k]` f32) times `W^T`.
+    fn apply(&self, x: &Tensor) -> Tensor {
+        let t = x.size()[0] as usize;
+        let rows = Vec::<f32>::try_from(x.contiguous().view([-1]))
+            .unwrap_or_else(|e| panic!("Q8_0 input: {e}"));
+        let mut buf = vec![0f32; t * self.k_pad];
+        for (dst, src) in buf.chunks_mut(self.k_pad).zip(rows.chunks(self.k)) {
+            dst[..self.k].copy_from_slice(src);
+        }
+        let out = candle_core::Tensor::from_vec(buf, (t, self.k_pad), &candle_core::Device::Cpu)
+            .and_then(|xt| self.m.forward(&xt))
+            .and_then(|y| y.flatten_all())
+            .and_then(|y| y.to_vec1::<f32>())
+            .unwrap_or_else(|e| q8_failed(e));
+        Tensor::from_slice(&out).view([t as i64, self.n as i64])
+    }
 }
 
 impl Linear {
-    fn new(w: Tensor, kind: Kind) -> Linear {
-        Linear {
+    fn new(w: Tensor, weights: WeightType) -> Result<Linear, ModelError> {
+        let kind = match weights {
+            WeightType::Bf16 => Kind::BFloat16,
+            WeightType::F32 | WeightType::Q8_0 => Kind::Float,
+        };
+        let q8 = match weights {
+            WeightType::Q8_0 => Some(Q8Matrix::new(&w)?),
+            _ => None,
+        };
+        Ok(Linear {
             wt: w.tr().contiguous().to_kind(kind),
             kind,
+            q8,
+        })
+    }
+
+    /// `x` (f32 rows) times this weight, in f32: decode rows through Q8_0 when held.
+    fn apply(&self, x: &Tensor, rows: &Rows) -> Tensor {
+        let Some(q8) = &self.q8 else {
+            return self.dense(x);
+        };
+        match rows {
+            Rows::Decode => q8.apply(x),
+            Rows::Prompt => self.dense(x),
+            Rows::Mixed { decode, prompt } => {
+                let d = q8.apply(&x.index_select(0, decode));
+                let p = self.dense(&x.index_select(0, prompt));
+                let mut out = Tensor::empty([x.size()[0], q8.n as i64], (Kind::Float, x.device()));
+                let _ = out.index_copy_(0, decode, &d);
+                let _ = out.index_copy_(0, prompt, &p);
+                out
+            }
         }
     }
 
-    /// `x` (f32 rows) times this weight, in f32.
-    fn apply(&self, x: &Tensor) -> Tensor {
+    fn dense(&self, x: &Tensor) -> Tensor {
         if self.kind == Kind::Float {
             x.matmul(&self.wt)
         } else {
@@ -136,7 +265,8 @@ pub struct Llama {
     output: Linear,
     out_norm: Tensor,
     layers: Vec<Layer>,
-    /// cos/sin of RoPE angles for every position, `[context, head_dim / 2]`.
+    /// cos and signed sin of RoPE angles for every position, each value twice (once per
+    /// element of its pair), `[context, head_dim]` ([`rope`]).
     rope_cos: Tensor,
     rope_sin: Tensor,
 }
@@ -196,6 +326,9 @@ pub struct Chunk<'a> {
     pub kv: &'a mut KvCache,
     /// Whether the logits of the chunk's last token are wanted.
     pub logits: bool,
+    /// Whether `tokens` is a token the model generated (decode), not prompt: with
+    /// [`WeightType::Q8_0`] decode tokens go through the Q8_0 kernels, prompt tokens through f32.
+    pub decode: bool,
 }
 
 fn weight(g: &Gguf, name: &str, want: &[i64]) -> Result<Tensor, ModelError> {
@@ -208,31 +341,31 @@ fn weight(g: &Gguf, name: &str, want: &[i64]) -> Result<Tensor, ModelError> {
     Ok(Tensor::from_slice(&data).reshape(&shape))
 }
 
-/// The matrices `names` (each `[rows_i, cols]`) stacked by rows, held as `kind`.
+/// The matrices `names` (each `[rows_i, cols]`, multiplied by `factors_i`) stacked by rows,
+/// held as `weights` says.
 fn stacked(
     g: &Gguf,
     names: &[String],
     rows: &[i64],
+    factors: &[f64],
     cols: i64,
-    kind: Kind,
+    weights: WeightType,
 ) -> Result<Linear, ModelError> {
     let mut ws = Vec::with_capacity(names.len());
-    for (name, &r) in names.iter().zip(rows) {
-        ws.push(weight(g, name, &[r, cols])?);
+    for ((name, &r), &factor) in names.iter().zip(rows).zip(factors) {
+        let w = weight(g, name, &[r, cols])?;
+        ws.push(if factor == 1.0 { w } else { w * factor });
     }
-    Ok(Linear::new(Tensor::cat(&ws, 0), kind))
+    Linear::new(Tensor::cat(&ws, 0), weights)
 }
 
-/// RoPE on `x` `[T, heads, head_dim]` with per-row `cos`/`sin` `[T, 1, head_dim / 2]`, rotating
-/// adjacent pairs (2i, 2i+1) as GGML does for Llama GGUFs.
+/// RoPE on `x` `[T, heads, head_dim]`, rotating adjacent pairs (2i, 2i+1) as GGML does for
+/// Llama GGUFs, as `x cos + swap(x) sin` with per-row `cos` (each angle's cosine twice) and
+/// `sin` (each angle's sine as `(-sin, sin)`), both `[T, 1, head_dim]`: six ops, not eleven.
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let (t, h, hd) = x.size3().unwrap_or((0, 0, 0));
-    let pairs = x.view([t, h, hd / 2, 2]);
-    let x0 = pairs.select(-1, 0);
-    let x1 = pairs.select(-1, 1);
-    let r0 = &x0 * cos - &x1 * sin;
-    let r1 = &x0 * sin + &x1 * cos;
-    Tensor::stack(&[r0, r1], -1).view([t, h, hd])
+    let swapped = x.view([t, h, hd / 2, 2]).flip([-1]).view([t, h, hd]);
+    x * cos + swapped * sin
 }
 
 impl Llama {
@@ -284,11 +417,7 @@ impl Llama {
         } else {
             embd.shallow_clone()
         };
-        let kind = match weights {
-            WeightType::F32 => Kind::Float,
-            WeightType::Bf16 => Kind::BFloat16,
-        };
-        let output = Linear::new(out_w, kind);
+        let output = Linear::new(out_w, weights)?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
@@ -298,13 +427,23 @@ impl Llama {
                     g,
                     &[n("attn_q"), n("attn_k"), n("attn_v")],
                     &[d, kvd, kvd],
+                    // Attention's 1/sqrt(head_dim) folded into Q (RoPE is linear): one op
+                    // less per layer, and exact for power-of-two head widths.
+                    &[1.0 / (head_dim as f64).sqrt(), 1.0, 1.0],
                     d,
-                    kind,
+                    weights,
                 )?,
-                wo: stacked(g, &[n("attn_output")], &[d], d, kind)?,
+                wo: stacked(g, &[n("attn_output")], &[d], &[1.0], d, weights)?,
                 ffn_norm: weight(g, &n("ffn_norm"), &[d])?,
-                w_gate_up: stacked(g, &[n("ffn_gate"), n("ffn_up")], &[f, f], d, kind)?,
-                w_down: stacked(g, &[n("ffn_down")], &[d], f, kind)?,
+                w_gate_up: stacked(
+                    g,
+                    &[n("ffn_gate"), n("ffn_up")],
+                    &[f, f],
+                    &[1.0, 1.0],
+                    d,
+                    weights,
+                )?,
+                w_down: stacked(g, &[n("ffn_down")], &[d], &[1.0], f, weights)?,
             });
         }
         let half = (head_dim / 2) as i64;
@@ -314,11 +453,12 @@ impl Llama {
             .pow_tensor_scalar(cfg.rope_base.log2());
         let pos = Tensor::arange(cfg.context as i64, (Kind::Float, tch::Device::Cpu));
         let angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);
+        let (ctx, hd) = (cfg.context as i64, head_dim as i64);
         Ok(Llama {
             out_norm: weight(g, "output_norm.weight", &[d])?,
             output,
-            rope_cos: angles.cos(),
-            rope_sin: angles.sin(),
+            rope_cos: Tensor::stack(&[angles.cos(), angles.cos()], -1).view([ctx, hd]),
+            rope_sin: Tensor::stack(&[-angles.sin(), angles.sin()], -1).view([ctx, hd]),
             embd,
             layers,
             cfg,
@@ -331,16 +471,20 @@ impl Llama {
 
     /// Appends `tokens` to the sequence in `cache` and returns the logits `[T, vocab]` of every
     /// new position (`last_only`: of the last one only, `[1, vocab]`). The cache grows as needed.
+    /// One token counts as a decode token ([`Chunk::decode`]), more as prompt.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, last_only: bool) -> Tensor {
         cache.reserve(&self.cfg, cache.len + tokens.len());
+        let decode = tokens.len() == 1;
         let x = self.layers_over(&mut [Chunk {
             tokens,
             kv: cache,
             logits: true,
+            decode,
         }]);
         let t = tokens.len() as i64;
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
-        let logits = self.output.apply(&self.norm(&x, &self.out_norm));
+        let rows = Rows::from_flags(std::iter::repeat_n(decode, x.size()[0] as usize));
+        let logits = self.output.apply(&self.norm(&x, &self.out_norm), &rows);
         cache.len += tokens.len();
         logits
     }
@@ -359,7 +503,8 @@ impl Llama {
         }
         let x = self.layers_over(chunks);
         let x = x.index_select(0, &Tensor::from_slice(&rows));
-        let logits = self.output.apply(&self.norm(&x, &self.out_norm));
+        let kinds = Rows::from_flags(chunks.iter().filter(|c| c.logits).map(|c| c.decode));
+        let logits = self.output.apply(&self.norm(&x, &self.out_norm), &kinds);
         // Only now: a step that failed anywhere above left every cache as it was.
         for ch in chunks.iter_mut() {
             ch.kv.len += ch.tokens.len();
@@ -382,6 +527,11 @@ impl Llama {
             pos.extend(start..start + ch.tokens.len() as i64);
         }
         let t_all = ids.len() as i64;
+        let rows = Rows::from_flags(
+            chunks
+                .iter()
+                .flat_map(|ch| std::iter::repeat_n(ch.decode, ch.tokens.len())),
+        );
         let mut x = self.embd.index_select(0, &Tensor::from_slice(&ids));
         let pos = Tensor::from_slice(&pos);
         let cos = self.rope_cos.index_select(0, &pos).unsqueeze(1);
@@ -398,12 +548,17 @@ impl Llama {
                 })
             })
             .collect();
-        let scale = 1.0 / (hd as f64).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
             let hn = self.norm(&x, &l.attn_norm);
-            let qkv = l.wqkv.apply(&hn);
-            let q = rope(&qkv.narrow(1, 0, d).reshape([t_all, h, hd]), &cos, &sin);
-            let k = rope(&qkv.narrow(1, d, kvd).reshape([t_all, kvh, hd]), &cos, &sin);
+            let qkv = l.wqkv.apply(&hn, &rows);
+            // Q (already scaled by 1/sqrt(head_dim)) and K rotated together.
+            let qk = rope(
+                &qkv.narrow(1, 0, d + kvd).reshape([t_all, h + kvh, hd]),
+                &cos,
+                &sin,
+            );
+            let q = qk.narrow(1, 0, h);
+            let k = qk.narrow(1, h, kvh);
             let v = qkv.narrow(1, d + kvd, kvd).reshape([t_all, kvh, hd]);
             let mut outs = Vec::with_capacity(chunks.len());
             let mut off = 0i64;
@@ -421,12 +576,15 @@ impl Llama {
                 // rows: no broadcast, so the cached keys and values are read in place.
                 let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
                 let vals = ch.kv.v[li].narrow(1, 0, total);
-                let qg =
+                let qg = if t == 1 {
+                    q.narrow(0, off, 1).reshape([kvh, group, hd])
+                } else {
                     q.narrow(0, off, t)
                         .transpose(0, 1)
                         .contiguous()
-                        .view([kvh, group * t, hd]);
-                let scores = qg.bmm(&keys.transpose(1, 2)) * scale;
+                        .view([kvh, group * t, hd])
+                };
+                let scores = qg.bmm(&keys.transpose(1, 2));
                 let scores = match mask {
                     Some(m) => scores
                         .view([kvh, group, t, total])
@@ -434,12 +592,12 @@ impl Llama {
                         .view([kvh, group * t, total]),
                     None => scores,
                 };
-                let out = scores
-                    .softmax(-1, Kind::Float)
-                    .bmm(&vals)
-                    .view([h, t, hd])
-                    .transpose(0, 1)
-                    .reshape([t, h * hd]);
+                let out = scores.softmax(-1, Kind::Float).bmm(&vals);
+                let out = if t == 1 {
+                    out.reshape([1, h * hd])
+                } else {
+                    out.view([h, t, hd]).transpose(0, 1).reshape([t, h * hd])
+                };
                 outs.push(out);
                 off += t;
             }
@@ -448,12 +606,12 @@ impl Llama {
             } else {
                 Tensor::cat(&outs, 0)
             };
-            x += l.wo.apply(&attn);
+            x += l.wo.apply(&attn, &rows);
             let hn = self.norm(&x, &l.ffn_norm);
-            let gu = l.w_gate_up.apply(&hn);
+            let gu = l.w_gate_up.apply(&hn, &rows);
             let f = c.ffn as i64;
             let ff = gu.narrow(1, 0, f).silu() * gu.narrow(1, f, f);
-            x += l.w_down.apply(&ff);
+            x += l.w_down.apply(&ff, &rows);
         }
         x
     }

@@ -1497,8 +1497,30 @@ mod batching {
 
     #[test]
     fn concurrent_streams_get_the_greedy_answers_they_get_alone() {
+        concurrent_streams_match_alone(&[]);
+    }
+
+    /// With Q8_0 decode kernels too: a decode row takes the Q8_0 path whatever shares its step.
+    /// The engine restarted itself with OpenMP's passive wait policy (same pid).
+    #[test]
+    fn q8_0_concurrent_streams_get_the_greedy_answers_they_get_alone() {
+        let e = engine(&["--weights", "q8_0"]);
+        let environ = std::fs::read(format!("/proc/{}/environ", e.child.id())).unwrap();
+        assert!(
+            environ
+                .split(|&b| b == 0)
+                .any(|kv| kv == b"OMP_WAIT_POLICY=passive"),
+            "engine-shim did not restart with OMP_WAIT_POLICY=passive"
+        );
+        let v = chat(e.addr, "What is the capital of France?", json!({}));
+        assert_eq!(answer(&v), "The capital of France is Paris.");
+        drop(e);
+        concurrent_streams_match_alone(&["--weights", "q8_0"]);
+    }
+
+    fn concurrent_streams_match_alone(args: &[&str]) {
         let qs = questions();
-        let alone_engine = engine(&[]);
+        let alone_engine = engine(args);
         let alone: Vec<String> = qs
             .iter()
             .map(|(q, n)| {
@@ -1511,7 +1533,7 @@ mod batching {
             })
             .collect();
         drop(alone_engine);
-        let e = engine(&[]);
+        let e = engine(args);
         let together: Vec<String> = std::thread::scope(|s| {
             let handles: Vec<_> = qs
                 .iter()
@@ -1524,7 +1546,7 @@ mod batching {
         });
         for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
             assert!(!a.is_empty());
-            assert_eq!(a, b, "question {i}: alone vs batched");
+            assert_eq!(a, b, "question {i}: alone vs batched ({args:?})");
         }
         assert!(
             above(e.addr, "engine_shim_batch_size", "4") > 0.0,

@@ -105,9 +105,10 @@ enum Cmd {
         /// Python with llama-cpp-python, for a side-by-side run (skipped when the file is absent).
         #[arg(long, default_value = ".venv-llama/bin/python")]
         llama_python: std::path::PathBuf,
-        /// engine-shim's matrix weights: f32 or bf16.
-        #[arg(long, default_value = "f32")]
-        weights: String,
+        /// engine-shim's matrix weights to measure, comma-separated (f32, bf16, q8_0): every
+        /// engine table once for each, in this order.
+        #[arg(long, value_delimiter = ',', default_value = "f32,q8_0")]
+        weights: Vec<String>,
     },
     /// kvagent's data path (GetBlocks, Lookup, spill, promote) against plain baselines.
     Kvagent {
