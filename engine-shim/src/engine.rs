@@ -736,7 +736,7 @@ impl Worker {
                 kv,
                 logits: wants,
                 // One token past the prompt: a decode step. A preempted sequence recomputes what
-                // it generated together with its prompt, as prompt rows.
+                // it generated with its prompt, as prompt rows, but for a lone last token.
                 decode: n == 1 && from >= s.job.prompt.len(),
             });
             who.push(i);

@@ -73,7 +73,7 @@ pub enum WeightType {
     Bf16,
     /// Decode tokens through GGML's Q8_0 (int8 with an f16 scale per 32 weights, requantised
     /// at load from what the file holds) with candle's GGML kernels, which quantise the
-    /// activations per row as llama.cpp does (AVX-512 VNNI on CPUs that have it); prompt tokens
+    /// activations to 8 bits too (with AVX-512 VNNI, one scale per 256 values); prompt tokens
     /// through f32 matrices kept beside them, where a GEMM over many rows is faster. Which
     /// path a row takes depends only on whether it is a decode token ([`Chunk::decode`]), so
     /// a sequence's numbers do not depend on what else shares its step.

@@ -109,7 +109,9 @@ impl ModelTokenizer {
             .filter(|(t, _)| is_control(t))
             .map(|(_, tok)| AddedToken::from(tok.to_string(), true))
             .collect();
-        tokenizer.add_special_tokens(&specials);
+        tokenizer
+            .add_special_tokens(specials)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
         let bos = g.get_u64("tokenizer.ggml.bos_token_id")? as u32;
         let eos = g.get_u64("tokenizer.ggml.eos_token_id")? as u32;
         let text_of = |id: u32| {

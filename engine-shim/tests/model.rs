@@ -136,8 +136,8 @@ fn bf16_weights_still_match_the_f32_reference() {
     check_against_reference(WeightType::Bf16);
 }
 
-/// Q8_0 matrices (used for steps of at most `Q8_MAX_ROWS` tokens, so the prompt goes in one
-/// token a step, as decode does) stay correlated with the f32 reference and give its answer.
+/// Q8_0 matrices (used for decode tokens, so the prompt goes in one token a step, which
+/// `forward` counts as decode) stay correlated with the f32 reference and give its answer.
 #[test]
 fn q8_0_weights_match_the_f32_reference_token_by_token() {
     check_against_reference(WeightType::Q8_0);
@@ -236,8 +236,8 @@ fn check_against_reference(weights: WeightType) {
         let b = &reference[pos * vocab..(pos + 1) * vocab];
         let r = correlation(a, b);
         eprintln!("{weights:?} position {pos}: correlation {r:.5}");
-        // Q8_0 also quantises the activations to 8 bits per row (as llama.cpp does), which
-        // costs more than the weights' rounding: its bound is 0.99 (docs/engine-shim.md).
+        // Q8_0 also quantises the activations to 8 bits (candle: one scale per 256 values),
+        // which costs more than the weights' rounding: its bound is 0.98 (docs/engine-shim.md).
         let bound = if weights == WeightType::Q8_0 {
             0.98
         } else {

@@ -1504,7 +1504,10 @@ mod batching {
     /// The engine restarted itself with OpenMP's passive wait policy (same pid).
     #[test]
     fn q8_0_concurrent_streams_get_the_greedy_answers_they_get_alone() {
-        let e = engine(&["--weights", "q8_0"]);
+        // Whatever policy the caller's environment sets, this engine must choose its own.
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine-shim"));
+        cmd.env_remove("OMP_WAIT_POLICY");
+        let e = start(cmd, &["--weights", "q8_0"]);
         let environ = std::fs::read(format!("/proc/{}/environ", e.child.id())).unwrap();
         assert!(
             environ
