@@ -5,7 +5,8 @@
 //! cargo run --release -p engine-shim --example decode_step -- models/SmolLM2-135M-Instruct.Q4_1.gguf f32,q8_0 1,8 50
 //! ```
 //!
-//! Run it with `OMP_WAIT_POLICY=passive`, as the engine runs itself (docs/engine-shim.md).
+//! For `q8_0`, run it with `OMP_WAIT_POLICY=passive`, as the engine then runs itself; f32 runs
+//! as the engine does with the variable unset (docs/engine-shim.md).
 
 use std::time::Instant;
 

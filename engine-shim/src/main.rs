@@ -346,10 +346,6 @@ fn inspect(model: &Path) -> anyhow::Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
-    let reexec_failed = passive_openmp();
-    if let Some(e) = &reexec_failed {
-        eprintln!("warning: could not restart with OMP_WAIT_POLICY=passive ({e}); set it to keep OpenMP's spinning threads off the cores");
-    }
     match run() {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
@@ -367,7 +363,8 @@ fn main() -> std::process::ExitCode {
 /// libgomp (libtorch's OpenMP runtime) reads the policy when it is loaded, before `main`, and
 /// by default a thread spins for milliseconds after every parallel region. Measured here, those
 /// spinning threads took the cores from candle's Q8_0 kernels (a decode step of 168 ms instead
-/// of 33) and gave f32 nothing back (43-50 ms either way).
+/// of 33); f32, whose every product is an OpenMP region, measured from no change to 3x slower
+/// with the passive policy, so only `q8_0` restarts.
 fn passive_openmp() -> Option<std::io::Error> {
     use std::os::unix::process::CommandExt;
     if std::env::var_os("OMP_WAIT_POLICY").is_some() {
@@ -391,6 +388,12 @@ fn run() -> anyhow::Result<()> {
         return inspect(model);
     }
     let cfg = load_config(&cli)?;
+    // Before anything starts a thread: exec replaces the whole process.
+    if cfg.weights == WeightType::Q8_0 {
+        if let Some(e) = passive_openmp() {
+            eprintln!("warning: could not restart with OMP_WAIT_POLICY=passive ({e}); set it to keep OpenMP's spinning threads off the cores");
+        }
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log).context("invalid `log` filter")?,
