@@ -465,6 +465,15 @@ impl Llama {
         })
     }
 
+    /// The kinds of a step's rows, from one flag per row (`true`: a decode token); without
+    /// Q8_0 matrices every row takes the one path, and nothing is indexed.
+    fn rows(&self, decode: impl Iterator<Item = bool>) -> Rows {
+        if self.output.q8.is_none() {
+            return Rows::Prompt;
+        }
+        Rows::from_flags(decode)
+    }
+
     fn norm(&self, x: &Tensor, w: &Tensor) -> Tensor {
         x.rms_norm([self.cfg.d_model as i64], Some(w), self.cfg.eps)
     }
@@ -483,7 +492,7 @@ impl Llama {
         }]);
         let t = tokens.len() as i64;
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
-        let rows = Rows::from_flags(std::iter::repeat_n(decode, x.size()[0] as usize));
+        let rows = self.rows(std::iter::repeat_n(decode, x.size()[0] as usize));
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &rows);
         cache.len += tokens.len();
         logits
@@ -503,7 +512,7 @@ impl Llama {
         }
         let x = self.layers_over(chunks);
         let x = x.index_select(0, &Tensor::from_slice(&rows));
-        let kinds = Rows::from_flags(chunks.iter().filter(|c| c.logits).map(|c| c.decode));
+        let kinds = self.rows(chunks.iter().filter(|c| c.logits).map(|c| c.decode));
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &kinds);
         // Only now: a step that failed anywhere above left every cache as it was.
         for ch in chunks.iter_mut() {
@@ -527,7 +536,7 @@ impl Llama {
             pos.extend(start..start + ch.tokens.len() as i64);
         }
         let t_all = ids.len() as i64;
-        let rows = Rows::from_flags(
+        let rows = self.rows(
             chunks
                 .iter()
                 .flat_map(|ch| std::iter::repeat_n(ch.decode, ch.tokens.len())),
@@ -576,14 +585,11 @@ impl Llama {
                 // rows: no broadcast, so the cached keys and values are read in place.
                 let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
                 let vals = ch.kv.v[li].narrow(1, 0, total);
-                let qg = if t == 1 {
-                    q.narrow(0, off, 1).reshape([kvh, group, hd])
-                } else {
+                let qg =
                     q.narrow(0, off, t)
                         .transpose(0, 1)
                         .contiguous()
-                        .view([kvh, group * t, hd])
-                };
+                        .view([kvh, group * t, hd]);
                 let scores = qg.bmm(&keys.transpose(1, 2));
                 let scores = match mask {
                     Some(m) => scores
@@ -592,12 +598,12 @@ impl Llama {
                         .view([kvh, group * t, total]),
                     None => scores,
                 };
-                let out = scores.softmax(-1, Kind::Float).bmm(&vals);
-                let out = if t == 1 {
-                    out.reshape([1, h * hd])
-                } else {
-                    out.view([h, t, hd]).transpose(0, 1).reshape([t, h * hd])
-                };
+                let out = scores
+                    .softmax(-1, Kind::Float)
+                    .bmm(&vals)
+                    .view([h, t, hd])
+                    .transpose(0, 1)
+                    .reshape([t, h * hd]);
                 outs.push(out);
                 off += t;
             }
