@@ -26,7 +26,7 @@ RUN if [ ! -s /etc/ssl/certs/ca-certificates.crt ]; then \
  && chown kvmesh:kvmesh /var/lib/kvmesh
 WORKDIR /var/lib/kvmesh
 USER 10001:10001
-EXPOSE 8080 7946/udp
+EXPOSE 8080 7946/udp 7946/tcp
 # /ready on the default container port: 200 once an engine is up (/health answers as soon as
 # the proxy runs). Another port, TLS (add --ca-file), engines and kvagent: override it, as the
 # compose files do (kvmesh-proxy probe GETs any URL).

@@ -7,12 +7,21 @@
 #
 # The base image is $BASE_IMAGE (default debian:bookworm-slim) when Docker has it locally.
 # Otherwise (no registry reachable) a minimal Debian 12 is made with debootstrap and imported
-# as kvmesh/debian:bookworm-minbase. Env: KVMESH_IMAGE, KVMESH_SHIM_IMAGE (tags).
+# as kvmesh/debian:bookworm-minbase. Env: KVMESH_IMAGE, KVMESH_SHIM_IMAGE (tags),
+# KVMESH_IMAGE_PROFILE (the Cargo profile of the binaries: `release`, the default and what to
+# ship; the test suite passes `dev` to package the debug binaries it has already built instead
+# of compiling everything a second time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${KVMESH_IMAGE:-kvmesh:dev}
 SHIM_IMAGE=${KVMESH_SHIM_IMAGE:-kvmesh-engine-shim:dev}
 BASE=${BASE_IMAGE:-debian:bookworm-slim}
+PROFILE=${KVMESH_IMAGE_PROFILE:-release}
+case "$PROFILE" in
+  release) profile_dir=release ;;
+  dev) profile_dir=debug ;;
+  *) echo "docker-image: KVMESH_IMAGE_PROFILE must be release or dev, not '$PROFILE'" >&2; exit 2 ;;
+esac
 shim=0
 for arg in "$@"; do
   case "$arg" in
@@ -43,12 +52,12 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   fi
 fi
 
-echo "docker-image: release build" >&2
+echo "docker-image: $PROFILE build" >&2
 bins=(--bin kvmesh-proxy --bin kvagent --bin kvmesh-sim-engine)
 pkgs=(-p kvmesh-proxy -p kvagent -p kvmesh-bench)
 if ((shim)); then bins+=(--bin engine-shim); pkgs+=(-p engine-shim); fi
-cargo build --release --locked "${pkgs[@]}" "${bins[@]}"
-target=${CARGO_TARGET_DIR:-target}/release
+cargo build --profile "$PROFILE" --locked "${pkgs[@]}" "${bins[@]}"
+target=${CARGO_TARGET_DIR:-target}/$profile_dir
 
 rm -rf dist && mkdir -p dist/bin
 for b in kvmesh-proxy kvagent kvmesh-sim-engine; do strip -o "dist/bin/$b" "$target/$b"; done

@@ -7,7 +7,8 @@
 # Installs docker.io, docker-compose and debootstrap from Debian when missing, and starts dockerd
 # when no daemon answers (needs root); what it started it stops at the end, pass or fail, with
 # every compose project it created. Where Docker cannot be started it fails, saying so.
-# Arguments: test names of compose/tests/test_stacks.py to run only those.
+# Arguments: test names of compose/tests/test_stacks.py to run only those. KVMESH_IMAGE_PROFILE
+# (release unless set; scripts/test.sh sets dev) picks the binaries the images package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ] && ! docker info >/dev/null 2>&1; then

@@ -22,5 +22,6 @@ cargo run -q --locked -p kvmesh-bench --bin kvmesh-bench -- soak --minutes 2 --s
 # from the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md).
 KVMESH_FUZZ_SECS="${KVMESH_FUZZ_SECS:-10}" scripts/fuzz.sh
 # The images, the compose stacks and the Kubernetes manifests on a real Docker engine (starts
-# one if none runs, and stops it again).
-scripts/test-docker.sh
+# one if none runs, and stops it again). The images package the debug binaries built above: a
+# release build of the same code would add about 20 minutes and test nothing these tests see.
+KVMESH_IMAGE_PROFILE=dev scripts/test-docker.sh

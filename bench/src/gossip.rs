@@ -5,6 +5,8 @@
 //! each running the proxy's loop: publish the record, re-encode residency only when the set
 //! changed, apply peers' state. Measures:
 //! - time until every node has every other node's full residency (initial sync);
+//! - time until one more node joining the converged cluster holds every node's residency, by
+//!   gossip alone, then with a bulk transfer from its seed (`cluster.bulk_sync`);
 //! - steady-state gossip bytes per node per second (no changes), over `steady` seconds;
 //! - convergence of one change: node 0 adds a 16-block chain; the time until every other node's
 //!   index shows all 16 blocks for node 0 (median and max of `changes` trials).
@@ -37,6 +39,9 @@ pub struct GossipBench {
     pub steady_secs: u64,
     /// Single-change trials.
     pub changes: usize,
+    /// Whether the cluster's nodes serve and pull bulk transfers (the joiners measured run
+    /// without and with one regardless; without it, the bulk joiner has no server to pull from).
+    pub bulk_sync: bool,
 }
 
 /// The node's own engine in its index.
@@ -91,16 +96,111 @@ impl Node {
     }
 }
 
-fn udp_port() -> anyhow::Result<u16> {
-    Ok(std::net::UdpSocket::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// The gossip configuration of a node of the `n`-node bench cluster (room for the joiners).
+#[allow(clippy::too_many_arguments)]
+fn node_config(
+    n: usize,
+    node_id: String,
+    port: u16,
+    seed: u16,
+    interval: Duration,
+    keyring: &Keyring,
+    sealed: bool,
+    bulk_sync: bool,
+) -> anyhow::Result<ClusterConfig> {
+    let addr = format!("127.0.0.1:{port}").parse()?;
+    Ok(ClusterConfig {
+        cluster_id: format!("bench-{n}"),
+        node_id,
+        listen: addr,
+        advertise: addr,
+        seeds: vec![format!("127.0.0.1:{seed}")],
+        gossip_interval: interval,
+        phi_threshold: 8.0,
+        dead_node_grace: Duration::from_secs(60),
+        security: if sealed {
+            GossipSecurity::sealed(keyring.clone())
+        } else {
+            GossipSecurity::plaintext()
+        },
+        max_peers: n + 2,
+        bulk_sync,
+        bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+    })
+}
+
+/// Joins one more node (no residency of its own) to the running cluster of `n` seeded at
+/// `seed`; returns the seconds until its index holds all `n` nodes' residency.
+async fn join_time(
+    b: &GossipBench,
+    n: usize,
+    seed: u16,
+    keyring: &Keyring,
+    sealed: bool,
+    bulk: bool,
+) -> anyhow::Result<f64> {
+    let interval = Duration::from_millis(b.interval_ms);
+    let start = Instant::now();
+    let node_id = format!("joiner-{}", if bulk { "bulk" } else { "gossip" });
+    let port = crate::procs::gossip_port()?;
+    let cfg = node_config(
+        n,
+        node_id.clone(),
+        port,
+        seed,
+        interval,
+        keyring,
+        sealed,
+        bulk,
+    )?;
+    let cluster = Cluster::join(cfg).await?;
+    let node = Node {
+        cluster,
+        index: ResidencyIndex::new(ResidencyConfig {
+            capacity_per_node: b.blocks * 2,
+            ..Default::default()
+        }),
+        ids: Ids::default(),
+        sync: tokio::sync::Mutex::new(ResidencySync::new()),
+        record: NodeRecord {
+            node_id,
+            proxy_url: "http://127.0.0.1:9".into(),
+            engine_url: "http://127.0.0.1:9".into(),
+            models: vec!["m".into()],
+            role: "both".into(),
+            kv_epoch: 1,
+            ready: true,
+            ..Default::default()
+        },
+    };
+    let want = n * b.blocks;
+    let deadline = start + Duration::from_secs(600);
+    let mut published = Some(0);
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while node.peer_entries() < want {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "a joining node did not learn the cluster in 600 s"
+        );
+        tick.tick().await;
+        node.tick(&mut published).await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    if bulk {
+        anyhow::ensure!(
+            node.cluster.bulk_stats().pulled() == 1,
+            "the bulk join did not pull a transfer"
+        );
+    }
+    node.cluster.shutdown().await;
+    Ok(secs)
 }
 
 /// Runs every cluster size; returns the Markdown table.
 pub async fn run(b: &GossipBench) -> anyhow::Result<String> {
     let mut out = String::from(
-        "| nodes | gossip | blocks/node | initial sync s | change p50 s | change max s | steady bytes/s/node (out+in) | steady out bytes/s/node |\n|---:|---|---:|---:|---:|---:|---:|---:|\n",
+        "| nodes | gossip | blocks/node | initial sync s | join, gossip only s | join, bulk transfer s | change p50 s | change max s | steady bytes/s/node (out+in) | steady out bytes/s/node |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for &n in &b.nodes {
         for sealed in [true, false] {
@@ -111,37 +211,34 @@ pub async fn run(b: &GossipBench) -> anyhow::Result<String> {
         }
     }
     out += &format!(
-        "\ngossip interval {} ms; shards of {SHARDS}, 8-byte digests, base64; nodes in one process, real UDP on loopback.\n",
-        b.interval_ms
+        "\ngossip interval {} ms; shards of {SHARDS}, 8-byte digests, base64; nodes in one process, real UDP on loopback; cluster nodes' bulk_sync = {} (a join: one more node, the time until it holds every node's residency).\n",
+        b.interval_ms, b.bulk_sync
     );
     Ok(out)
 }
 
 async fn one(b: &GossipBench, n: usize, sealed: bool) -> anyhow::Result<String> {
     let interval = Duration::from_millis(b.interval_ms);
-    let seed = udp_port()?;
+    let seed = crate::procs::gossip_port()?;
     let keyring = Keyring::from_base64(&[Keyring::generate_base64()])?;
     let mut nodes = Vec::new();
     for i in 0..n {
-        let port = if i == 0 { seed } else { udp_port()? };
-        let addr = format!("127.0.0.1:{port}").parse()?;
-        let cluster = Cluster::join(ClusterConfig {
-            cluster_id: format!("bench-{n}"),
-            node_id: format!("node-{i}"),
-            listen: addr,
-            advertise: addr,
-            seeds: vec![format!("127.0.0.1:{seed}")],
-            gossip_interval: interval,
-            phi_threshold: 8.0,
-            dead_node_grace: Duration::from_secs(60),
-            security: if sealed {
-                GossipSecurity::sealed(keyring.clone())
-            } else {
-                GossipSecurity::plaintext()
-            },
-            max_peers: n.max(1),
-        })
-        .await?;
+        let port = if i == 0 {
+            seed
+        } else {
+            crate::procs::gossip_port()?
+        };
+        let cfg = node_config(
+            n,
+            format!("node-{i}"),
+            port,
+            seed,
+            interval,
+            &keyring,
+            sealed,
+            b.bulk_sync,
+        )?;
+        let cluster = Cluster::join(cfg).await?;
         let index = ResidencyIndex::new(ResidencyConfig {
             capacity_per_node: b.blocks * 2,
             ..Default::default()
@@ -250,6 +347,21 @@ async fn one(b: &GossipBench, n: usize, sealed: bool) -> anyhow::Result<String> 
         tokio::time::sleep(interval * 2).await;
     }
     times.sort_by(f64::total_cmp);
+
+    // A node joining the converged cluster (a restart is the same for the learner): the time
+    // until it holds every node's residency, by gossip alone, then with a bulk transfer.
+    let mut joins = Vec::new();
+    for bulk in [false, true] {
+        joins.push(if bulk && !b.bulk_sync {
+            // No node serves a transfer to pull.
+            "n/a".to_string()
+        } else {
+            format!(
+                "{:.2}",
+                join_time(b, n, seed, &keyring, sealed, bulk).await?
+            )
+        });
+    }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     while loops.join_next().await.is_some() {}
     for node in nodes {
@@ -258,10 +370,12 @@ async fn one(b: &GossipBench, n: usize, sealed: bool) -> anyhow::Result<String> 
         }
     }
     Ok(format!(
-        "| {n} | {} | {} | {:.2} | {:.2} | {:.2} | {:.0} | {:.0} |",
+        "| {n} | {} | {} | {:.2} | {} | {} | {:.2} | {:.2} | {:.0} | {:.0} |",
         if sealed { "sealed" } else { "plaintext" },
         b.blocks,
         initial.as_secs_f64(),
+        joins[0],
+        joins[1],
         times.get(times.len() / 2).copied().unwrap_or(0.0),
         times.last().copied().unwrap_or(0.0),
         steady_both,

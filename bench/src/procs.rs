@@ -121,7 +121,36 @@ pub fn engine_shim(args: &[String]) -> anyhow::Result<Proc> {
 
 /// A free loopback port.
 pub fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    unique(|| Ok(Some(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())))
+}
+
+/// A loopback port free for UDP and TCP alike: gossip, which also takes TCP on its port for
+/// bulk transfers.
+pub fn gossip_port() -> anyhow::Result<u16> {
+    unique(|| {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0")?;
+        let port = udp.local_addr()?.port();
+        Ok(TcpListener::bind(("127.0.0.1", port)).ok().map(|_| port))
+    })
+}
+
+/// Ports handed out by this process: a proxy's HTTP port is never another's gossip port.
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn unique(mut pick: impl FnMut() -> anyhow::Result<Option<u16>>) -> anyhow::Result<u16> {
+    for _ in 0..10_000 {
+        if let Some(p) = pick()? {
+            if HANDED_OUT
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(p)
+            {
+                return Ok(p);
+            }
+        }
+    }
+    anyhow::bail!("no free loopback port found")
 }
 
 /// Polls `ready` every `every` until it says yes, or fails with `what` after `timeout`.
@@ -275,21 +304,13 @@ pub async fn kvmesh_sidecars_with(
     cold_placement: &str,
     extra: &str,
 ) -> anyhow::Result<Vec<Proc>> {
-    let seed = std::net::UdpSocket::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let seed = gossip_port()?;
     // One fresh key per benchmark cluster.
     let gossip_key = kvmesh_cluster::Keyring::generate_base64();
     let mut procs = Vec::new();
     for (i, e) in engines.iter().enumerate() {
         let port = free_port()?;
-        let gossip = if i == 0 {
-            seed
-        } else {
-            std::net::UdpSocket::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port()
-        };
+        let gossip = if i == 0 { seed } else { gossip_port()? };
         let toml = format!(
             "listen = \"127.0.0.1:{port}\"\nmode = \"sidecar\"\nlog = \"warn\"\nthreads = 1\n\
              [health]\ninterval_ms = 1000\n\

@@ -9,11 +9,16 @@
 //! [`Membership`]): a peer that leaves (chitchat's failure detector) or changes `kv_epoch` loses
 //! every entry.
 //!
+//! A node that (re)joins also pulls the whole published state from a seed over TCP ([`bulk`]),
+//! so it routes with the cluster's residency within about a second instead of the many gossip
+//! rounds that chitchat's one-datagram deltas take to deliver it.
+//!
 //! Every datagram is sealed under the cluster key ([`seal`], [`transport`]): a sender without
 //! the key can neither join nor inject state. chitchat's server task is watched: if it ever
 //! stops (a panic on a delta it could not apply), [`Cluster::ensure_running`] starts a new
 //! incarnation and counts it, so gossip never freezes silently.
 
+pub mod bulk;
 pub mod record;
 pub mod seal;
 pub mod shards;
@@ -31,6 +36,7 @@ use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatHandle, ChitchatId, Failu
 use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
 use tokio::sync::{Mutex, RwLock};
 
+pub use bulk::BulkStats;
 pub use record::NodeRecord;
 pub use seal::{Keyring, Rejection};
 pub use transport::{GossipSecurity, GossipStats};
@@ -74,6 +80,11 @@ pub struct ClusterConfig {
     pub security: GossipSecurity,
     /// The most peers tracked; more are ignored (and counted) until some leave.
     pub max_peers: usize,
+    /// Serve bulk state transfers on TCP at `listen`, and pull one from a seed at join and
+    /// after a gossip restart ([`bulk`]).
+    pub bulk_sync: bool,
+    /// The most bytes of state one pulled transfer may carry.
+    pub bulk_max_bytes: usize,
 }
 
 /// A joined cluster.
@@ -84,6 +95,35 @@ pub struct Cluster {
     node_id: String,
     restarts: AtomicU64,
     published: Mutex<Published>,
+    /// The chitchat instance the bulk server reads (replaced on restart).
+    current: bulk::CurrentChitchat,
+    bulk: bulk::Endpoint,
+    /// A pulled transfer, until [`ResidencySync::sync`] takes it.
+    delivered: Arc<std::sync::Mutex<Option<bulk::Snapshot>>>,
+    tasks: Tasks,
+}
+
+/// Background tasks of a cluster, stopped with it.
+#[derive(Default)]
+struct Tasks {
+    server: Option<tokio::task::JoinHandle<()>>,
+    pull: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        if let Some(t) = &self.server {
+            t.abort();
+        }
+        if let Some(t) = lock(&self.pull).take() {
+            t.abort();
+        }
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Plain data behind these locks: a panic elsewhere leaves it usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One run of chitchat's server task.
@@ -112,7 +152,30 @@ impl Cluster {
         stats: Arc<GossipStats>,
     ) -> Result<Cluster, ClusterError> {
         let incarnation = Self::spawn(&cfg, &stats).await?;
-        Ok(Cluster {
+        let current: bulk::CurrentChitchat =
+            Arc::new(std::sync::Mutex::new(incarnation.handle.chitchat()));
+        let endpoint = bulk::Endpoint {
+            security: cfg.security.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            stats: Arc::new(BulkStats::default()),
+            gossip_stats: stats.clone(),
+        };
+        let mut tasks = Tasks::default();
+        if cfg.bulk_sync {
+            let listener = tokio::net::TcpListener::bind(cfg.listen)
+                .await
+                .map_err(|e| ClusterError::Start {
+                    addr: cfg.listen,
+                    message: format!("bulk transfers need TCP on the gossip port too: {e}"),
+                })?;
+            tasks.server = Some(tokio::spawn(bulk::serve(
+                listener,
+                endpoint.clone(),
+                vec![cfg.advertise, cfg.listen],
+                current.clone(),
+            )));
+        }
+        let cluster = Cluster {
             node_id: cfg.node_id.clone(),
             cfg,
             handle: RwLock::new(incarnation),
@@ -122,7 +185,80 @@ impl Cluster {
                 record: String::new(),
                 shards: vec![String::new(); shards::SHARDS],
             }),
-        })
+            current,
+            bulk: endpoint,
+            delivered: Arc::new(std::sync::Mutex::new(None)),
+            tasks,
+        };
+        cluster.start_pull();
+        Ok(cluster)
+    }
+
+    /// Pulls the cluster's state from the first seed that answers (else, a little later,
+    /// from live peers gossip has found), in the background; [`ResidencySync::sync`] applies it.
+    fn start_pull(&self) {
+        if !self.cfg.bulk_sync {
+            return;
+        }
+        let ep = self.bulk.clone();
+        let seeds = self.cfg.seeds.clone();
+        let own = [self.cfg.listen, self.cfg.advertise];
+        let own_id = self.node_id.clone();
+        let (delivered, current) = (self.delivered.clone(), self.current.clone());
+        let max = self.cfg.bulk_max_bytes;
+        let retry_after = self.cfg.gossip_interval.saturating_mul(10);
+        let task = tokio::spawn(async move {
+            for attempt in 0..2 {
+                let mut targets = Vec::new();
+                for seed in &seeds {
+                    if let Ok(addrs) = tokio::net::lookup_host(seed.as_str()).await {
+                        targets.extend(addrs);
+                    }
+                }
+                if attempt > 0 {
+                    let chitchat = lock(&current).clone();
+                    let chitchat = chitchat.lock().await;
+                    targets.extend(
+                        chitchat
+                            .live_nodes()
+                            .filter(|id| *id.node_id != *own_id)
+                            .take(3)
+                            .map(|id| id.gossip_advertise_addr),
+                    );
+                }
+                targets.retain(|a| !own.contains(a));
+                targets.dedup();
+                for target in targets {
+                    match bulk::pull(&ep, target, max).await {
+                        Ok(snapshot) => {
+                            ep.stats.pulled.fetch_add(1, Ordering::Relaxed);
+                            tracing::info!(%target, nodes = snapshot.nodes.len(), "cluster state pulled");
+                            *lock(&delivered) = Some(snapshot);
+                            return;
+                        }
+                        Err(e) => {
+                            ep.stats.pull_failed.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(%target, error = %e, "bulk transfer failed; trying the next peer");
+                        }
+                    }
+                }
+                tokio::time::sleep(retry_after).await;
+            }
+            tracing::info!("no peer served the cluster state; gossip alone will deliver it");
+        });
+        if let Some(old) = lock(&self.tasks.pull).replace(task) {
+            old.abort();
+        }
+    }
+
+    /// Bulk transfer counters.
+    pub fn bulk_stats(&self) -> &Arc<BulkStats> {
+        &self.bulk.stats
+    }
+
+    /// A transfer pulled since the last call, if any.
+    fn take_delivered(&self) -> Option<bulk::Snapshot> {
+        lock(&self.delivered).take()
     }
 
     async fn spawn(
@@ -209,8 +345,11 @@ impl Cluster {
                 }
             }
         }
+        *lock(&self.current) = fresh.handle.chitchat();
         *current = fresh;
         self.restarts.fetch_add(1, Ordering::Relaxed);
+        // The new incarnation knows no peer yet: pull their state rather than route blind.
+        self.start_pull();
         tracing::warn!(node = %self.node_id, "gossip restarted after its server task stopped");
         Ok(true)
     }
@@ -289,7 +428,10 @@ impl Cluster {
 
     /// Leaves the cluster (peers notice through their failure detector).
     pub async fn shutdown(self) {
-        let _ = self.handle.into_inner().handle.shutdown().await;
+        let Cluster { handle, tasks, .. } = self;
+        // No more transfers served or pulled for a node that is leaving.
+        drop(tasks);
+        let _ = handle.into_inner().handle.shutdown().await;
     }
 }
 
@@ -337,6 +479,8 @@ pub struct SyncReport {
     pub dropped: usize,
     /// Live peers ignored because `max_peers` were already tracked.
     pub over_cap: usize,
+    /// Peers whose state came, wholly or partly, from a bulk transfer rather than gossip.
+    pub from_bulk: usize,
 }
 
 struct PeerSnapshot {
@@ -353,6 +497,112 @@ struct PeerSnapshot {
 #[derive(Default)]
 pub struct ResidencySync {
     peers: HashMap<String, PeerState>,
+    /// What a bulk transfer delivered, per node id, used beside gossip's view until gossip has
+    /// caught up with it, the node is seen dead, or the deadline passes.
+    overlay: HashMap<String, Overlaid>,
+}
+
+/// A node's state as a bulk transfer delivered it.
+struct Overlaid {
+    node: bulk::NodeSnapshot,
+    until: Instant,
+    /// Gossip has listed the node live since: only then does its listing it dead mean the
+    /// node died (chitchat also lists a node it has no heartbeats from yet as dead).
+    seen_live: bool,
+}
+
+/// One node's published state as this pass sees it: gossip's, a bulk transfer's, or per key
+/// the newer of both.
+struct NodeView<'a> {
+    node_id: &'a str,
+    generation: u64,
+    gossip_addr: SocketAddr,
+    record: (u64, &'a str),
+    /// Per shard index: version and value.
+    shards: Vec<Option<(u64, &'a str)>>,
+}
+
+impl<'a> NodeView<'a> {
+    fn of_gossip(id: &'a ChitchatId, state: &'a chitchat::NodeState) -> Option<Self> {
+        let rec = state.get_versioned(RECORD_KEY)?;
+        Some(NodeView {
+            node_id: &id.node_id,
+            generation: id.generation_id,
+            gossip_addr: id.gossip_advertise_addr,
+            record: (rec.version, &rec.value),
+            shards: (0..shards::SHARDS)
+                .map(|i| {
+                    state
+                        .get_versioned(&shards::key(i))
+                        .map(|v| (v.version, v.value.as_str()))
+                })
+                .collect(),
+        })
+    }
+
+    fn of_bulk(n: &'a bulk::NodeSnapshot) -> Self {
+        let mut shards = vec![None; shards::SHARDS];
+        for sh in &n.shards {
+            if let Some(slot) = shards.get_mut(sh.index) {
+                *slot = Some((sh.version, sh.value.as_str()));
+            }
+        }
+        NodeView {
+            node_id: &n.node_id,
+            generation: n.generation,
+            gossip_addr: n.gossip_addr,
+            record: (n.record_version, &n.record),
+            shards,
+        }
+    }
+
+    /// Gossip's view merged with a transfer's: the newer incarnation, and within one
+    /// incarnation each key at its newer version. The flag says gossip has everything the
+    /// transfer had (the overlay entry can go).
+    fn merge(gossip: Option<Self>, bulk: Option<&'a bulk::NodeSnapshot>) -> (Option<Self>, bool) {
+        let (g, b) = match (gossip, bulk) {
+            (g, None) => return (g, false),
+            (None, Some(b)) => return (Some(Self::of_bulk(b)), false),
+            (Some(g), Some(b)) => (g, Self::of_bulk(b)),
+        };
+        if b.generation != g.generation {
+            return if b.generation > g.generation {
+                (Some(b), false)
+            } else {
+                (Some(g), true)
+            };
+        }
+        let mut caught_up = g.record.0 >= b.record.0;
+        let record = if b.record.0 > g.record.0 {
+            b.record
+        } else {
+            g.record
+        };
+        let shards = g
+            .shards
+            .iter()
+            .zip(&b.shards)
+            .map(|(gs, bs)| match (gs, bs) {
+                (Some(gv), Some(bv)) if bv.0 > gv.0 => {
+                    caught_up = false;
+                    Some(*bv)
+                }
+                (None, Some(bv)) => {
+                    caught_up = false;
+                    Some(*bv)
+                }
+                (gs, _) => *gs,
+            })
+            .collect();
+        (
+            Some(NodeView {
+                record,
+                shards,
+                ..g
+            }),
+            caught_up,
+        )
+    }
 }
 
 impl ResidencySync {
@@ -368,10 +618,32 @@ impl ResidencySync {
         index: &ResidencyIndex,
         membership: &dyn Membership,
     ) -> SyncReport {
-        let snapshots = self.snapshot(cluster).await;
+        if let Some(pulled) = cluster.take_delivered() {
+            let until = Instant::now() + bulk::OVERLAY_TTL;
+            for n in pulled.nodes {
+                if n.node_id == cluster.node_id
+                    || (!self.overlay.contains_key(&n.node_id)
+                        && self.overlay.len() >= cluster.cfg.max_peers)
+                {
+                    continue;
+                }
+                self.overlay.insert(
+                    n.node_id.clone(),
+                    Overlaid {
+                        node: n,
+                        until,
+                        seen_live: false,
+                    },
+                );
+            }
+        }
+        let (snapshots, from_bulk) = self.snapshot(cluster).await;
         let live_ids: Vec<&str> = snapshots.iter().map(|s| s.node_id.as_str()).collect();
         membership.live(&live_ids);
-        let mut report = SyncReport::default();
+        let mut report = SyncReport {
+            from_bulk,
+            ..SyncReport::default()
+        };
         let now = Instant::now();
         let live: std::collections::HashSet<&str> =
             snapshots.iter().map(|s| s.node_id.as_str()).collect();
@@ -455,7 +727,10 @@ impl ResidencySync {
         report
     }
 
-    async fn snapshot(&self, cluster: &Cluster) -> Vec<PeerSnapshot> {
+    /// What changed per live peer, and how many peers' views used a bulk transfer.
+    async fn snapshot(&mut self, cluster: &Cluster) -> (Vec<PeerSnapshot>, usize) {
+        let now = Instant::now();
+        self.overlay.retain(|_, o| o.until > now);
         let chitchat = cluster.chitchat().await;
         let chitchat = chitchat.lock().await;
         // A node id seen under several incarnations (it restarted, or moved to another
@@ -473,23 +748,59 @@ impl ResidencySync {
                 *e = id;
             }
         }
+        // What gossip has seen live and then die is gone, whatever an earlier transfer said.
+        for id in newest.values() {
+            if let Some(o) = self.overlay.get_mut(&*id.node_id) {
+                o.seen_live |= o.node.generation <= id.generation_id;
+            }
+        }
+        for id in chitchat.dead_nodes() {
+            if self
+                .overlay
+                .get(&*id.node_id)
+                .is_some_and(|o| o.seen_live && o.node.generation <= id.generation_id)
+                && !newest.contains_key(&*id.node_id)
+            {
+                self.overlay.remove(&*id.node_id);
+            }
+        }
+        let mut views = Vec::with_capacity(newest.len());
+        let mut caught_up = Vec::new();
+        let mut from_bulk = 0;
+        for id in newest.values() {
+            let gossip = chitchat
+                .node_state(id)
+                .and_then(|state| NodeView::of_gossip(id, state));
+            let bulk = self.overlay.get(&*id.node_id).map(|o| &o.node);
+            let (view, done) = NodeView::merge(gossip, bulk);
+            if done {
+                caught_up.push(id.node_id.to_string());
+            } else if bulk.is_some() {
+                from_bulk += 1;
+            }
+            views.extend(view);
+        }
+        // Nodes only the transfer has told us of yet.
+        let before = views.len();
+        views.extend(
+            self.overlay
+                .values()
+                .filter(|o| !newest.contains_key(o.node.node_id.as_str()))
+                .map(|o| NodeView::of_bulk(&o.node)),
+        );
+        from_bulk += views.len() - before;
         let mut out = Vec::new();
-        for id in newest.into_values() {
-            let Some(state) = chitchat.node_state(id) else {
-                continue;
-            };
-            let Some(rec) = state.get_versioned(RECORD_KEY) else {
-                continue;
-            };
-            let known = self.peers.get(&*id.node_id);
-            let record_changed = known.is_none_or(|k| {
-                k.generation != id.generation_id || k.record_version != rec.version
-            });
+        for v in views {
+            let known = self.peers.get(v.node_id);
+            // Versions only grow within an incarnation: an older value (a lagging source)
+            // never replaces a newer one.
+            let record_changed =
+                known.is_none_or(|k| k.generation != v.generation || v.record.0 > k.record_version);
             let record = if record_changed {
-                match serde_json::from_str::<NodeRecord>(&rec.value) {
+                match serde_json::from_str::<NodeRecord>(v.record.1) {
                     Ok(r) => Some(r),
                     Err(e) => {
-                        tracing::debug!(peer = %id.node_id, error = %e, "unreadable node record");
+                        tracing::debug!(peer = %v.node_id, error = %e, "unreadable node record");
                         continue;
                     }
                 }
@@ -499,32 +810,36 @@ impl ResidencySync {
             // All shards for a new peer, a new generation or a new epoch; else those that moved.
             let fresh = match (known, record.as_ref()) {
                 (None, _) => true,
-                (Some(k), Some(r)) => k.generation != id.generation_id || k.kv_epoch != r.kv_epoch,
+                (Some(k), Some(r)) => k.generation != v.generation || k.kv_epoch != r.kv_epoch,
                 (Some(_), None) => false,
             };
             let mut shard_values = Vec::new();
-            for i in 0..shards::SHARDS {
-                let Some(v) = state.get_versioned(&shards::key(i)) else {
+            for (i, shard) in v.shards.iter().enumerate() {
+                let Some((version, value)) = shard else {
                     continue;
                 };
                 let seen = known.map_or(0, |k| k.shard_versions[i]);
-                if fresh || v.version != seen {
-                    shard_values.push((i, v.version, v.value.clone()));
+                if fresh || *version > seen {
+                    shard_values.push((i, *version, value.to_string()));
                 }
             }
             out.push(PeerSnapshot {
-                node_id: id.node_id.to_string(),
+                node_id: v.node_id.to_string(),
                 origin: PeerOrigin {
-                    gossip_addr: id.gossip_advertise_addr,
-                    heard_from: cluster.stats.has_heard_from(id.gossip_advertise_addr.ip()),
+                    gossip_addr: v.gossip_addr,
+                    heard_from: cluster.stats.has_heard_from(v.gossip_addr.ip()),
                 },
-                generation: id.generation_id,
-                record_version: rec.version,
+                generation: v.generation,
+                record_version: v.record.0,
                 record,
                 shards: shard_values,
             });
         }
-        out
+        drop(chitchat);
+        for id in caught_up {
+            self.overlay.remove(&id);
+        }
+        (out, from_bulk)
     }
 }
 

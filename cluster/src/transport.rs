@@ -115,7 +115,7 @@ impl GossipStats {
             .is_some_and(|t| t.elapsed() <= window)
     }
 
-    fn heard_from(&self, ip: IpAddr) {
+    pub(crate) fn heard_from(&self, ip: IpAddr) {
         let ip = ip.to_canonical();
         let mut senders = lock(&self.senders);
         if senders.len() >= MAX_SENDERS && !senders.contains_key(&ip) {

@@ -421,6 +421,7 @@ impl BackgroundService for ClusterService {
             metrics: &self.metrics,
         };
         let mut dropped = [0u64; Rejection::ALL.len()];
+        let mut bulk_seen = [0u64; 4];
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -466,6 +467,23 @@ impl BackgroundService for ClusterService {
                 .with_label_values(&["in"])
                 .inc_by(r - received);
             (sent, received) = (s, r);
+            let bulk = cluster.bulk_stats();
+            let bulk_now = [
+                bulk.pulled(),
+                bulk.pull_failed(),
+                bulk.served(),
+                bulk.refused(),
+            ];
+            for (i, result) in ["pulled", "pull_failed", "served", "refused"]
+                .iter()
+                .enumerate()
+            {
+                self.metrics
+                    .gossip_bulk
+                    .with_label_values(&[result])
+                    .inc_by(bulk_now[i] - bulk_seen[i]);
+            }
+            bulk_seen = bulk_now;
             for (i, reason) in Rejection::ALL.iter().enumerate() {
                 let n = stats.rejected(*reason);
                 self.metrics

@@ -45,6 +45,8 @@ pub enum ConfigError {
 /// The largest `max_body_bytes` accepted (1 GiB): a proxy that buffers whole bodies has no use
 /// for more, and the body scanners count in `u32`.
 pub const MAX_BODY_BYTES_LIMIT: usize = 1 << 30;
+/// The largest `cluster.bulk_sync_max_bytes` accepted.
+pub const MAX_BULK_SYNC_BYTES: usize = 1 << 30;
 
 /// The whole `kvmesh-proxy` configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -252,6 +254,15 @@ pub struct ClusterToml {
     /// the URL must resolve to the IP the peer advertises for gossip, and authenticated gossip
     /// must have come from that IP (loopback to loopback allowed).
     pub peer_networks: Vec<String>,
+    /// Serve the cluster's state over TCP on the gossip port, and pull it from a seed at join
+    /// (and after a gossip restart), so a (re)started node routes with its peers' residency
+    /// within about a second instead of waiting for gossip to deliver it (docs/sidecar.md).
+    /// Needs TCP open on `gossip_listen`'s port between nodes, beside UDP.
+    pub bulk_sync: bool,
+    /// The most bytes of state one pulled transfer may carry (about 11 bytes per digest; the
+    /// default holds 16 peers of 350,000 digests each). A larger one is refused and gossip
+    /// delivers the state instead.
+    pub bulk_sync_max_bytes: usize,
 }
 
 impl Default for ClusterToml {
@@ -275,6 +286,8 @@ impl Default for ClusterToml {
             max_clock_skew_secs: 60,
             max_peers: 256,
             peer_networks: Vec::new(),
+            bulk_sync: true,
+            bulk_sync_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
         }
     }
 }
@@ -903,6 +916,11 @@ impl ProxyConfig {
             if c.max_peers == 0 || c.max_clock_skew_secs == 0 {
                 p.push("`cluster.max_peers` and `cluster.max_clock_skew_secs` must be > 0".into());
             }
+            if c.bulk_sync && !(1024..=MAX_BULK_SYNC_BYTES).contains(&c.bulk_sync_max_bytes) {
+                p.push(format!(
+                    "`cluster.bulk_sync_max_bytes` must be between 1024 and {MAX_BULK_SYNC_BYTES}"
+                ));
+            }
             if let Err(e) = self.peer_networks() {
                 p.push(e.message());
             }
@@ -1036,6 +1054,8 @@ impl ProxyConfig {
             dead_node_grace: Duration::from_secs(c.dead_node_grace_secs),
             security: self.gossip_security()?,
             max_peers: c.max_peers,
+            bulk_sync: c.bulk_sync,
+            bulk_max_bytes: c.bulk_sync_max_bytes,
         })
     }
 
@@ -1472,6 +1492,16 @@ mod tests {
         );
         let zero = check(&format!("gossip_keys = [\"{key}\"]\nmax_peers = 0\n")).unwrap_err();
         assert!(zero.contains("max_peers"), "{zero}");
+        let tiny = check(&format!(
+            "gossip_keys = [\"{key}\"]\nbulk_sync_max_bytes = 10\n"
+        ))
+        .unwrap_err();
+        assert!(tiny.contains("bulk_sync_max_bytes"), "{tiny}");
+        // Off, the bound is not used, so not judged.
+        let off = check(&format!(
+            "gossip_keys = [\"{key}\"]\nbulk_sync = false\nbulk_sync_max_bytes = 10\n"
+        ));
+        assert!(off.is_ok(), "{off:?}");
     }
 
     #[test]

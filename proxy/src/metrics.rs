@@ -54,6 +54,8 @@ pub struct Metrics {
     pub gossip_dropped: IntCounterVec,
     /// Times the gossip task was restarted after it stopped.
     pub gossip_restarts: IntCounter,
+    /// Bulk state transfers, by result (`pulled`, `pull_failed`, `served`, `refused`).
+    pub gossip_bulk: IntCounterVec,
     /// Peer records refused, by reason (`url`, `network`, `probe`, `over_cap`).
     pub gossip_peers_refused: IntCounterVec,
     /// Residency index entries by source.
@@ -214,6 +216,13 @@ impl Metrics {
             "kvmesh_gossip_restarts_total",
             "Gossip restarts after its server task stopped",
         )?;
+        let gossip_bulk = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_gossip_bulk_transfers_total",
+                "Bulk state transfers over TCP on the gossip port, by result",
+            ),
+            &["result"],
+        )?;
         let gossip_peers_refused = IntCounterVec::new(
             Opts::new(
                 "kvmesh_peer_urls_refused_total",
@@ -250,6 +259,7 @@ impl Metrics {
         registry.register(Box::new(gossip_bytes.clone()))?;
         registry.register(Box::new(gossip_dropped.clone()))?;
         registry.register(Box::new(gossip_restarts.clone()))?;
+        registry.register(Box::new(gossip_bulk.clone()))?;
         registry.register(Box::new(gossip_peers_refused.clone()))?;
         registry.register(Box::new(residency_entries.clone()))?;
         registry.register(Box::new(engine_residency.clone()))?;
@@ -336,6 +346,7 @@ impl Metrics {
             gossip_bytes,
             gossip_dropped,
             gossip_restarts,
+            gossip_bulk,
             gossip_peers_refused,
             residency_entries,
             engine_residency,

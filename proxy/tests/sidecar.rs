@@ -315,6 +315,21 @@ fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
     wait_for("c rejoins", 20, || {
         nodes[0].proxy.metric("kvmesh_gossip_peers") == 2.0
     });
+    // Restarted, c pulled the cluster's state from its seed (a) in one bulk transfer rather
+    // than waiting for gossip to deliver it.
+    let pulled = "kvmesh_gossip_bulk_transfers_total{result=\"pulled\"}";
+    wait_for("c pulls the cluster's state from a", 20, || {
+        nodes[2].proxy.metric(pulled) == 1.0
+    });
+    assert!(
+        nodes[0]
+            .proxy
+            .metric("kvmesh_gossip_bulk_transfers_total{result=\"served\"}")
+            >= 1.0
+    );
+    wait_for("c indexes a's residency", 20, || {
+        nodes[2].residency_of("a") > 0.0
+    });
     let fresh = chat_body("sim-model", &text(3, 8000), "");
     let r = post(nodes[2].proxy.addr, CHAT, &fresh);
     assert_eq!(r.header("x-kvmesh-engine"), Some("engine-c"));
@@ -522,6 +537,8 @@ fn insider(
                 kvmesh_cluster::Keyring::from_base64(&[GOSSIP_KEY]).unwrap(),
             ),
             max_peers: 16,
+            bulk_sync: true,
+            bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
         })
         .await
         .unwrap();

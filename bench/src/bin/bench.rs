@@ -85,6 +85,10 @@ enum Cmd {
         /// Single-change convergence trials.
         #[arg(long, default_value_t = 10)]
         changes: usize,
+        /// Whether the cluster's nodes serve and pull bulk transfers (`cluster.bulk_sync`); the
+        /// joining nodes measured run one way each regardless.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        bulk_sync: bool,
     },
     /// engine-shim: prefill/decode tokens/s and peak RSS (chunked prefill on and off), TTFT of a
     /// shared prefix cold, resident and paged in from kvagent, aggregate decode tokens/s at
@@ -879,6 +883,7 @@ async fn main() -> anyhow::Result<()> {
             interval_ms,
             steady_secs,
             changes,
+            bulk_sync,
         } => {
             let b = kvmesh_bench::gossip::GossipBench {
                 nodes,
@@ -886,6 +891,7 @@ async fn main() -> anyhow::Result<()> {
                 interval_ms,
                 steady_secs,
                 changes,
+                bulk_sync,
             };
             println!("{}", kvmesh_bench::gossip::run(&b).await?);
             Ok(())

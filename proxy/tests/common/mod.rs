@@ -103,21 +103,42 @@ pub fn metric_sum(exposition: &str, prefix: &str) -> f64 {
         .sum()
 }
 
-/// A free UDP port on loopback (gossip).
-pub fn udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// Ports handed out by this test process: the TCP and UDP pickers never return one twice,
+/// so a proxy's HTTP port is never another's gossip port (gossip takes TCP on its port too,
+/// for bulk transfers).
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn unique(mut pick: impl FnMut() -> Option<u16>) -> u16 {
+    loop {
+        if let Some(p) = pick() {
+            if HANDED_OUT.lock().unwrap().insert(p) {
+                return p;
+            }
+        }
+    }
 }
 
+/// A loopback port free for UDP and TCP alike (gossip, and its bulk transfers).
+pub fn udp_port() -> u16 {
+    unique(|| {
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").ok()?;
+        let port = udp.local_addr().ok()?.port();
+        TcpListener::bind(("127.0.0.1", port)).ok().map(|_| port)
+    })
+}
+
+/// A free TCP port on loopback.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    unique(|| {
+        Some(
+            TcpListener::bind("127.0.0.1:0")
+                .ok()?
+                .local_addr()
+                .ok()?
+                .port(),
+        )
+    })
 }
 
 /// Runs the reference `openai` client (`tests/support/openai_client.py`, from `.venv-peers`)

@@ -1,0 +1,558 @@
+//! Bulk state transfer: a node that (re)joins pulls the whole cluster's published state from
+//! one peer over TCP, instead of waiting for chitchat to deliver it one datagram of deltas per
+//! peer exchange per round (16 nodes with 100,000 digests each is about 17 MB: many seconds of
+//! gossip, a second over TCP).
+//!
+//! The transfer runs on TCP at the gossip address (same IP and port number as the UDP socket).
+//! It carries what chitchat would have delivered (node records and residency shards with their
+//! chitchat versions), and [`crate::ResidencySync`] applies it beside gossip's view, each key
+//! at the newer of the two versions, until gossip has caught up or [`OVERLAY_TTL`] passes.
+//!
+//! Protocol, every frame a big-endian `u32` length and a body of at most
+//! [`seal::MAX_DATAGRAM`] bytes:
+//!
+//! ```text
+//! client -> server   request: "kvmesh bulk v1" | challenge [32]
+//! server -> client   chunk*:  challenge [32] | sequence u32 | last u8 | up to ~64 KB of JSON
+//! ```
+//!
+//! With a keyring, each frame is one [`seal`] frame (the cluster key, the destination as the
+//! sender sees it, the timestamp window, a fresh session per side), so a sender without the key
+//! gets nothing and can inject nothing. Every chunk repeats the client's random challenge and
+//! its sequence number: a recorded reply does not answer a new request, and chunks cannot be
+//! reordered, dropped or spliced from another reply. A request replayed by an eavesdropper only
+//! earns it a reply it cannot open; at most [`MAX_CONCURRENT_SERVES`] transfers run at once and
+//! each is bounded in time. Plaintext gossip (no keyring) transfers in plaintext; a node that
+//! verifies incoming gossip refuses plaintext requests and replies alike.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::seal::{self, Opener, Rejection, Sealer};
+use crate::transport::GossipSecurity;
+use crate::{shards, RECORD_KEY};
+
+/// The default bound on one transfer's JSON ([`crate::ClusterConfig::bulk_max_bytes`]).
+pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
+/// How long what a transfer delivered is used beside gossip before gossip alone counts.
+pub const OVERLAY_TTL: Duration = Duration::from_secs(30);
+/// Transfers served at once; further connections are closed (and counted as refused).
+pub const MAX_CONCURRENT_SERVES: usize = 2;
+
+const MAGIC: &[u8] = b"kvmesh bulk v1";
+/// Bytes of the random challenge a request carries and every chunk repeats.
+pub const CHALLENGE_LEN: usize = 32;
+/// Bytes before a chunk's data: challenge, sequence number, last flag.
+pub const CHUNK_HEADER: usize = CHALLENGE_LEN + 4 + 1;
+const MAX_CHUNK: usize = seal::MAX_FRAGMENT_PLAINTEXT - CHUNK_HEADER;
+/// A request is one small frame.
+const MAX_REQUEST_FRAME: usize = 4096;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Nodes one transfer may describe (a bound on hostile input beside the byte bound).
+pub const MAX_NODES: usize = 4096;
+
+/// The cluster state one peer published, as a transfer carries it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// One entry per live node the serving peer knew, itself included.
+    pub nodes: Vec<NodeSnapshot>,
+}
+
+/// One node's published state, with chitchat's versions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeSnapshot {
+    /// The node's id.
+    pub node_id: String,
+    /// Its chitchat generation (one per start).
+    pub generation: u64,
+    /// The gossip address it advertises.
+    pub gossip_addr: SocketAddr,
+    /// The version of its record.
+    pub record_version: u64,
+    /// Its record, JSON as published.
+    pub record: String,
+    /// Its residency shards.
+    pub shards: Vec<ShardSnapshot>,
+}
+
+/// One residency shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardSnapshot {
+    /// The shard's index (`r.000` is 0).
+    pub index: usize,
+    /// Its chitchat version.
+    pub version: u64,
+    /// Its value, as [`shards::encode`] made it.
+    pub value: String,
+}
+
+/// Why a transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BulkError {
+    /// Connecting, reading or writing failed.
+    #[error("bulk transfer I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer took longer than the transfer's bound.
+    #[error("bulk transfer timed out")]
+    Timeout,
+    /// A frame did not authenticate.
+    #[error("bulk transfer frame refused: {}", .0.label())]
+    Refused(Rejection),
+    /// The peer broke the protocol.
+    #[error("bulk transfer protocol error: {0}")]
+    Protocol(&'static str),
+    /// The reply is larger than this node accepts.
+    #[error("bulk transfer larger than {max} bytes (cluster.bulk_sync_max_bytes)")]
+    TooLarge {
+        /// The bound.
+        max: usize,
+    },
+    /// The reply is not a valid snapshot.
+    #[error("bulk transfer is not a valid snapshot: {0}")]
+    Malformed(String),
+}
+
+/// Counts of transfers, both ways.
+#[derive(Debug, Default)]
+pub struct BulkStats {
+    pub(crate) pulled: AtomicU64,
+    pub(crate) pull_failed: AtomicU64,
+    served: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl BulkStats {
+    /// Transfers this node pulled and applied.
+    pub fn pulled(&self) -> u64 {
+        self.pulled.load(Ordering::Relaxed)
+    }
+    /// Transfers this node tried to pull from a peer and could not.
+    pub fn pull_failed(&self) -> u64 {
+        self.pull_failed.load(Ordering::Relaxed)
+    }
+    /// Transfers this node served.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+    /// Requests this node refused (unauthenticated, malformed, or too many at once).
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+}
+
+/// What a server and a client need of the node.
+#[derive(Clone)]
+pub(crate) struct Endpoint {
+    pub(crate) security: GossipSecurity,
+    pub(crate) cluster_id: String,
+    pub(crate) stats: Arc<BulkStats>,
+    pub(crate) gossip_stats: Arc<crate::GossipStats>,
+}
+
+impl Endpoint {
+    fn sealer(&self) -> Option<Sealer> {
+        let keyring = self.security.keyring.clone()?;
+        self.security
+            .encrypt_outgoing
+            .then(|| Sealer::new(keyring, &self.cluster_id))
+    }
+
+    fn opener(&self, own: Vec<SocketAddr>) -> Option<Opener> {
+        let keyring = self.security.keyring.clone()?;
+        Some(Opener::new(
+            keyring,
+            &self.cluster_id,
+            own,
+            self.security.max_clock_skew,
+            1,
+        ))
+    }
+
+    /// A frame's plaintext: opened when sealed, taken as is only where plaintext is allowed.
+    fn open(
+        &self,
+        opener: &mut Option<Opener>,
+        frame: Vec<u8>,
+        from: SocketAddr,
+    ) -> Result<(Vec<u8>, bool), BulkError> {
+        if seal::is_sealed(&frame) {
+            let Some(o) = opener.as_mut() else {
+                return Err(BulkError::Refused(Rejection::Forged));
+            };
+            return match o.open(&frame, from) {
+                Ok(Some(m)) => Ok((m, true)),
+                Ok(None) => Err(BulkError::Protocol("a fragmented frame")),
+                Err(r) => Err(BulkError::Refused(r)),
+            };
+        }
+        if self.security.verify_incoming && self.security.keyring.is_some() {
+            return Err(BulkError::Refused(Rejection::Plaintext));
+        }
+        Ok((frame, false))
+    }
+}
+
+async fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(body.len()).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    s.write_all(&len.to_be_bytes()).await?;
+    s.write_all(body).await
+}
+
+async fn read_frame(s: &mut TcpStream, max: usize) -> Result<Vec<u8>, BulkError> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len > max {
+        return Err(BulkError::Protocol("a frame over its size bound"));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+/// Pulls the cluster's state from the peer at `addr` (its gossip address).
+pub(crate) async fn pull(
+    ep: &Endpoint,
+    addr: SocketAddr,
+    max_bytes: usize,
+) -> Result<Snapshot, BulkError> {
+    tokio::time::timeout(TRANSFER_TIMEOUT, pull_inner(ep, addr, max_bytes))
+        .await
+        .map_err(|_| BulkError::Timeout)?
+}
+
+async fn pull_inner(
+    ep: &Endpoint,
+    addr: SocketAddr,
+    max_bytes: usize,
+) -> Result<Snapshot, BulkError> {
+    let mut s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| BulkError::Timeout)??;
+    let local = s.local_addr()?;
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut challenge);
+    let mut request = MAGIC.to_vec();
+    request.extend_from_slice(&challenge);
+    let request = match ep.sealer() {
+        Some(mut sealer) => sealer
+            .seal(&request, addr)
+            .pop()
+            .ok_or(BulkError::Protocol("the request could not be sealed"))?,
+        None => request,
+    };
+    write_frame(&mut s, &request).await?;
+    let mut opener = ep.opener(vec![local]);
+    let mut reply = Reply::new(challenge, max_bytes);
+    let mut sealed_reply: Option<bool> = None;
+    loop {
+        let frame = read_frame(&mut s, seal::MAX_DATAGRAM).await?;
+        let (chunk, sealed) = ep.open(&mut opener, frame, addr)?;
+        if *sealed_reply.get_or_insert(sealed) != sealed {
+            return Err(BulkError::Protocol("sealed and plaintext chunks mixed"));
+        }
+        if reply.accept(&chunk)? {
+            break;
+        }
+    }
+    if sealed_reply == Some(true) {
+        ep.gossip_stats.heard_from(addr.ip());
+    }
+    parse_snapshot(&reply.body)
+}
+
+/// A reply being reassembled from its chunks (each already opened).
+#[derive(Debug)]
+pub struct Reply {
+    challenge: [u8; CHALLENGE_LEN],
+    max_bytes: usize,
+    expected: u32,
+    done: bool,
+    /// The snapshot's bytes so far.
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// A reply to the request that carried `challenge`, of at most `max_bytes`.
+    pub fn new(challenge: [u8; CHALLENGE_LEN], max_bytes: usize) -> Reply {
+        Reply {
+            challenge,
+            max_bytes,
+            expected: 0,
+            done: false,
+            body: Vec::new(),
+        }
+    }
+
+    /// Takes the next chunk; `Ok(true)` once the last one has arrived.
+    pub fn accept(&mut self, chunk: &[u8]) -> Result<bool, BulkError> {
+        if self.done {
+            return Err(BulkError::Protocol("a chunk after the last"));
+        }
+        if chunk.len() < CHUNK_HEADER || chunk[..CHALLENGE_LEN] != self.challenge {
+            return Err(BulkError::Protocol("a chunk that answers another request"));
+        }
+        let mut seq = [0u8; 4];
+        seq.copy_from_slice(&chunk[CHALLENGE_LEN..CHALLENGE_LEN + 4]);
+        if u32::from_be_bytes(seq) != self.expected {
+            return Err(BulkError::Protocol("chunks out of sequence"));
+        }
+        let data = &chunk[CHUNK_HEADER..];
+        if self.body.len().saturating_add(data.len()) > self.max_bytes {
+            return Err(BulkError::TooLarge {
+                max: self.max_bytes,
+            });
+        }
+        self.body.extend_from_slice(data);
+        match chunk[CHALLENGE_LEN + 4] {
+            0 => {
+                self.expected = self
+                    .expected
+                    .checked_add(1)
+                    .ok_or(BulkError::Protocol("too many chunks"))?;
+                Ok(false)
+            }
+            1 => {
+                self.done = true;
+                Ok(true)
+            }
+            _ => Err(BulkError::Protocol("a chunk flag that is neither 0 nor 1")),
+        }
+    }
+}
+
+/// Reads a reply's JSON into a snapshot, bounding its counts.
+pub fn parse_snapshot(body: &[u8]) -> Result<Snapshot, BulkError> {
+    let snapshot: Snapshot =
+        serde_json::from_slice(body).map_err(|e| BulkError::Malformed(e.to_string()))?;
+    validate(&snapshot)?;
+    Ok(snapshot)
+}
+
+/// Bounds a snapshot's counts (values are checked where they are decoded).
+fn validate(s: &Snapshot) -> Result<(), BulkError> {
+    if s.nodes.len() > MAX_NODES {
+        return Err(BulkError::Malformed(format!(
+            "{} nodes (at most {MAX_NODES})",
+            s.nodes.len()
+        )));
+    }
+    for n in &s.nodes {
+        if n.node_id.is_empty() || n.node_id.len() > 256 {
+            return Err(BulkError::Malformed(
+                "a node id empty or over 256 bytes".into(),
+            ));
+        }
+        let mut seen = [false; shards::SHARDS];
+        for sh in &n.shards {
+            match seen.get_mut(sh.index) {
+                Some(s) if !*s => *s = true,
+                _ => {
+                    return Err(BulkError::Malformed(format!(
+                        "node {}: shard {} out of range or repeated",
+                        n.node_id, sh.index
+                    )))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What this node knows of every live node (itself included), newest incarnation per node id.
+pub(crate) fn collect(chitchat: &chitchat::Chitchat) -> Snapshot {
+    let mut newest: std::collections::HashMap<&str, &chitchat::ChitchatId> =
+        std::collections::HashMap::new();
+    for id in chitchat.live_nodes() {
+        let e = newest.entry(&*id.node_id).or_insert(id);
+        if id.generation_id > e.generation_id {
+            *e = id;
+        }
+    }
+    let mut nodes = Vec::with_capacity(newest.len());
+    for id in newest.into_values() {
+        let Some(state) = chitchat.node_state(id) else {
+            continue;
+        };
+        let Some(rec) = state.get_versioned(RECORD_KEY) else {
+            continue;
+        };
+        let shards = (0..shards::SHARDS)
+            .filter_map(|i| {
+                let v = state.get_versioned(&shards::key(i))?;
+                Some(ShardSnapshot {
+                    index: i,
+                    version: v.version,
+                    value: v.value.clone(),
+                })
+            })
+            .collect();
+        nodes.push(NodeSnapshot {
+            node_id: id.node_id.to_string(),
+            generation: id.generation_id,
+            gossip_addr: id.gossip_advertise_addr,
+            record_version: rec.version,
+            record: rec.value.clone(),
+            shards,
+        });
+    }
+    Snapshot { nodes }
+}
+
+/// The chitchat instance a server reads (replaced when gossip restarts).
+pub(crate) type CurrentChitchat = Arc<Mutex<Arc<tokio::sync::Mutex<chitchat::Chitchat>>>>;
+
+/// Serves transfers on `listener` until the task is aborted.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    ep: Endpoint,
+    own: Vec<SocketAddr>,
+    current: CurrentChitchat,
+) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_SERVES));
+    loop {
+        let (stream, from) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors, typically: never spin.
+                tracing::warn!(error = %e, "bulk transfer accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            ep.stats.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(%from, "bulk transfer refused: too many at once");
+            continue;
+        };
+        let (ep, own, current) = (ep.clone(), own.clone(), current.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let result = tokio::time::timeout(
+                TRANSFER_TIMEOUT,
+                serve_one(stream, from, &ep, own, &current),
+            )
+            .await
+            .unwrap_or(Err(BulkError::Timeout));
+            match result {
+                Ok(bytes) => {
+                    ep.stats.served.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(%from, bytes, "bulk transfer served");
+                }
+                Err(e) => {
+                    ep.stats.refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%from, error = %e, "bulk transfer not served");
+                }
+            }
+        });
+    }
+}
+
+async fn serve_one(
+    mut s: TcpStream,
+    from: SocketAddr,
+    ep: &Endpoint,
+    mut own: Vec<SocketAddr>,
+    current: &CurrentChitchat,
+) -> Result<usize, BulkError> {
+    own.push(s.local_addr()?);
+    let frame = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME))
+        .await
+        .map_err(|_| BulkError::Timeout)??;
+    let mut opener = ep.opener(own);
+    let (request, sealed) = ep.open(&mut opener, frame, from)?;
+    let challenge = request
+        .strip_prefix(MAGIC)
+        .filter(|c| c.len() == CHALLENGE_LEN)
+        .ok_or(BulkError::Protocol("not a bulk transfer request"))?
+        .to_vec();
+    let chitchat = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let snapshot = collect(&*chitchat.lock().await);
+    let body = serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
+    // Reply in the request's kind: sealed to a sealed request, else plaintext (allowed only
+    // where the request itself was).
+    let mut sealer = if sealed { ep.sealer() } else { None };
+    if sealed && sealer.is_none() {
+        return Err(BulkError::Protocol(
+            "sealed request, but this node does not seal",
+        ));
+    }
+    let pieces: Vec<&[u8]> = if body.is_empty() {
+        vec![&body[..]]
+    } else {
+        body.chunks(MAX_CHUNK).collect()
+    };
+    let last = pieces.len() - 1;
+    for (i, piece) in pieces.into_iter().enumerate() {
+        let seq = u32::try_from(i).map_err(|_| BulkError::TooLarge { max: usize::MAX })?;
+        let mut chunk = Vec::with_capacity(CHUNK_HEADER + piece.len());
+        chunk.extend_from_slice(&challenge);
+        chunk.extend_from_slice(&seq.to_be_bytes());
+        chunk.push(u8::from(i == last));
+        chunk.extend_from_slice(piece);
+        let frame = match sealer.as_mut() {
+            Some(sealer) => sealer
+                .seal(&chunk, from)
+                .pop()
+                .ok_or(BulkError::Protocol("a chunk could not be sealed"))?,
+            None => chunk,
+        };
+        write_frame(&mut s, &frame).await?;
+    }
+    s.shutdown().await?;
+    Ok(body.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, shards: Vec<usize>) -> NodeSnapshot {
+        NodeSnapshot {
+            node_id: id.into(),
+            generation: 1,
+            gossip_addr: "127.0.0.1:7946".parse().unwrap(),
+            record_version: 1,
+            record: "{}".into(),
+            shards: shards
+                .into_iter()
+                .map(|index| ShardSnapshot {
+                    index,
+                    version: 2,
+                    value: String::new(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn snapshots_with_bad_counts_are_refused() {
+        let ok = Snapshot {
+            nodes: vec![node("a", vec![0, 127])],
+        };
+        assert!(validate(&ok).is_ok());
+        for bad in [
+            vec![node("a", vec![128])],
+            vec![node("a", vec![3, 3])],
+            vec![node("", vec![])],
+            vec![node(&"x".repeat(257), vec![])],
+        ] {
+            let err = validate(&Snapshot { nodes: bad }).unwrap_err();
+            assert!(matches!(err, BulkError::Malformed(_)), "{err}");
+        }
+        let many = Snapshot {
+            nodes: (0..=MAX_NODES)
+                .map(|i| node(&format!("n{i}"), vec![]))
+                .collect(),
+        };
+        assert!(validate(&many).is_err());
+    }
+}
