@@ -20,10 +20,13 @@
 //! sender sees it, the timestamp window, a fresh session per side), so a sender without the key
 //! gets nothing and can inject nothing. Every chunk repeats the client's random challenge and
 //! its sequence number: a recorded reply does not answer a new request, and chunks cannot be
-//! reordered, dropped or spliced from another reply. A request replayed by an eavesdropper only
-//! earns it a reply it cannot open; at most [`MAX_CONCURRENT_SERVES`] transfers run at once and
-//! each is bounded in time. Plaintext gossip (no keyring) transfers in plaintext; a node that
-//! verifies incoming gossip refuses plaintext requests and replies alike.
+//! reordered, dropped or spliced from another reply. A sealed request is served once: its
+//! challenge is remembered, so a captured request replayed gets nothing. A serve slot (at most
+//! [`MAX_CONCURRENT_SERVES`]) is taken only once the request has authenticated, and at most
+//! [`MAX_PENDING_HANDSHAKES`] connections may be sending theirs; everything is bounded in time
+//! and bytes, on both sides. A node that seals its gossip never answers in plaintext; only a
+//! plaintext-gossip node does, and a node that verifies incoming gossip refuses plaintext
+//! replies.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,8 +45,12 @@ use crate::{shards, RECORD_KEY};
 pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 /// How long what a transfer delivered is used beside gossip before gossip alone counts.
 pub const OVERLAY_TTL: Duration = Duration::from_secs(30);
-/// Transfers served at once; further connections are closed (and counted as refused).
+/// Transfers served at once; further requests are refused (and counted).
 pub const MAX_CONCURRENT_SERVES: usize = 2;
+/// Connections that may be sending their request at once; more are closed (and counted).
+pub const MAX_PENDING_HANDSHAKES: usize = 16;
+/// Challenges of served requests remembered against replays.
+const MAX_SEEN_CHALLENGES: usize = 4096;
 
 const MAGIC: &[u8] = b"kvmesh bulk v1";
 /// Bytes of the random challenge a request carries and every chunk repeats.
@@ -54,10 +61,14 @@ const MAX_CHUNK: usize = seal::MAX_FRAGMENT_PLAINTEXT - CHUNK_HEADER;
 /// A request is one small frame.
 const MAX_REQUEST_FRAME: usize = 4096;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Nodes one transfer may describe (a bound on hostile input beside the byte bound).
 pub const MAX_NODES: usize = 4096;
+/// The longest node record accepted (a published record is a few hundred bytes).
+pub const MAX_RECORD_BYTES: usize = 64 * 1024;
+/// The longest shard value accepted: [`shards::MAX_PER_SHARD`] 8-byte shorts in base64.
+pub const MAX_SHARD_CHARS: usize = (shards::MAX_PER_SHARD * 8).div_ceil(3) * 4;
 
 /// The cluster state one peer published, as a transfer carries it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,6 +166,8 @@ pub(crate) struct Endpoint {
     pub(crate) cluster_id: String,
     pub(crate) stats: Arc<BulkStats>,
     pub(crate) gossip_stats: Arc<crate::GossipStats>,
+    /// The most bytes of state this node sends or accepts in one transfer.
+    pub(crate) max_bytes: usize,
 }
 
 impl Endpoint {
@@ -306,6 +319,11 @@ impl Reply {
             return Err(BulkError::Protocol("chunks out of sequence"));
         }
         let data = &chunk[CHUNK_HEADER..];
+        let last = chunk[CHALLENGE_LEN + 4] == 1;
+        if data.is_empty() && !last {
+            // Empty chunks would only keep a hostile server's reply going.
+            return Err(BulkError::Protocol("an empty chunk before the last"));
+        }
         if self.body.len().saturating_add(data.len()) > self.max_bytes {
             return Err(BulkError::TooLarge {
                 max: self.max_bytes,
@@ -350,6 +368,18 @@ fn validate(s: &Snapshot) -> Result<(), BulkError> {
             return Err(BulkError::Malformed(
                 "a node id empty or over 256 bytes".into(),
             ));
+        }
+        if n.record.len() > MAX_RECORD_BYTES {
+            return Err(BulkError::Malformed(format!(
+                "node {}: a record over {MAX_RECORD_BYTES} bytes",
+                n.node_id
+            )));
+        }
+        if let Some(sh) = n.shards.iter().find(|sh| sh.value.len() > MAX_SHARD_CHARS) {
+            return Err(BulkError::Malformed(format!(
+                "node {}: shard {} over {MAX_SHARD_CHARS} characters",
+                n.node_id, sh.index
+            )));
         }
         let mut seen = [false; shards::SHARDS];
         for sh in &n.shards {
@@ -410,15 +440,22 @@ pub(crate) fn collect(chitchat: &chitchat::Chitchat) -> Snapshot {
 /// The chitchat instance a server reads (replaced when gossip restarts).
 pub(crate) type CurrentChitchat = Arc<Mutex<Arc<tokio::sync::Mutex<chitchat::Chitchat>>>>;
 
-/// Serves transfers on `listener` until the task is aborted.
+/// Serves transfers on `listener` until the task is aborted (which also stops every
+/// connection it serves: they live in its [`tokio::task::JoinSet`]).
 pub(crate) async fn serve(
     listener: TcpListener,
     ep: Endpoint,
     own: Vec<SocketAddr>,
     current: CurrentChitchat,
 ) {
+    // Connections still sending their request hold a handshake slot only; a serve permit is
+    // taken once the request has authenticated, so unauthenticated hosts cannot hold them.
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_SERVES));
+    let seen = Arc::new(Mutex::new(SeenChallenges::default()));
+    let mut conns = tokio::task::JoinSet::new();
     loop {
+        while conns.try_join_next().is_some() {}
         let (stream, from) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
@@ -428,20 +465,16 @@ pub(crate) async fn serve(
                 continue;
             }
         };
-        let Ok(permit) = permits.clone().try_acquire_owned() else {
+        let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
             ep.stats.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%from, "bulk transfer refused: too many at once");
+            tracing::debug!(%from, "bulk transfer refused: too many requests pending");
             continue;
         };
         let (ep, own, current) = (ep.clone(), own.clone(), current.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            let result = tokio::time::timeout(
-                TRANSFER_TIMEOUT,
-                serve_one(stream, from, &ep, own, &current),
-            )
-            .await
-            .unwrap_or(Err(BulkError::Timeout));
+        let (permits, seen) = (permits.clone(), seen.clone());
+        conns.spawn(async move {
+            let result =
+                serve_one(stream, from, &ep, own, &current, handshake, &permits, &seen).await;
             match result {
                 Ok(bytes) => {
                     ep.stats.served.fetch_add(1, Ordering::Relaxed);
@@ -456,12 +489,40 @@ pub(crate) async fn serve(
     }
 }
 
+/// Challenges of requests already served, so a captured request replayed (on any connection,
+/// within the clock-skew window its seal allows) is refused rather than served again.
+#[derive(Default)]
+struct SeenChallenges {
+    order: std::collections::VecDeque<[u8; CHALLENGE_LEN]>,
+    set: std::collections::HashSet<[u8; CHALLENGE_LEN]>,
+}
+
+impl SeenChallenges {
+    /// Records `c`; false when it was seen before.
+    fn first_time(&mut self, c: [u8; CHALLENGE_LEN]) -> bool {
+        if !self.set.insert(c) {
+            return false;
+        }
+        self.order.push_back(c);
+        if self.order.len() > MAX_SEEN_CHALLENGES {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+        true
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn serve_one(
     mut s: TcpStream,
     from: SocketAddr,
     ep: &Endpoint,
     mut own: Vec<SocketAddr>,
     current: &CurrentChitchat,
+    handshake: tokio::sync::OwnedSemaphorePermit,
+    permits: &Arc<tokio::sync::Semaphore>,
+    seen: &Mutex<SeenChallenges>,
 ) -> Result<usize, BulkError> {
     own.push(s.local_addr()?);
     let frame = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME))
@@ -469,21 +530,55 @@ async fn serve_one(
         .map_err(|_| BulkError::Timeout)??;
     let mut opener = ep.opener(own);
     let (request, sealed) = ep.open(&mut opener, frame, from)?;
-    let challenge = request
-        .strip_prefix(MAGIC)
-        .filter(|c| c.len() == CHALLENGE_LEN)
-        .ok_or(BulkError::Protocol("not a bulk transfer request"))?
-        .to_vec();
-    let chitchat = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let snapshot = collect(&*chitchat.lock().await);
-    let body = serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
-    // Reply in the request's kind: sealed to a sealed request, else plaintext (allowed only
-    // where the request itself was).
-    let mut sealer = if sealed { ep.sealer() } else { None };
+    // A node that seals its gossip never answers in plaintext (a migration's middle step
+    // accepts plaintext gossip but still sends sealed).
+    let mut sealer = ep.sealer();
+    if !sealed && sealer.is_some() {
+        return Err(BulkError::Refused(Rejection::Plaintext));
+    }
     if sealed && sealer.is_none() {
         return Err(BulkError::Protocol(
             "sealed request, but this node does not seal",
         ));
+    }
+    let challenge: [u8; CHALLENGE_LEN] = request
+        .strip_prefix(MAGIC)
+        .and_then(|c| c.try_into().ok())
+        .ok_or(BulkError::Protocol("not a bulk transfer request"))?;
+    if sealed
+        && !seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first_time(challenge)
+    {
+        return Err(BulkError::Refused(Rejection::Replayed));
+    }
+    drop(handshake);
+    let Ok(_permit) = permits.try_acquire() else {
+        return Err(BulkError::Protocol("too many transfers at once"));
+    };
+    tokio::time::timeout(
+        TRANSFER_TIMEOUT,
+        send_snapshot(&mut s, from, ep, current, &challenge, sealer.as_mut()),
+    )
+    .await
+    .map_err(|_| BulkError::Timeout)?
+}
+
+async fn send_snapshot(
+    s: &mut TcpStream,
+    from: SocketAddr,
+    ep: &Endpoint,
+    current: &CurrentChitchat,
+    challenge: &[u8; CHALLENGE_LEN],
+    mut sealer: Option<&mut Sealer>,
+) -> Result<usize, BulkError> {
+    let chitchat = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let snapshot = collect(&*chitchat.lock().await);
+    let body = serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
+    // The server holds what it sends in memory: bounded like what it would accept.
+    if body.len() > ep.max_bytes {
+        return Err(BulkError::TooLarge { max: ep.max_bytes });
     }
     let pieces: Vec<&[u8]> = if body.is_empty() {
         vec![&body[..]]
@@ -494,7 +589,7 @@ async fn serve_one(
     for (i, piece) in pieces.into_iter().enumerate() {
         let seq = u32::try_from(i).map_err(|_| BulkError::TooLarge { max: usize::MAX })?;
         let mut chunk = Vec::with_capacity(CHUNK_HEADER + piece.len());
-        chunk.extend_from_slice(&challenge);
+        chunk.extend_from_slice(challenge);
         chunk.extend_from_slice(&seq.to_be_bytes());
         chunk.push(u8::from(i == last));
         chunk.extend_from_slice(piece);
@@ -505,7 +600,7 @@ async fn serve_one(
                 .ok_or(BulkError::Protocol("a chunk could not be sealed"))?,
             None => chunk,
         };
-        write_frame(&mut s, &frame).await?;
+        write_frame(s, &frame).await?;
     }
     s.shutdown().await?;
     Ok(body.len())
@@ -533,6 +628,60 @@ mod tests {
         }
     }
 
+    fn chunk(challenge: [u8; CHALLENGE_LEN], seq: u32, last: bool, data: &[u8]) -> Vec<u8> {
+        let mut c = challenge.to_vec();
+        c.extend_from_slice(&seq.to_be_bytes());
+        c.push(u8::from(last));
+        c.extend_from_slice(data);
+        c
+    }
+
+    #[test]
+    fn a_reply_takes_its_own_chunks_in_order_and_nothing_else() {
+        let ours = [1u8; CHALLENGE_LEN];
+        let theirs = [2u8; CHALLENGE_LEN];
+        let mut r = Reply::new(ours, 1024);
+        assert!(!r.accept(&chunk(ours, 0, false, b"ab")).unwrap());
+        assert!(r.accept(&chunk(ours, 1, true, b"cd")).unwrap());
+        assert_eq!(r.body, b"abcd");
+        assert!(
+            r.accept(&chunk(ours, 2, true, b"ef")).is_err(),
+            "after the last"
+        );
+        let refused = |chunks: &[Vec<u8>]| {
+            let mut r = Reply::new(ours, 1024);
+            chunks.iter().any(|c| r.accept(c).is_err())
+        };
+        // Another request's chunk (a recorded reply, or one spliced in).
+        assert!(refused(&[chunk(theirs, 0, true, b"x")]));
+        assert!(refused(&[
+            chunk(ours, 0, false, b"a"),
+            chunk(theirs, 1, true, b"b")
+        ]));
+        // Reordered, repeated or skipped.
+        assert!(refused(&[chunk(ours, 1, true, b"b")]));
+        assert!(refused(&[
+            chunk(ours, 0, false, b"a"),
+            chunk(ours, 0, true, b"a")
+        ]));
+        assert!(refused(&[
+            chunk(ours, 0, false, b"a"),
+            chunk(ours, 2, true, b"c")
+        ]));
+        // Empty chunks that would keep a reply going, a bad flag, a short chunk, too much.
+        assert!(refused(&[chunk(ours, 0, false, b"")]));
+        assert!(!refused(&[chunk(ours, 0, true, b"")]));
+        let mut bad_flag = chunk(ours, 0, true, b"a");
+        bad_flag[CHALLENGE_LEN + 4] = 2;
+        assert!(refused(&[bad_flag]));
+        assert!(refused(&[ours[..10].to_vec()]));
+        let mut small = Reply::new(ours, 3);
+        assert!(matches!(
+            small.accept(&chunk(ours, 0, true, b"abcd")),
+            Err(BulkError::TooLarge { max: 3 })
+        ));
+    }
+
     #[test]
     fn snapshots_with_bad_counts_are_refused() {
         let ok = Snapshot {
@@ -544,6 +693,15 @@ mod tests {
             vec![node("a", vec![3, 3])],
             vec![node("", vec![])],
             vec![node(&"x".repeat(257), vec![])],
+            vec![NodeSnapshot {
+                record: "x".repeat(MAX_RECORD_BYTES + 1),
+                ..node("a", vec![])
+            }],
+            vec![{
+                let mut n = node("a", vec![0]);
+                n.shards[0].value = "A".repeat(MAX_SHARD_CHARS + 1);
+                n
+            }],
         ] {
             let err = validate(&Snapshot { nodes: bad }).unwrap_err();
             assert!(matches!(err, BulkError::Malformed(_)), "{err}");

@@ -83,7 +83,7 @@ pub struct ClusterConfig {
     /// Serve bulk state transfers on TCP at `listen`, and pull one from a seed at join and
     /// after a gossip restart ([`bulk`]).
     pub bulk_sync: bool,
-    /// The most bytes of state one pulled transfer may carry.
+    /// The most bytes of state one transfer may carry, sent or pulled.
     pub bulk_max_bytes: usize,
 }
 
@@ -159,6 +159,7 @@ impl Cluster {
             cluster_id: cfg.cluster_id.clone(),
             stats: Arc::new(BulkStats::default()),
             gossip_stats: stats.clone(),
+            max_bytes: cfg.bulk_max_bytes,
         };
         let mut tasks = Tasks::default();
         if cfg.bulk_sync {
@@ -233,6 +234,9 @@ impl Cluster {
                         Ok(snapshot) => {
                             ep.stats.pulled.fetch_add(1, Ordering::Relaxed);
                             tracing::info!(%target, nodes = snapshot.nodes.len(), "cluster state pulled");
+                            // Even a nearly empty one ends the pull: asking more peers while a
+                            // whole cluster starts at once (no one has much to share yet) would
+                            // only take CPU from gossip.
                             *lock(&delivered) = Some(snapshot);
                             return;
                         }
@@ -559,9 +563,16 @@ impl<'a> NodeView<'a> {
     /// Gossip's view merged with a transfer's: the newer incarnation, and within one
     /// incarnation each key at its newer version. The flag says gossip has everything the
     /// transfer had (the overlay entry can go).
-    fn merge(gossip: Option<Self>, bulk: Option<&'a bulk::NodeSnapshot>) -> (Option<Self>, bool) {
+    /// `generation` is the incarnation gossip lists live (its state may not have arrived).
+    fn merge(
+        generation: u64,
+        gossip: Option<Self>,
+        bulk: Option<&'a bulk::NodeSnapshot>,
+    ) -> (Option<Self>, bool) {
         let (g, b) = match (gossip, bulk) {
             (g, None) => return (g, false),
+            // Gossip knows a newer incarnation than the transfer did: the transfer's is stale.
+            (g, Some(b)) if b.generation < generation => return (g, true),
             (None, Some(b)) => return (Some(Self::of_bulk(b)), false),
             (Some(g), Some(b)) => (g, Self::of_bulk(b)),
         };
@@ -730,7 +741,9 @@ impl ResidencySync {
     /// What changed per live peer, and how many peers' views used a bulk transfer.
     async fn snapshot(&mut self, cluster: &Cluster) -> (Vec<PeerSnapshot>, usize) {
         let now = Instant::now();
-        self.overlay.retain(|_, o| o.until > now);
+        // Only for nodes gossip has not listed live yet: once it has, the transfer's values
+        // stay until gossip holds them too (they never override a newer gossip value).
+        self.overlay.retain(|_, o| o.seen_live || o.until > now);
         let chitchat = cluster.chitchat().await;
         let chitchat = chitchat.lock().await;
         // A node id seen under several incarnations (it restarted, or moved to another
@@ -772,7 +785,7 @@ impl ResidencySync {
                 .node_state(id)
                 .and_then(|state| NodeView::of_gossip(id, state));
             let bulk = self.overlay.get(&*id.node_id).map(|o| &o.node);
-            let (view, done) = NodeView::merge(gossip, bulk);
+            let (view, done) = NodeView::merge(id.generation_id, gossip, bulk);
             if done {
                 caught_up.push(id.node_id.to_string());
             } else if bulk.is_some() {
@@ -863,5 +876,96 @@ fn apply_shards(
         index.record_keys(p.node, added, Source::Gossip, now);
         p.shards[i] = new;
         p.shard_versions[i] = version;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk_node(
+        generation: u64,
+        record_version: u64,
+        shards: &[(usize, u64)],
+    ) -> bulk::NodeSnapshot {
+        bulk::NodeSnapshot {
+            node_id: "p".into(),
+            generation,
+            gossip_addr: "127.0.0.1:1".parse().unwrap(),
+            record_version,
+            record: "bulk".into(),
+            shards: shards
+                .iter()
+                .map(|&(index, version)| bulk::ShardSnapshot {
+                    index,
+                    version,
+                    value: format!("bulk-{version}"),
+                })
+                .collect(),
+        }
+    }
+
+    fn gossip_view(
+        generation: u64,
+        record_version: u64,
+        shards: &[(usize, u64)],
+    ) -> NodeView<'static> {
+        let mut v = vec![None; shards::SHARDS];
+        for &(i, version) in shards {
+            v[i] = Some((version, "gossip"));
+        }
+        NodeView {
+            node_id: "p",
+            generation,
+            gossip_addr: "127.0.0.1:1".parse().unwrap(),
+            record: (record_version, "gossip"),
+            shards: v,
+        }
+    }
+
+    #[test]
+    fn merge_takes_each_key_at_its_newer_version_and_retires_when_gossip_has_it_all() {
+        // Gossip lags on shard 1 and lacks shard 2; it is ahead on shard 0 and the record.
+        let b = bulk_node(7, 10, &[(0, 5), (1, 9), (2, 8)]);
+        let (v, caught_up) =
+            NodeView::merge(7, Some(gossip_view(7, 12, &[(0, 6), (1, 3)])), Some(&b));
+        let v = v.unwrap();
+        assert!(!caught_up);
+        assert_eq!(v.record, (12, "gossip"));
+        assert_eq!(
+            v.shards[0],
+            Some((6, "gossip")),
+            "an older transfer value never wins"
+        );
+        assert_eq!(v.shards[1], Some((9, "bulk-9")));
+        assert_eq!(v.shards[2], Some((8, "bulk-8")));
+        // Gossip at or past every version the transfer had: the transfer's view can go.
+        let (v, caught_up) = NodeView::merge(
+            7,
+            Some(gossip_view(7, 10, &[(0, 5), (1, 9), (2, 8)])),
+            Some(&b),
+        );
+        assert!(caught_up);
+        assert_eq!(v.unwrap().shards[1], Some((9, "gossip")));
+        // Not yet in gossip: the transfer alone.
+        let (v, caught_up) = NodeView::merge(7, None, Some(&b));
+        assert!(!caught_up);
+        assert_eq!(v.unwrap().record, (10, "bulk"));
+    }
+
+    #[test]
+    fn merge_never_revives_an_older_incarnation() {
+        let old = bulk_node(7, 10, &[(0, 5)]);
+        // Gossip lists generation 8 live but has not delivered its state yet.
+        let (v, caught_up) = NodeView::merge(8, None, Some(&old));
+        assert!(v.is_none() && caught_up);
+        let (v, caught_up) = NodeView::merge(8, Some(gossip_view(8, 1, &[])), Some(&old));
+        assert!(caught_up);
+        assert_eq!(v.unwrap().generation, 8);
+        // A transfer that knows a newer incarnation than gossip does wins until gossip learns it.
+        let newer = bulk_node(9, 1, &[(0, 1)]);
+        let (v, caught_up) = NodeView::merge(8, Some(gossip_view(8, 50, &[(0, 50)])), Some(&newer));
+        assert!(!caught_up);
+        assert_eq!(v.unwrap().generation, 9);
     }
 }

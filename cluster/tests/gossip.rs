@@ -682,8 +682,9 @@ async fn bulk_requests_without_the_key_get_nothing() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let served = nodes[0].cluster.bulk_stats().served();
+    let genuine = sealed(KEY, "test");
     let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
-    write_frame(&mut s, &sealed(KEY, "test")).await;
+    write_frame(&mut s, &genuine).await;
     let reply = read_all(&mut s).await;
     assert!(
         reply.len() > 1_000 * 8,
@@ -695,6 +696,29 @@ async fn bulk_requests_without_the_key_get_nothing() {
         "the reply is not sealed"
     );
     assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 1);
+    // The same request captured and replayed on a new connection: refused.
+    let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
+    write_frame(&mut s, &genuine).await;
+    assert!(
+        read_all(&mut s).await.is_empty(),
+        "a replayed request was served"
+    );
+    assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 1);
+    // A node migrating to encryption (accepts plaintext gossip, sends sealed) never answers a
+    // plaintext request in clear.
+    let mid = GossipSecurity {
+        verify_incoming: false,
+        ..GossipSecurity::sealed(keyring(KEY))
+    };
+    let mp = udp_port();
+    let m = node_with("m", mp, seed, mid, 16).await;
+    let mut s = tokio::net::TcpStream::connect(local(mp)).await.unwrap();
+    write_frame(&mut s, &request).await;
+    assert!(
+        read_all(&mut s).await.is_empty(),
+        "a migrating node answered in plaintext"
+    );
+    m.cluster.shutdown().await;
     for n in nodes {
         n.cluster.shutdown().await;
     }

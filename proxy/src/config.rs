@@ -259,9 +259,9 @@ pub struct ClusterToml {
     /// within about a second instead of waiting for gossip to deliver it (docs/sidecar.md).
     /// Needs TCP open on `gossip_listen`'s port between nodes, beside UDP.
     pub bulk_sync: bool,
-    /// The most bytes of state one pulled transfer may carry (about 11 bytes per digest; the
-    /// default holds 16 peers of 350,000 digests each). A larger one is refused and gossip
-    /// delivers the state instead.
+    /// The most bytes of state one transfer may carry, sent or pulled (about 11 bytes per
+    /// digest: the default holds 6 million). A larger one is refused and gossip delivers the
+    /// state instead.
     pub bulk_sync_max_bytes: usize,
 }
 

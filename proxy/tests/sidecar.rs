@@ -327,8 +327,13 @@ fn a_dead_peer_and_an_engine_restart_drop_their_residency() {
             .metric("kvmesh_gossip_bulk_transfers_total{result=\"served\"}")
             >= 1.0
     );
-    wait_for("c indexes a's residency", 20, || {
-        nodes[2].residency_of("a") > 0.0
+    // ... and indexes what a and b hold (the 12 requests above went to one of their engines).
+    wait_for("c indexes a's and b's residency", 20, || {
+        let own_a = nodes[0].residency_of("engine-a");
+        let own_b = nodes[1].residency_of("engine-b");
+        own_a + own_b > 0.0
+            && nodes[2].residency_of("a") == own_a
+            && nodes[2].residency_of("b") == own_b
     });
     let fresh = chat_body("sim-model", &text(3, 8000), "");
     let r = post(nodes[2].proxy.addr, CHAT, &fresh);
