@@ -38,8 +38,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::seal::{self, Opener, Rejection, Sealer};
-use crate::transport::GossipSecurity;
-use crate::{shards, RECORD_KEY};
+use crate::shards;
+use crate::transport::{lock, GossipSecurity};
 
 /// The default bound on one transfer's JSON ([`crate::ClusterConfig::bulk_max_bytes`]).
 pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
@@ -399,41 +399,11 @@ fn validate(s: &Snapshot) -> Result<(), BulkError> {
 
 /// What this node knows of every live node (itself included), newest incarnation per node id.
 pub(crate) fn collect(chitchat: &chitchat::Chitchat) -> Snapshot {
-    let mut newest: std::collections::HashMap<&str, &chitchat::ChitchatId> =
-        std::collections::HashMap::new();
-    for id in chitchat.live_nodes() {
-        let e = newest.entry(&*id.node_id).or_insert(id);
-        if id.generation_id > e.generation_id {
-            *e = id;
-        }
-    }
-    let mut nodes = Vec::with_capacity(newest.len());
-    for id in newest.into_values() {
-        let Some(state) = chitchat.node_state(id) else {
-            continue;
-        };
-        let Some(rec) = state.get_versioned(RECORD_KEY) else {
-            continue;
-        };
-        let shards = (0..shards::SHARDS)
-            .filter_map(|i| {
-                let v = state.get_versioned(&shards::key(i))?;
-                Some(ShardSnapshot {
-                    index: i,
-                    version: v.version,
-                    value: v.value.clone(),
-                })
-            })
-            .collect();
-        nodes.push(NodeSnapshot {
-            node_id: id.node_id.to_string(),
-            generation: id.generation_id,
-            gossip_addr: id.gossip_advertise_addr,
-            record_version: rec.version,
-            record: rec.value.clone(),
-            shards,
-        });
-    }
+    let nodes = crate::newest_live(chitchat, None)
+        .into_values()
+        .filter_map(|id| crate::NodeView::of_gossip(id, chitchat.node_state(id)?))
+        .map(|v| v.to_snapshot())
+        .collect();
     Snapshot { nodes }
 }
 
@@ -545,12 +515,7 @@ async fn serve_one(
         .strip_prefix(MAGIC)
         .and_then(|c| c.try_into().ok())
         .ok_or(BulkError::Protocol("not a bulk transfer request"))?;
-    if sealed
-        && !seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .first_time(challenge)
-    {
+    if sealed && !lock(seen).first_time(challenge) {
         return Err(BulkError::Refused(Rejection::Replayed));
     }
     drop(handshake);
@@ -573,7 +538,7 @@ async fn send_snapshot(
     challenge: &[u8; CHALLENGE_LEN],
     mut sealer: Option<&mut Sealer>,
 ) -> Result<usize, BulkError> {
-    let chitchat = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let chitchat = lock(current).clone();
     let snapshot = collect(&*chitchat.lock().await);
     let body = serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
     // The server holds what it sends in memory: bounded like what it would accept.

@@ -39,6 +39,7 @@ use tokio::sync::{Mutex, RwLock};
 pub use bulk::BulkStats;
 pub use record::NodeRecord;
 pub use seal::{Keyring, Rejection};
+use transport::lock;
 pub use transport::{GossipSecurity, GossipStats};
 
 /// The gossip key of the node record.
@@ -119,11 +120,6 @@ impl Drop for Tasks {
             t.abort();
         }
     }
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Plain data behind these locks: a panic elsewhere leaves it usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One run of chitchat's server task.
@@ -515,9 +511,30 @@ struct Overlaid {
     seen_live: bool,
 }
 
+/// The live nodes of `chitchat` but `except`, one incarnation per node id: a node id seen
+/// under several (it restarted, or moved to another address) counts only as its newest, so the
+/// old one's state is dropped now rather than when the failure detector gives up on it.
+pub(crate) fn newest_live<'a>(
+    chitchat: &'a chitchat::Chitchat,
+    except: Option<&str>,
+) -> HashMap<&'a str, &'a ChitchatId> {
+    let mut newest: HashMap<&str, &ChitchatId> = HashMap::new();
+    for id in chitchat.live_nodes() {
+        if except == Some(&*id.node_id) {
+            continue;
+        }
+        let e = newest.entry(&*id.node_id).or_insert(id);
+        if (id.generation_id, id.gossip_advertise_addr) > (e.generation_id, e.gossip_advertise_addr)
+        {
+            *e = id;
+        }
+    }
+    newest
+}
+
 /// One node's published state as this pass sees it: gossip's, a bulk transfer's, or per key
 /// the newer of both.
-struct NodeView<'a> {
+pub(crate) struct NodeView<'a> {
     node_id: &'a str,
     generation: u64,
     gossip_addr: SocketAddr,
@@ -527,7 +544,8 @@ struct NodeView<'a> {
 }
 
 impl<'a> NodeView<'a> {
-    fn of_gossip(id: &'a ChitchatId, state: &'a chitchat::NodeState) -> Option<Self> {
+    /// What gossip holds of `id` (`None` until its record has arrived).
+    pub(crate) fn of_gossip(id: &'a ChitchatId, state: &'a chitchat::NodeState) -> Option<Self> {
         let rec = state.get_versioned(RECORD_KEY)?;
         Some(NodeView {
             node_id: &id.node_id,
@@ -542,6 +560,30 @@ impl<'a> NodeView<'a> {
                 })
                 .collect(),
         })
+    }
+
+    /// The view as a transfer carries it.
+    pub(crate) fn to_snapshot(&self) -> bulk::NodeSnapshot {
+        bulk::NodeSnapshot {
+            node_id: self.node_id.to_string(),
+            generation: self.generation,
+            gossip_addr: self.gossip_addr,
+            record_version: self.record.0,
+            record: self.record.1.to_string(),
+            shards: self
+                .shards
+                .iter()
+                .enumerate()
+                .filter_map(|(index, s)| {
+                    let (version, value) = (*s)?;
+                    Some(bulk::ShardSnapshot {
+                        index,
+                        version,
+                        value: value.to_string(),
+                    })
+                })
+                .collect(),
+        }
     }
 
     fn of_bulk(n: &'a bulk::NodeSnapshot) -> Self {
@@ -746,21 +788,7 @@ impl ResidencySync {
         self.overlay.retain(|_, o| o.seen_live || o.until > now);
         let chitchat = cluster.chitchat().await;
         let chitchat = chitchat.lock().await;
-        // A node id seen under several incarnations (it restarted, or moved to another
-        // address): only the newest counts, so the old one's state is dropped now rather than
-        // when the failure detector gives up on it.
-        let mut newest: HashMap<&str, &ChitchatId> = HashMap::new();
-        for id in chitchat.live_nodes() {
-            if *id.node_id == *cluster.node_id {
-                continue;
-            }
-            let e = newest.entry(&*id.node_id).or_insert(id);
-            if (id.generation_id, id.gossip_advertise_addr)
-                > (e.generation_id, e.gossip_advertise_addr)
-            {
-                *e = id;
-            }
-        }
+        let newest = newest_live(&chitchat, Some(&cluster.node_id));
         // What gossip has seen live and then die is gone, whatever an earlier transfer said.
         for id in newest.values() {
             if let Some(o) = self.overlay.get_mut(&*id.node_id) {

@@ -176,7 +176,7 @@ struct Shared {
     max_relays: usize,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere while holding one of these leaves plain data behind; keep going.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -524,6 +524,14 @@ async fn loaded_pair(blocks: usize) -> (Vec<Node>, u16) {
 async fn a_joining_node_indexes_its_peers_residency_from_one_bulk_transfer() {
     let blocks = 60_000;
     let (mut nodes, seed) = loaded_pair(blocks).await;
+    // The seed serves the peers its failure detector lists live; on busy cores it can briefly
+    // list b dead, so join only once it lists b live.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while nodes[0].cluster.live_peers().await != 1 {
+        assert!(Instant::now() < deadline, "a never lists b live");
+        nodes[0].tick().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut c = node("c", udp_port(), seed).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while c.cluster.bulk_stats().pulled() == 0 {
