@@ -226,6 +226,9 @@ pub struct Stats {
     pub preemptions: AtomicU64,
     /// Tokens of KV the running sequences hold (their buffers' capacity).
     pub kv_pool_used_tokens: AtomicU64,
+    /// Requests whose `x-kvmesh-prefix-digests` were checked against this engine's own chain,
+    /// by [`crate::server::DigestCheck::index`].
+    pub routing_digests: [AtomicU64; 3],
     /// Per-step distributions.
     pub steps: StepMetrics,
 }

@@ -2,7 +2,8 @@
 //!
 //! - [`gguf`]: the GGUF v3 reader and dequantisation (the `kvmesh-gguf` crate, re-exported);
 //! - [`model`]: the Llama forward pass on libtorch, with a per-sequence KV cache;
-//! - [`tokenizer`]: the model's tokenizer and chat template, built from GGUF metadata.
+//! - [`tokenizer`]: the model's tokenizer and chat template, built from GGUF metadata (the
+//!   `kvmesh-tokenize` crate, re-exported: the proxy's token mode uses the same one);
 //!
 //! - [`cache`]: the paged prefix cache (16-token blocks named by the token digest chain);
 //! - [`engine`]: the worker: continuous batching, prefix reuse, chunked prefill, preemption,
@@ -15,6 +16,6 @@ pub mod engine;
 pub mod kvstore;
 pub mod model;
 pub mod server;
-pub mod tokenizer;
 
 pub use kvmesh_gguf as gguf;
+pub use kvmesh_tokenize as tokenizer;

@@ -15,6 +15,9 @@ use kvmesh_filters::error::{ApiError, ErrorKind};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use kvmesh_filters::chain::{parse_hex, token_chain, Digest, Namespace};
+
+use crate::cache::BLOCK_TOKENS;
 use crate::engine::{Event, Job, SamplingParams, Stats};
 use crate::kvstore::RejectReason;
 use crate::tokenizer::ModelTokenizer;
@@ -34,6 +37,79 @@ pub const TOKENIZE_CONCURRENCY: usize = 2;
 
 /// Response body type.
 pub type Body = BoxBody<Bytes, Infallible>;
+
+/// The header in which the kvmesh proxy sends a request's leading prefix digests.
+pub const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
+/// Most digests of [`DIGESTS_HEADER`] checked (the proxy sends 32 by default).
+const MAX_CHECKED_DIGESTS: usize = 256;
+
+/// How the digests a proxy routed a request by compare with this engine's own chain for it.
+/// They match only when the proxy is in token mode with this model's tokenizer and block size
+/// (text-mode digests never do), so a mismatch in token mode names a misconfigured proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DigestCheck {
+    /// Every digest sent equals the engine's digest of the same block.
+    Match,
+    /// Some digest differs, or more were sent than the prompt has full blocks.
+    Mismatch,
+    /// The header is not comma-separated hex digests, or holds more than 256.
+    Malformed,
+}
+
+impl DigestCheck {
+    /// Every outcome, in [`DigestCheck::index`] order.
+    pub const ALL: [DigestCheck; 3] = [
+        DigestCheck::Match,
+        DigestCheck::Mismatch,
+        DigestCheck::Malformed,
+    ];
+
+    /// Position in [`crate::engine::Stats::routing_digests`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DigestCheck::Match => "match",
+            DigestCheck::Mismatch => "mismatch",
+            DigestCheck::Malformed => "malformed",
+        }
+    }
+}
+
+/// The digests of a [`DIGESTS_HEADER`] value, or `None` when it is malformed.
+fn parse_digests(value: &[u8]) -> Option<Vec<Digest>> {
+    let text = std::str::from_utf8(value).ok()?;
+    if text.trim().is_empty() {
+        return Some(Vec::new());
+    }
+    let digests: Option<Vec<Digest>> = text
+        .split(',')
+        .take(MAX_CHECKED_DIGESTS + 1)
+        .map(parse_hex)
+        .collect();
+    digests.filter(|d| d.len() <= MAX_CHECKED_DIGESTS)
+}
+
+/// Compares `sent` (the header's digests, `None`: malformed) with the engine's chain of `ids`
+/// in `ns`; `None` when nothing was sent.
+fn check_digests(sent: Option<&[Digest]>, ns: &Namespace, ids: &[u32]) -> Option<DigestCheck> {
+    let Some(sent) = sent else {
+        return Some(DigestCheck::Malformed);
+    };
+    if sent.is_empty() {
+        return None;
+    }
+    let span = sent.len().saturating_mul(BLOCK_TOKENS).min(ids.len());
+    let own = token_chain(ns, &ids[..span], BLOCK_TOKENS);
+    Some(if own == sent {
+        DigestCheck::Match
+    } else {
+        DigestCheck::Mismatch
+    })
+}
 
 /// What every request handler shares.
 pub struct App {
@@ -182,7 +258,7 @@ fn metrics(app: &App) -> String {
          # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
          # TYPE engine_shim_kv_pool_used_tokens gauge\nengine_shim_kv_pool_used_tokens {}\n\
          # TYPE engine_shim_kv_pool_capacity_tokens gauge\nengine_shim_kv_pool_capacity_tokens {}\n\
-         # TYPE engine_shim_kv_pagein_rejected_total counter\n",
+         # TYPE engine_shim_routing_digests_total counter\n",
         s.running.load(Ordering::Relaxed),
         s.waiting.load(Ordering::Relaxed),
         s.prompt_tokens.load(Ordering::Relaxed),
@@ -201,6 +277,14 @@ fn metrics(app: &App) -> String {
         s.kv_pool_used_tokens.load(Ordering::Relaxed),
         app.kv_pool_tokens,
     );
+    for c in DigestCheck::ALL {
+        let n = s.routing_digests[c.index()].load(Ordering::Relaxed);
+        out.push_str(&format!(
+            "engine_shim_routing_digests_total{{result=\"{}\"}} {n}\n",
+            c.as_str()
+        ));
+    }
+    out.push_str("# TYPE engine_shim_kv_pagein_rejected_total counter\n");
     for r in RejectReason::ALL {
         let n = s
             .pagein_rejected
@@ -247,23 +331,6 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     params: SamplingParams,
-}
-
-fn text_of(content: &Value, i: usize) -> Result<String, ApiError> {
-    match content {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => Ok(parts
-            .iter()
-            .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join("")),
-        Value::Null => Ok(String::new()),
-        _ => Err(bad(format!(
-            "messages[{i}].content must be a string or an array of parts"
-        ))
-        .with_param(format!("messages[{i}].content"))),
-    }
 }
 
 fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
@@ -313,24 +380,11 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
     refuse_unsupported(obj)?;
     let prompt_param = if chat { "messages" } else { "prompt" };
     let prompt = if chat {
-        let msgs = obj
-            .get("messages")
-            .and_then(Value::as_array)
-            .filter(|m| !m.is_empty())
-            .ok_or_else(|| {
-                bad("`messages` (a non-empty array) is required").with_param("messages")
-            })?;
-        let mut pairs = Vec::with_capacity(msgs.len());
-        let mut content_bytes = 0usize;
-        for (i, m) in msgs.iter().enumerate() {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
-            let content = text_of(m.get("content").unwrap_or(&Value::Null), i)?;
-            content_bytes = content_bytes.saturating_add(content.len());
-            pairs.push((role.to_string(), content));
-        }
+        let pairs = kvmesh_tokenize::chat::turns(obj.get("messages"))
+            .map_err(|e| bad(e.to_string()).with_param(e.param()))?;
+        let content_bytes = pairs
+            .iter()
+            .fold(0usize, |n, (_, c)| n.saturating_add(c.len()));
         // The rendered prompt holds every content: too long already, it is not rendered.
         check_prompt_bytes(app, content_bytes, max_tokens, prompt_param)?;
         app.tokenizer
@@ -573,6 +627,10 @@ fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>), Api
 }
 
 async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response<Body> {
+    let digests = req
+        .headers()
+        .get(DIGESTS_HEADER)
+        .map(|v| parse_digests(v.as_bytes()));
     let (body, body_permit) = match read_body(&app, req.into_body()).await {
         Ok(b) => b,
         Err(e) => {
@@ -595,7 +653,15 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
     let prepared = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let _body_permit = body_permit;
-        prepare(&job_app, &body, chat)
+        let prepared = prepare(&job_app, &body, chat)?;
+        if let Some(sent) = &digests {
+            let (parsed, ids) = &prepared;
+            let ns = Namespace::new(&job_app.model_name, parsed.cache_salt.as_bytes());
+            if let Some(c) = check_digests(sent.as_deref(), &ns, ids) {
+                job_app.stats.routing_digests[c.index()].fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(prepared)
     })
     .await;
     let (parsed, ids) = match prepared {
@@ -776,4 +842,40 @@ fn stream(
         .header("cache-control", "no-cache")
         .body(body.boxed())
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(d: &[Digest]) -> String {
+        d.iter().map(Digest::to_hex).collect::<Vec<_>>().join(",")
+    }
+
+    #[test]
+    fn sent_digests_are_checked_against_the_engines_chain() {
+        let ns = Namespace::new("m", b"");
+        let ids: Vec<u32> = (0..100).collect();
+        let own = token_chain(&ns, &ids, BLOCK_TOKENS);
+        assert_eq!(own.len(), 6);
+        let check = |v: &str| check_digests(parse_digests(v.as_bytes()).as_deref(), &ns, &ids);
+        assert_eq!(check(&hex(&own[..2])), Some(DigestCheck::Match));
+        assert_eq!(check(&hex(&own)), Some(DigestCheck::Match));
+        assert_eq!(check(""), None);
+        // Another namespace (a salt), a block past the prompt's end, a wrong order.
+        let salted = token_chain(&Namespace::new("m", b"t"), &ids, BLOCK_TOKENS);
+        assert_eq!(check(&hex(&salted[..1])), Some(DigestCheck::Mismatch));
+        let mut longer = own.clone();
+        longer.push(own[0]);
+        assert_eq!(check(&hex(&longer)), Some(DigestCheck::Mismatch));
+        assert_eq!(check(&hex(&[own[1], own[0]])), Some(DigestCheck::Mismatch));
+        assert_eq!(check("zz"), Some(DigestCheck::Malformed));
+        assert_eq!(
+            check(&format!("{},", hex(&own[..1]))),
+            Some(DigestCheck::Malformed)
+        );
+        let many = vec![own[0]; MAX_CHECKED_DIGESTS + 1];
+        assert_eq!(check(&hex(&many)), Some(DigestCheck::Malformed));
+        assert!(parse_digests(&[0xff, 0xfe]).is_none());
+    }
 }

@@ -3,11 +3,11 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvmesh_filters::chain::{text_chain, Namespace};
-use kvmesh_filters::route::PrefixParams;
 
 fn chain(c: &mut Criterion) {
     let ns = Namespace::new("bench-model", b"");
-    let block = PrefixParams::default().block_bytes;
+    // The proxy's default `routing.block_bytes`.
+    let block = 256;
     let mut g = c.benchmark_group("text_chain");
     for size in [1024usize, 32 * 1024, 256 * 1024] {
         let prompt: Vec<u8> = (0..size).map(|i| (i * 31 % 251) as u8).collect();

@@ -1,14 +1,16 @@
 //! One routing decision for a 32 KB prompt against a residency index holding 1M digests over
 //! 16 nodes: overlap lookup + `prefix` ranking (criterion), then p50/p99 over 20,000 timed
-//! decisions, printed as a table.
+//! decisions, printed as a table. Twice: a text-mode chain (256-byte blocks: 128 digests), and
+//! a token-mode one (8,192 tokens, about 32 KB of English, in 16-token blocks: 512 digests;
+//! tokenizing is measured apart, by `cargo bench -p kvmesh-tokenize`).
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
 
 use std::time::Instant;
 
 use criterion::{criterion_group, Criterion};
-use kvmesh_filters::chain::{text_chain, Digest, Namespace};
+use kvmesh_filters::chain::{text_chain, token_chain, Digest, Namespace};
 use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
-use kvmesh_filters::route::{rank_prefix, Candidate, PrefixParams};
+use kvmesh_filters::route::{rank_prefix, Candidate, PrefixParams, PromptSize};
 
 const NODES: u32 = 16;
 const CHAINS_PER_NODE: usize = 250;
@@ -19,12 +21,24 @@ fn prompt(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|_| rng.u8(b'a'..=b'z')).collect()
 }
 
+/// The proxy's default text-mode block.
+const BLOCK_BYTES: usize = 256;
+
+/// One request: its chain and size.
+struct Request {
+    chain: Vec<Digest>,
+    size: PromptSize,
+}
+
 struct Setup {
     index: ResidencyIndex,
-    request: Vec<Digest>,
-    total_bytes: usize,
+    text: Request,
+    tokens: Request,
     params: PrefixParams,
 }
+
+/// The token mode's block, tokens (engine-shim's and vLLM's default).
+const BLOCK_TOKENS: usize = 16;
 
 fn setup() -> Setup {
     let params = PrefixParams::default();
@@ -38,35 +52,54 @@ fn setup() -> Setup {
         for c in 0..CHAINS_PER_NODE {
             let text = prompt(
                 u64::from(n) * 1_000_000 + c as u64,
-                BLOCKS_PER_CHAIN * params.block_bytes,
+                BLOCKS_PER_CHAIN * BLOCK_BYTES,
             );
             index.record(
                 NodeId(n),
-                &text_chain(&ns, &text, params.block_bytes),
+                &text_chain(&ns, &text, BLOCK_BYTES),
                 Source::Reported,
                 now,
             );
         }
     }
     // The request: 32 KB whose first 100 blocks equal a chain held by nodes 3 and 7.
-    let shared = prompt(3 * 1_000_000 + 5, 100 * params.block_bytes);
+    let shared = prompt(3 * 1_000_000 + 5, 100 * BLOCK_BYTES);
     index.record(
         NodeId(7),
-        &text_chain(&ns, &shared, params.block_bytes),
+        &text_chain(&ns, &shared, BLOCK_BYTES),
         Source::Reported,
         now,
     );
     let mut req = shared;
     req.extend(prompt(42, 32 * 1024 - req.len()));
+    // Token mode: 8,192 token ids whose first 100 blocks nodes 3 and 7 hold.
+    let mut rng = fastrand::Rng::with_seed(9);
+    let ids: Vec<u32> = (0..8192).map(|_| rng.u32(..49_152)).collect();
+    let held = token_chain(&ns, &ids[..100 * BLOCK_TOKENS], BLOCK_TOKENS);
+    for n in [3, 7] {
+        index.record(NodeId(n), &held, Source::Reported, now);
+    }
     Setup {
-        request: text_chain(&ns, &req, params.block_bytes),
-        total_bytes: req.len(),
+        text: Request {
+            chain: text_chain(&ns, &req, BLOCK_BYTES),
+            size: PromptSize {
+                total_bytes: req.len(),
+                block_bytes: BLOCK_BYTES,
+            },
+        },
+        tokens: Request {
+            chain: token_chain(&ns, &ids, BLOCK_TOKENS),
+            size: PromptSize {
+                total_bytes: 32 * 1024,
+                block_bytes: 32 * 1024 * BLOCK_TOKENS / ids.len(),
+            },
+        },
         index,
         params,
     }
 }
 
-fn decide(s: &Setup, rng: &mut fastrand::Rng) -> usize {
+fn decide(s: &Setup, r: &Request, rng: &mut fastrand::Rng) -> usize {
     let mut cands: Vec<Candidate> = (0..NODES)
         .map(|n| Candidate {
             node: NodeId(n),
@@ -76,17 +109,21 @@ fn decide(s: &Setup, rng: &mut fastrand::Rng) -> usize {
             overlap_blocks: 0,
         })
         .collect();
-    for (node, blocks) in s.index.overlap(&s.request, Instant::now()) {
+    for (node, blocks) in s.index.overlap(&r.chain, Instant::now()) {
         cands[node.0 as usize].overlap_blocks = blocks;
     }
-    rank_prefix(&cands, s.total_bytes, &s.params, rng).order[0]
+    rank_prefix(&cands, &r.size, &s.params, rng).order[0]
 }
 
 fn bench(c: &mut Criterion, s: &Setup) {
     let mut rng = fastrand::Rng::with_seed(1);
     c.bench_function("route_decision_32KiB_1M_digests_16_nodes", |b| {
-        b.iter(|| decide(s, &mut rng))
+        b.iter(|| decide(s, &s.text, &mut rng))
     });
+    c.bench_function(
+        "route_decision_token_mode_8k_tokens_1M_digests_16_nodes",
+        |b| b.iter(|| decide(s, &s.tokens, &mut rng)),
+    );
 }
 
 /// Resident memory of this process in KiB (Linux), for the index's footprint.
@@ -115,31 +152,39 @@ fn main() {
         );
     }
     let mut rng = fastrand::Rng::with_seed(1);
-    let chosen = decide(&s, &mut rng);
-    assert!(
-        chosen == 3 || chosen == 7,
-        "the decision must pick a node holding the prefix, got {chosen}"
-    );
+    for r in [&s.text, &s.tokens] {
+        let chosen = decide(&s, r, &mut rng);
+        assert!(
+            chosen == 3 || chosen == 7,
+            "the decision must pick a node holding the prefix, got {chosen}"
+        );
+    }
     let mut c = Criterion::default().configure_from_args();
     bench(&mut c, &s);
     c.final_summary();
-    let mut times: Vec<f64> = (0..20_000)
-        .map(|_| {
-            let t = Instant::now();
-            std::hint::black_box(decide(&s, &mut rng));
-            t.elapsed().as_secs_f64() * 1e6
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    let q = |p: f64| times[((p * times.len() as f64) as usize).min(times.len() - 1)];
-    println!("\n| decision (32 KiB prompt, {} blocks, 1M-digest index, 16 nodes) | p50 us | p99 us | max us |", s.request.len());
-    println!("|---|---:|---:|---:|");
-    println!(
-        "| overlap lookup + prefix ranking | {:.2} | {:.2} | {:.2} |",
-        q(0.5),
-        q(0.99),
-        times[times.len() - 1]
-    );
+    println!("\n| decision (1M-digest index, 16 nodes) | blocks | p50 us | p99 us | max us |");
+    println!("|---|---:|---:|---:|---:|");
+    for (label, r) in [
+        ("text mode, 32 KiB prompt", &s.text),
+        ("token mode, 8,192 tokens", &s.tokens),
+    ] {
+        let mut times: Vec<f64> = (0..20_000)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(decide(&s, r, &mut rng));
+                t.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        let q = |p: f64| times[((p * times.len() as f64) as usize).min(times.len() - 1)];
+        println!(
+            "| {label}: overlap lookup + prefix ranking | {} | {:.2} | {:.2} | {:.2} |",
+            r.chain.len(),
+            q(0.5),
+            q(0.99),
+            times[times.len() - 1]
+        );
+    }
 }
 
 // `criterion_group!` wants a function even though `main` drives criterion itself.

@@ -96,12 +96,35 @@ pub struct Candidate {
     pub overlap_blocks: usize,
 }
 
+/// A request's prompt as the cost model counts it: bytes, and how many of them one block of
+/// its digest chain stands for (the unit of `overlap_blocks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PromptSize {
+    /// The whole prompt, bytes.
+    pub total_bytes: usize,
+    /// Bytes of prompt per chain block: the block size in text mode; in token mode, the block's
+    /// tokens at the bytes per token measured on this prompt.
+    pub block_bytes: usize,
+}
+
+impl PromptSize {
+    /// The bytes of prompt the first `overlap_blocks` blocks stand for (at most all of them).
+    pub fn cached_bytes(&self, overlap_blocks: usize) -> u64 {
+        (overlap_blocks as u64)
+            .saturating_mul(self.block_bytes as u64)
+            .min(self.total_bytes as u64)
+    }
+
+    /// The bytes left to prefill past the first `overlap_blocks` blocks.
+    pub fn uncached_bytes(&self, overlap_blocks: usize) -> u64 {
+        self.total_bytes as u64 - self.cached_bytes(overlap_blocks)
+    }
+}
+
 /// The knobs of the `prefix` policy.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PrefixParams {
-    /// Text-mode block size in bytes (the unit of `overlap_blocks`).
-    pub block_bytes: usize,
     /// The cost of one request in flight, in prompt bytes to prefill (decode pressure).
     pub decode_cost_bytes: u64,
     /// Weight of this request's own uncached bytes against work already queued. Above 1 it
@@ -117,7 +140,6 @@ pub struct PrefixParams {
 impl Default for PrefixParams {
     fn default() -> Self {
         PrefixParams {
-            block_bytes: 256,
             decode_cost_bytes: 256,
             uncached_weight: 8.0,
             balance_abs_threshold: 64,
@@ -135,11 +157,10 @@ pub struct Decision {
     pub reason: Reason,
 }
 
-/// The estimated cost of serving a request of `total_bytes` on `c`, in prompt bytes to prefill:
+/// The estimated cost of serving a request of `size` on `c`, in prompt bytes to prefill:
 /// `pending_prefill_bytes + uncached_weight * (total_bytes - overlap_blocks * block_bytes) + decode_cost_bytes * inflight`.
-pub fn prefix_cost(c: &Candidate, total_bytes: usize, p: &PrefixParams) -> u64 {
-    let cached = (c.overlap_blocks as u64).saturating_mul(p.block_bytes as u64);
-    let uncached = (total_bytes as u64).saturating_sub(cached);
+pub fn prefix_cost(c: &Candidate, size: &PromptSize, p: &PrefixParams) -> u64 {
+    let uncached = size.uncached_bytes(c.overlap_blocks);
     let weighted = (uncached as f64 * p.uncached_weight.max(0.0)) as u64;
     c.pending_prefill_bytes
         .saturating_add(weighted)
@@ -178,7 +199,7 @@ fn sort_with_random_ties<K: Ord>(
 ///    in flight raise it. Equal costs are broken at random.
 pub fn rank_prefix(
     cands: &[Candidate],
-    total_bytes: usize,
+    size: &PromptSize,
     p: &PrefixParams,
     rng: &mut fastrand::Rng,
 ) -> Decision {
@@ -201,7 +222,7 @@ pub fn rank_prefix(
             reason: Reason::Imbalanced,
         };
     }
-    sort_with_random_ties(&mut order, rng, |i| prefix_cost(&cands[i], total_bytes, p));
+    sort_with_random_ties(&mut order, rng, |i| prefix_cost(&cands[i], size, p));
     let best_overlap = cands.iter().map(|c| c.overlap_blocks).max().unwrap_or(0);
     let chosen = cands[order[0]].overlap_blocks;
     let reason = if best_overlap == 0 {
@@ -265,17 +286,17 @@ impl Router {
         &self.params
     }
 
-    /// Ranks `cands` for a request of `total_bytes` canonical prompt bytes.
+    /// Ranks `cands` for a request whose prompt is `size`.
     pub fn rank(
         &self,
         cands: &[Candidate],
-        total_bytes: usize,
+        size: &PromptSize,
         session_key: Option<&str>,
         rng: &mut fastrand::Rng,
     ) -> Decision {
         let n = cands.len();
         match self.policy {
-            Policy::Prefix => rank_prefix(cands, total_bytes, &self.params, rng),
+            Policy::Prefix => rank_prefix(cands, size, &self.params, rng),
             Policy::RoundRobin => {
                 let start = if n == 0 {
                     0
@@ -340,9 +361,14 @@ mod tests {
         }
     }
 
+    /// 1000 bytes in blocks of 100.
+    const SIZE: PromptSize = PromptSize {
+        total_bytes: 1000,
+        block_bytes: 100,
+    };
+
     fn p() -> PrefixParams {
         PrefixParams {
-            block_bytes: 100,
             decode_cost_bytes: 50,
             uncached_weight: 1.0,
             balance_abs_threshold: 4,
@@ -353,7 +379,7 @@ mod tests {
     #[test]
     fn longest_overlap_wins_at_equal_load() {
         let c = [cand(0, 1, 0, 2), cand(1, 1, 0, 9), cand(2, 1, 0, 0)];
-        let d = rank_prefix(&c, 1000, &p(), &mut fastrand::Rng::with_seed(1));
+        let d = rank_prefix(&c, &SIZE, &p(), &mut fastrand::Rng::with_seed(1));
         assert_eq!(d.order[0], 1);
         assert_eq!(d.reason, Reason::PrefixHit);
         assert_eq!(d.order.len(), 3);
@@ -363,7 +389,7 @@ mod tests {
     fn queued_prefill_outweighs_a_small_overlap() {
         // Node 1 saves 200 bytes of prefill but has 5000 queued.
         let c = [cand(0, 1, 0, 0), cand(1, 1, 5000, 2)];
-        let d = rank_prefix(&c, 1000, &p(), &mut fastrand::Rng::with_seed(1));
+        let d = rank_prefix(&c, &SIZE, &p(), &mut fastrand::Rng::with_seed(1));
         assert_eq!(d.order, vec![0, 1]);
         assert_eq!(d.reason, Reason::LoadOverPrefix);
     }
@@ -371,7 +397,7 @@ mod tests {
     #[test]
     fn imbalance_falls_back_to_least_loaded() {
         let c = [cand(0, 20, 0, 10), cand(1, 2, 0, 0), cand(2, 3, 0, 0)];
-        let d = rank_prefix(&c, 1000, &p(), &mut fastrand::Rng::with_seed(1));
+        let d = rank_prefix(&c, &SIZE, &p(), &mut fastrand::Rng::with_seed(1));
         assert_eq!(d.order, vec![1, 2, 0]);
         assert_eq!(d.reason, Reason::Imbalanced);
         assert!(
@@ -386,7 +412,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(7);
         let mut hits = [0usize; 3];
         for _ in 0..300 {
-            let d = rank_prefix(&c, 1000, &p(), &mut rng);
+            let d = rank_prefix(&c, &SIZE, &p(), &mut rng);
             assert_eq!(d.reason, Reason::Cold);
             hits[d.order[0]] += 1;
         }
@@ -399,13 +425,19 @@ mod tests {
         let r = Router::new(Policy::RoundRobin, p());
         let mut rng = fastrand::Rng::with_seed(1);
         let firsts: Vec<usize> = (0..6)
-            .map(|_| r.rank(&c, 0, None, &mut rng).order[0])
+            .map(|_| r.rank(&c, &PromptSize::default(), None, &mut rng).order[0])
             .collect();
         assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
         let s = Router::new(Policy::Session, p());
-        let a = s.rank(&c, 0, Some("alice"), &mut rng).order[0];
+        let a = s
+            .rank(&c, &PromptSize::default(), Some("alice"), &mut rng)
+            .order[0];
         for _ in 0..10 {
-            assert_eq!(s.rank(&c, 0, Some("alice"), &mut rng).order[0], a);
+            assert_eq!(
+                s.rank(&c, &PromptSize::default(), Some("alice"), &mut rng)
+                    .order[0],
+                a
+            );
         }
         // Removing another node does not move alice.
         let without: Vec<Candidate> = c
@@ -413,9 +445,14 @@ mod tests {
             .copied()
             .filter(|x| x.node.0 as usize != (a + 1) % 3)
             .collect();
-        let again = s.rank(&without, 0, Some("alice"), &mut rng).order[0];
+        let again = s
+            .rank(&without, &PromptSize::default(), Some("alice"), &mut rng)
+            .order[0];
         assert_eq!(without[again].node, c[a].node);
-        assert_eq!(s.rank(&c, 0, None, &mut rng).reason, Reason::SessionNoKey);
+        assert_eq!(
+            s.rank(&c, &PromptSize::default(), None, &mut rng).reason,
+            Reason::SessionNoKey
+        );
     }
 
     #[test]
@@ -424,14 +461,14 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(3);
         assert_eq!(
             Router::new(Policy::LeastInflight, p())
-                .rank(&c, 0, None, &mut rng)
+                .rank(&c, &PromptSize::default(), None, &mut rng)
                 .order,
             vec![1, 0]
         );
         for _ in 0..20 {
             assert_eq!(
                 Router::new(Policy::PowerOfTwo, p())
-                    .rank(&c, 0, None, &mut rng)
+                    .rank(&c, &PromptSize::default(), None, &mut rng)
                     .order[0],
                 1
             );

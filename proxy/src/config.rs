@@ -86,6 +86,8 @@ pub struct ProxyConfig {
     pub config_reload_interval_secs: u64,
     /// The engines behind this gateway.
     pub engines: Vec<EngineConfig>,
+    /// Token mode per model (none: every model in text mode; docs/configuration.md).
+    pub tokenizers: Vec<TokenizerConfig>,
     /// Knobs of routing and of the `prefix` policy.
     pub routing: RoutingConfig,
     /// Bounds and lifetimes of the residency index.
@@ -353,6 +355,7 @@ impl Default for ProxyConfig {
             log_format: LogFormat::Text,
             config_reload_interval_secs: 5,
             engines: Vec::new(),
+            tokenizers: Vec::new(),
             routing: RoutingConfig::default(),
             residency: ResidencyConfigToml::default(),
             upstream: UpstreamConfig::default(),
@@ -383,6 +386,28 @@ pub struct EngineConfig {
     pub models: Vec<String>,
 }
 
+/// Most tokens in one KV block `[[tokenizers]]` accepts (vLLM's largest block is 256; engine-shim
+/// and vLLM's default are 16).
+pub const MAX_BLOCK_TOKENS: usize = 4096;
+
+/// One model in token mode: its digest chain is computed over the engine's own token ids.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerConfig {
+    /// The model, as requests name it (the `model` field).
+    pub model: String,
+    /// A GGUF file of the model: its vocabulary, merges and chat template are used (read at
+    /// start; the weights are not kept).
+    pub gguf: String,
+    /// The engine's KV block size, tokens (default 16: engine-shim's, and vLLM's default).
+    #[serde(default = "default_block_tokens")]
+    pub block_tokens: usize,
+}
+
+fn default_block_tokens() -> usize {
+    16
+}
+
 /// Routing knobs; the first four are the `prefix` policy's (see docs/architecture.md).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -410,7 +435,7 @@ impl Default for RoutingConfig {
     fn default() -> Self {
         let p = PrefixParams::default();
         RoutingConfig {
-            block_bytes: p.block_bytes,
+            block_bytes: 256,
             decode_cost_bytes: p.decode_cost_bytes,
             uncached_weight: p.uncached_weight,
             balance_abs_threshold: p.balance_abs_threshold,
@@ -426,7 +451,6 @@ impl RoutingConfig {
     /// The `prefix` policy's parameters.
     pub fn prefix_params(&self) -> PrefixParams {
         PrefixParams {
-            block_bytes: self.block_bytes,
             decode_cost_bytes: self.decode_cost_bytes,
             uncached_weight: self.uncached_weight,
             balance_abs_threshold: self.balance_abs_threshold,
@@ -756,6 +780,26 @@ impl ProxyConfig {
         }
         if self.engines.is_empty() && !(self.cluster.enabled && self.mode != Mode::Sidecar) {
             p.push("`engines` is empty: list at least one [[engines]] with a name and url".into());
+        }
+        let mut tokenized = std::collections::HashSet::new();
+        for t in &self.tokenizers {
+            if t.model.is_empty() {
+                p.push("`tokenizers[].model` must not be empty".into());
+            } else if !tokenized.insert(t.model.as_str()) {
+                p.push(format!("model {:?} has two [[tokenizers]]", t.model));
+            }
+            if t.gguf.is_empty() {
+                p.push(format!(
+                    "tokenizer of {:?}: `gguf` (a file) is required",
+                    t.model
+                ));
+            }
+            if !(1..=MAX_BLOCK_TOKENS).contains(&t.block_tokens) {
+                p.push(format!(
+                    "tokenizer of {:?}: `block_tokens` = {} must be between 1 and {MAX_BLOCK_TOKENS}",
+                    t.model, t.block_tokens
+                ));
+            }
         }
         let mut names = std::collections::HashSet::new();
         for e in &self.engines {
@@ -1322,6 +1366,7 @@ mod tests {
         let c = ProxyConfig::from_toml(text).unwrap();
         c.validate().unwrap();
         assert_eq!(c.engines.len(), 3);
+        assert!(c.tokenizers.is_empty());
         let d = ProxyConfig::default();
         assert_eq!(
             toml::to_string(&RoutingConfig::default()).unwrap(),
@@ -1390,6 +1435,8 @@ mod tests {
             "key_file",
             "[admission]",
             "queue_depth",
+            "[[tokenizers]]",
+            "block_tokens",
         ] {
             assert!(text.contains(key), "examples/gateway.toml lacks {key}");
         }
@@ -1520,6 +1567,11 @@ mod tests {
             ("[routing]\nmax_prefix_blocks = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "max_prefix_blocks"),
             ("body_read_timeout_secs = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_read_timeout_secs"),
             ("body_budget_bytes = 1000\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "body_budget_bytes"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\nblock_tokens = 4097\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "between 1 and 4096"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`gguf` (a file) is required"),
+            ("[[tokenizers]]\nmodel = \"\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "must not be empty"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"a.gguf\"\n[[tokenizers]]\nmodel = \"m\"\ngguf = \"b.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "two [[tokenizers]]"),
+            ("[[tokenizers]]\nmodel = \"m\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "missing field `gguf`"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {

@@ -111,11 +111,18 @@ impl Gateway {
         if u.prompt_tokens == 0 || p.facts.chain.is_empty() || self.fleet.get(p.engine).is_none() {
             return;
         }
-        // Text-mode estimate: the cached share of the prompt, in blocks of canonical bytes.
-        let cached_bytes =
-            (p.facts.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128) as usize;
-        let cached_blocks =
-            (cached_bytes / self.live().cfg.routing.block_bytes).min(p.facts.chain.len());
+        let cached_blocks = match p.facts.block_tokens {
+            // Token mode: the engine's blocks are the chain's.
+            Some(block_tokens) => (cached / block_tokens.max(1) as u64) as usize,
+            // Text mode, an estimate: the cached share of the prompt, in blocks of its bytes.
+            None => {
+                let size = &p.facts.size;
+                let cached_bytes =
+                    size.total_bytes as u128 * cached as u128 / u.prompt_tokens as u128;
+                (cached_bytes / size.block_bytes.max(1) as u128) as usize
+            }
+        }
+        .min(p.facts.chain.len());
         let verdict = self.index.confirm(
             p.engine,
             &p.facts.chain,

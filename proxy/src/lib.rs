@@ -30,4 +30,5 @@ pub mod plan;
 pub mod reload;
 pub mod service;
 pub mod tls;
+pub mod tokens;
 pub mod trust;

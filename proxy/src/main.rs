@@ -179,6 +179,10 @@ fn main() -> anyhow::Result<()> {
                 );
             }
         }
+        // The tokenizers are read as the proxy would read them at start.
+        kvmesh_proxy::tokens::TokenModes::load(&cfg.tokenizers)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("{}: `[[tokenizers]]`", file.display()))?;
         let listen = if cfg.mode == Mode::Picker {
             format!("ext_proc {}", cfg.picker.listen)
         } else {

@@ -1,8 +1,8 @@
 //! Prometheus metrics, all prefixed `kvmesh_`.
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use kvmesh_filters::residency::ResidencyIndex;
@@ -58,6 +58,10 @@ pub struct Metrics {
     pub gossip_bulk: IntCounterVec,
     /// Peer records refused, by reason (`url`, `network`, `probe`, `over_cap`).
     pub gossip_peers_refused: IntCounterVec,
+    /// Requests of token-mode models routed without a token chain, by reason.
+    pub token_mode_fallbacks: IntCounterVec,
+    /// Time to render and tokenize a token-mode request's prompt prefix.
+    pub tokenize_seconds: Histogram,
     /// Residency index entries by source.
     pub residency_entries: IntGaugeVec,
     /// Digests the index holds per engine.
@@ -223,6 +227,20 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let token_mode_fallbacks = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_token_mode_fallbacks_total",
+                "Requests of token-mode models routed without a token chain, by reason",
+            ),
+            &["reason"],
+        )?;
+        let tokenize_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvmesh_tokenize_seconds",
+                "Time to render and tokenize a token-mode prompt's leading blocks",
+            )
+            .buckets(vec![1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]),
+        )?;
         let gossip_peers_refused = IntCounterVec::new(
             Opts::new(
                 "kvmesh_peer_urls_refused_total",
@@ -260,6 +278,8 @@ impl Metrics {
         registry.register(Box::new(gossip_dropped.clone()))?;
         registry.register(Box::new(gossip_restarts.clone()))?;
         registry.register(Box::new(gossip_bulk.clone()))?;
+        registry.register(Box::new(token_mode_fallbacks.clone()))?;
+        registry.register(Box::new(tokenize_seconds.clone()))?;
         registry.register(Box::new(gossip_peers_refused.clone()))?;
         registry.register(Box::new(residency_entries.clone()))?;
         registry.register(Box::new(engine_residency.clone()))?;
@@ -347,6 +367,8 @@ impl Metrics {
             gossip_dropped,
             gossip_restarts,
             gossip_bulk,
+            token_mode_fallbacks,
+            tokenize_seconds,
             gossip_peers_refused,
             residency_entries,
             engine_residency,

@@ -37,7 +37,6 @@ impl Gateway {
         decision: &mut Decision,
         facts: &RequestFacts,
     ) -> &'static str {
-        let total_bytes = facts.total_bytes;
         let is_local = |i: usize| {
             self.fleet
                 .get(cands[i].node)
@@ -75,8 +74,8 @@ impl Gateway {
         }
         let p = live.router.params();
         let local_cost =
-            kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], total_bytes, p);
-        let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], total_bytes, p);
+            kvmesh_filters::route::prefix_cost(&cands[decision.order[pos]], &facts.size, p);
+        let peer_cost = kvmesh_filters::route::prefix_cost(&cands[first], &facts.size, p);
         if local_cost.saturating_sub(peer_cost) >= live.cfg.sidecar.forward_min_saving {
             return reason::PREFIX_SAVING;
         }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use kvmesh_filters::chain::{text_chain_capped, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use kvmesh_filters::request::{Endpoint, ParsedRequest};
-use kvmesh_filters::route::{Candidate, Decision};
+use kvmesh_filters::route::{Candidate, Decision, PromptSize};
 use pingora::proxy::Session;
 
 use crate::config::Mode;
@@ -25,10 +25,14 @@ pub(crate) const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
 pub struct RequestFacts {
     /// The model asked for.
     pub model: String,
-    /// Digests of the leading blocks of the canonical prompt, first block first.
+    /// Digests of the leading blocks of the prompt, first block first: of its canonical bytes
+    /// (text mode), or of its tokens (token mode, `block_tokens` set).
     pub chain: Vec<Digest>,
-    /// Length of the canonical prompt, in bytes.
-    pub total_bytes: usize,
+    /// The prompt's size, and the bytes one chain block stands for.
+    pub size: PromptSize,
+    /// In token mode, the tokens in one chain block (the engine's KV block); `None` in text
+    /// mode.
+    pub block_tokens: Option<usize>,
     /// Session affinity key: the session header, else the body's `user`.
     pub session_key: Option<String>,
     /// Forwarded by a trusted peer proxy (the hop header): only local engines may serve it.
@@ -61,14 +65,21 @@ pub struct Plan {
 }
 
 impl Gateway {
-    pub(crate) fn plan(&self, session: &Session, parsed: ParsedRequest, hop: bool) -> Plan {
+    pub(crate) fn plan(
+        &self,
+        session: &Session,
+        endpoint: Endpoint,
+        parsed: ParsedRequest,
+        body: &[u8],
+        hop: bool,
+    ) -> Plan {
         let session_header = session
             .req_header()
             .headers
             .get(self.live().cfg.routing.session_header.as_str())
             .and_then(|v| v.to_str().ok());
         Plan {
-            facts: self.facts(parsed, session_header, hop),
+            facts: self.facts(endpoint, parsed, body, session_header, hop),
         }
     }
 
@@ -99,29 +110,69 @@ impl Gateway {
         kvmesh_filters::request::parse_limited(endpoint, body, keep)
     }
 
-    /// The routing facts of a parsed request: the digest chain of its canonical prompt's
-    /// leading blocks (at most `routing.max_prefix_blocks`), its size, and its session key (the
-    /// value of the `routing.session_header` header, else the body's `user`).
+    /// The routing facts of a parsed request (whose whole `body` it is): the digest chain of
+    /// its prompt's leading blocks (at most `routing.max_prefix_blocks`; token mode when its
+    /// model has a tokenizer, see [`crate::tokens`]), its size, and its session key (the value
+    /// of the `routing.session_header` header, else the body's `user`).
     pub fn facts(
         &self,
+        endpoint: Endpoint,
         parsed: ParsedRequest,
+        body: &[u8],
         session_header: Option<&str>,
         hop: bool,
     ) -> RequestFacts {
+        let routing = &self.live().cfg.routing;
         let ns = Namespace::new(
             &parsed.model,
             parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
         );
-        let chain = text_chain_capped(
-            &ns,
-            &parsed.canonical,
-            self.live().cfg.routing.block_bytes,
-            self.live().cfg.routing.max_prefix_blocks,
-        );
+        let mut size = PromptSize {
+            total_bytes: parsed.canonical_len,
+            block_bytes: routing.block_bytes,
+        };
+        let block_tokens = match endpoint {
+            Endpoint::Embeddings => None,
+            _ => self.tokens.block_tokens(&parsed.model),
+        };
+        let chain = match block_tokens {
+            None => text_chain_capped(
+                &ns,
+                &parsed.canonical,
+                routing.block_bytes,
+                routing.max_prefix_blocks,
+            ),
+            Some(_) => {
+                let timer = self.metrics.tokenize_seconds.start_timer();
+                let tokens = self.tokens.chain(
+                    &parsed.model,
+                    endpoint,
+                    body,
+                    &ns,
+                    routing.max_prefix_blocks,
+                );
+                timer.observe_duration();
+                match tokens {
+                    Ok(t) => {
+                        size.block_bytes = t.block_bytes;
+                        t.chain
+                    }
+                    Err(why) => {
+                        tracing::debug!(model = %parsed.model, reason = why.label(), "no token chain");
+                        self.metrics
+                            .token_mode_fallbacks
+                            .with_label_values(&[why.label()])
+                            .inc();
+                        Vec::new()
+                    }
+                }
+            }
+        };
         RequestFacts {
             model: parsed.model,
             chain,
-            total_bytes: parsed.canonical_len,
+            size,
+            block_tokens,
             session_key: session_header.map(String::from).or(parsed.user),
             hop,
         }
@@ -213,7 +264,7 @@ impl Gateway {
         let live = self.live();
         let mut decision = live.router.rank(
             &cands,
-            facts.total_bytes,
+            &facts.size,
             facts.session_key.as_deref(),
             &mut fastrand::Rng::new(),
         );
@@ -289,7 +340,11 @@ mod tests {
         RequestFacts {
             model: model.into(),
             chain,
-            total_bytes: prompt.len(),
+            size: kvmesh_filters::route::PromptSize {
+                total_bytes: prompt.len(),
+                block_bytes: gw.live().cfg.routing.block_bytes,
+            },
+            block_tokens: None,
             session_key: None,
             hop: false,
         }

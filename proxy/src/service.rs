@@ -126,6 +126,8 @@ pub struct Gateway {
     pub gossip: Option<Arc<kvmesh_cluster::GossipStats>>,
     /// OpenTelemetry traces (`[otel]`), when on.
     pub otel: Option<Arc<crate::otel::Otel>>,
+    /// The token-mode models (`[[tokenizers]]`), read at start.
+    pub tokens: crate::tokens::TokenModes,
 }
 
 impl Gateway {
@@ -149,8 +151,13 @@ impl Gateway {
             ),
             _ => None,
         };
+        let tokens = crate::tokens::TokenModes::load(&cfg.tokenizers)
+            .map_err(|e| invalid("`[[tokenizers]]`", &e))?;
         for m in &metrics_labels::REFUSALS {
             metrics.admission_rejections.with_label_values(&[m]);
+        }
+        for f in crate::tokens::Fallback::ALL {
+            metrics.token_mode_fallbacks.with_label_values(&[f.label()]);
         }
         metrics
             .max_inflight
@@ -163,6 +170,7 @@ impl Gateway {
             peer_identity,
             gossip: None,
             otel: None,
+            tokens,
             live: Arc::new(ArcSwap::from_pointee(Live::new(cfg))),
             fleet,
             index,
@@ -488,8 +496,8 @@ impl ProxyHttp for Gateway {
             Ok(b) => b,
             Err(e) => return respond_error(session, ctx, e).await,
         };
+        ctx.plan = Some(self.plan(session, endpoint, parsed, &body, ctx.local_only));
         ctx.body = Some(body);
-        ctx.plan = Some(self.plan(session, parsed, ctx.local_only));
         if let Err(e) = self.decide(ctx) {
             return respond_error(session, ctx, e).await;
         }
@@ -591,13 +599,17 @@ impl ProxyHttp for Gateway {
         ctx.dispatched_at = Some(Instant::now());
         ctx.predicted_overlap = cand.overlap_blocks;
         ctx.prediction_settled = engine.pending_prefill() == 0;
-        let (chain, total) = ctx
+        let (chain, uncached) = ctx
             .plan
             .as_ref()
-            .map(|p| (p.facts.chain.as_slice(), p.facts.total_bytes))
+            .map(|p| {
+                let f = &p.facts;
+                (
+                    f.chain.as_slice(),
+                    f.size.uncached_bytes(cand.overlap_blocks),
+                )
+            })
             .unwrap_or((&[], 0));
-        let uncached =
-            total.saturating_sub(cand.overlap_blocks * self.live().cfg.routing.block_bytes) as u64;
         // Replacing the guard releases a failed attempt's counts. A body still arriving (read
         // on by Pingora) is not counted as the engine's load until it is complete.
         if ctx.tail.is_some() {

@@ -369,7 +369,7 @@ impl Exchange {
             Ok(p) => p,
             Err(e) => return self.refuse(e),
         };
-        let facts = gw.facts(parsed, self.session.as_deref(), false);
+        let facts = gw.facts(endpoint, parsed, &body, self.session.as_deref(), false);
         self.model = Some(facts.model.clone());
         let ranking = match gw.rank_traced(&facts, self.trace.as_ref()) {
             Ok(r) => r,
@@ -410,10 +410,7 @@ impl Exchange {
 
     /// Counts the request as `engine`'s load and records the prediction in the index.
     fn route_to(&mut self, engine: Arc<Engine>, facts: RequestFacts, overlap_blocks: usize) {
-        let block = self.gw.live().cfg.routing.block_bytes;
-        let uncached = facts
-            .total_bytes
-            .saturating_sub(overlap_blocks.saturating_mul(block)) as u64;
+        let uncached = facts.size.uncached_bytes(overlap_blocks);
         let settled = engine.pending_prefill() == 0;
         // Replacing an earlier choice drops its guard: its load is released first.
         self.routed = None;

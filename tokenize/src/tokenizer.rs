@@ -1,6 +1,6 @@
 //! The model's tokenizer and chat template, built from GGUF metadata (nothing hard-coded): the
 //! BPE vocabulary and merges with the `tokenizers` crate, control tokens as special tokens, and
-//! the Jinja chat template (`tokenizer.chat_template`) rendered with minijinja.
+//! the Jinja chat template (`tokenizer.chat_template`), compiled once and rendered with minijinja.
 
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -9,7 +9,12 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, Tokenizer};
 
-use crate::gguf::{Gguf, GgufError, Value};
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+
+use kvmesh_gguf::{Gguf, GgufError, Value};
+use lru::LruCache;
+use parking_lot::Mutex;
 
 /// Why tokenizing or templating failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,7 +39,9 @@ const CONTROL: i64 = 3;
 /// A model's tokenizer plus its chat template and special ids.
 pub struct ModelTokenizer {
     tokenizer: Tokenizer,
-    template: Option<String>,
+    /// The compiled chat template, or why there is none (no template, or one that does not
+    /// compile: reported when a chat is rendered, as completions need no template).
+    chat: Result<minijinja::Environment<'static>, String>,
     /// Beginning-of-sequence id.
     pub bos: u32,
     /// End-of-sequence id (generation stops on it).
@@ -45,6 +52,30 @@ pub struct ModelTokenizer {
     pub add_bos: bool,
     /// Most bytes of text one token can stand for (at least 1).
     max_token_bytes: usize,
+    /// No special token's text holds whitespace, so [`ModelTokenizer::encode_prefix`] may cut
+    /// the text before a space (see there).
+    prefix_safe: bool,
+}
+
+/// The name of the chat template in the environment.
+const CHAT: &str = "chat";
+
+/// The chat template compiled, with the `raise_exception` function HF templates call.
+fn compile_chat(template: Option<&str>) -> Result<minijinja::Environment<'static>, String> {
+    let template = template.ok_or("the model has no tokenizer.chat_template")?;
+    let mut env = minijinja::Environment::new();
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned(CHAT, template.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(env)
 }
 
 impl ModelTokenizer {
@@ -142,12 +173,17 @@ impl ModelTokenizer {
             .max()
             .unwrap_or(1)
             .max(1);
+        let prefix_safe = tokens
+            .iter()
+            .zip(&is_special)
+            .all(|(t, &special)| !special || !t.chars().any(char::is_whitespace));
         Ok(ModelTokenizer {
             max_token_bytes,
+            prefix_safe,
             bos_text: text_of(bos),
             eos_text: text_of(eos),
             tokenizer,
-            template: g.get_str("tokenizer.chat_template").ok().map(String::from),
+            chat: compile_chat(g.get_str("tokenizer.chat_template").ok()),
             bos,
             eos,
             add_bos: matches!(
@@ -170,6 +206,53 @@ impl ModelTokenizer {
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)
+    }
+
+    /// A prefix of [`ModelTokenizer::encode`]`(text)` at least `min_tokens` long (all of it when
+    /// the text has fewer), tokenizing only as much of the text as that takes, and the bytes of
+    /// text that prefix covers.
+    ///
+    /// The text is tokenized in chunks of about `cache.chunk_bytes()`, each cut before a space
+    /// that follows a non-whitespace character. Such a position is a boundary of the byte-level
+    /// pre-tokenizer whatever comes before or after it (its word, number and punctuation runs
+    /// never take a space after their first character, a whitespace run never takes a
+    /// non-whitespace one, and the pattern looks neither behind nor more than one character
+    /// ahead), BPE merges never cross it, and no special token spans it (checked at load: none
+    /// holds whitespace). So the chunks' tokens, in order, are the whole text's tokens, and a
+    /// chunk's tokens can be looked up in `cache` by its bytes: prompts that share a prefix
+    /// share its chunks, which are tokenized once. Tokenizers where that does not hold are
+    /// tokenized whole.
+    pub fn encode_prefix(
+        &self,
+        text: &str,
+        min_tokens: usize,
+        cache: &PrefixCache,
+    ) -> Result<(Vec<u32>, usize), TokenizerError> {
+        if !self.prefix_safe {
+            return Ok((self.encode(text)?, text.len()));
+        }
+        let mut ids = Vec::new();
+        if self.add_bos {
+            ids.push(self.bos);
+        }
+        let mut start = 0;
+        while start < text.len() && ids.len() < min_tokens {
+            let end = next_cut(text, start.saturating_add(cache.chunk_bytes)).unwrap_or(text.len());
+            let chunk = &text[start..end];
+            match cache.get(chunk) {
+                Some(hit) => ids.extend_from_slice(&hit),
+                None => {
+                    let enc = self
+                        .tokenizer
+                        .encode(chunk, false)
+                        .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+                    ids.extend_from_slice(enc.get_ids());
+                    cache.put(chunk, enc.get_ids());
+                }
+            }
+            start = end;
+        }
+        Ok((ids, start))
     }
 
     /// Most bytes of text one token can stand for: a text of `n` bytes has at least
@@ -199,26 +282,15 @@ impl ModelTokenizer {
     /// The model's chat template applied to `(role, content)` messages, with the generation
     /// prompt appended.
     pub fn render_chat(&self, messages: &[(String, String)]) -> Result<String, TokenizerError> {
-        let template = self.template.as_deref().ok_or_else(|| {
-            TokenizerError::Template("the model has no tokenizer.chat_template".into())
-        })?;
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template("chat", template)
-            .map_err(|e| TokenizerError::Template(e.to_string()))?;
+        let env = self
+            .chat
+            .as_ref()
+            .map_err(|e| TokenizerError::Template(e.clone()))?;
         let msgs: Vec<minijinja::Value> = messages
             .iter()
             .map(|(role, content)| minijinja::context! { role => role, content => content })
             .collect();
-        env.get_template("chat")
+        env.get_template(CHAT)
             .and_then(|t| {
                 t.render(minijinja::context! {
                     messages => msgs,
@@ -228,5 +300,88 @@ impl ModelTokenizer {
                 })
             })
             .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+}
+
+/// The first position at or after `from` where `text` has a space after a non-whitespace
+/// character (a chunk boundary of [`ModelTokenizer::encode_prefix`]); `None` past the text or
+/// when there is none.
+fn next_cut(text: &str, from: usize) -> Option<usize> {
+    let bytes = text.as_bytes();
+    // A space is one byte in UTF-8, so every candidate is a char boundary.
+    (from.max(1)..bytes.len()).find(|&i| {
+        bytes[i] == b' '
+            && text[..i]
+                .chars()
+                .next_back()
+                .is_some_and(|c| !c.is_whitespace())
+    })
+}
+
+/// Token ids of text chunks, by the chunks' BLAKE3 digest, for one tokenizer: what
+/// [`ModelTokenizer::encode_prefix`] reuses across prompts. Bounded (least recently used chunks
+/// go first); safe to share between threads.
+pub struct PrefixCache {
+    chunk_bytes: usize,
+    chunks: Option<Mutex<ChunkIds>>,
+}
+
+/// Token ids by chunk digest.
+type ChunkIds = LruCache<[u8; 32], Arc<[u32]>>;
+
+impl PrefixCache {
+    /// A cache of at most `max_chunks` chunks (0: none kept) of about `chunk_bytes` bytes (at
+    /// least 1).
+    pub fn new(chunk_bytes: usize, max_chunks: usize) -> Self {
+        PrefixCache {
+            chunk_bytes: chunk_bytes.max(1),
+            chunks: NonZeroUsize::new(max_chunks).map(|n| Mutex::new(LruCache::new(n))),
+        }
+    }
+
+    /// The chunk size, bytes.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// Chunks held.
+    pub fn len(&self) -> usize {
+        self.chunks.as_ref().map_or(0, |c| c.lock().len())
+    }
+
+    /// Whether no chunk is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn get(&self, chunk: &str) -> Option<Arc<[u32]>> {
+        let key = *blake3::hash(chunk.as_bytes()).as_bytes();
+        self.chunks.as_ref()?.lock().get(&key).cloned()
+    }
+
+    fn put(&self, chunk: &str, ids: &[u32]) {
+        if let Some(c) = &self.chunks {
+            let key = *blake3::hash(chunk.as_bytes()).as_bytes();
+            c.lock().put(key, Arc::from(ids));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_cut;
+
+    #[test]
+    fn cuts_fall_before_a_space_after_a_non_space() {
+        assert_eq!(next_cut("hello world again", 0), Some(5));
+        assert_eq!(next_cut("hello world again", 6), Some(11));
+        assert_eq!(next_cut("hello world again", 12), None);
+        assert_eq!(next_cut("hello world again", 100), None);
+        // Not inside a whitespace run, and not at the very start.
+        assert_eq!(next_cut("ab   cd ef", 3), Some(7));
+        assert_eq!(next_cut(" abcdef", 0), None);
+        assert_eq!(next_cut("a\n b", 0), None);
+        // Multi-byte characters before the space; `from` inside a character.
+        assert_eq!(next_cut("été là-bas", 1), Some(5));
     }
 }

@@ -1,0 +1,222 @@
+//! Token mode against the real engine-shim and model: the digests the proxy routes by (and
+//! sends in `x-kvmesh-prefix-digests`) are the engine's own token-block digests for the same
+//! request, which engine-shim checks and counts (`engine_shim_routing_digests_total`), for
+//! several chat shapes, Unicode, a cache salt, a prompt longer than the hashed prefix, and a
+//! completion. A text-mode proxy in front of the same engine is the control: its digests never
+//! match.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use common::*;
+use serde_json::{json, Value};
+
+const MODEL: &str = "SmolLM2-135M-Instruct";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A running engine-shim on the real model; killed on drop.
+struct Engine {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn engine() -> Engine {
+    let mut child = Command::new(bin("engine-shim"))
+        .current_dir(root())
+        .args(["--listen", "127.0.0.1:0", "--cache-blocks", "512"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn engine-shim");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("engine-shim did not start: {line:?}"));
+    Engine { child, addr }
+}
+
+fn engine_metric(e: &Engine, prefix: &str) -> f64 {
+    let body = String::from_utf8(get(e.addr, "/metrics").unwrap().body).unwrap();
+    metric_sum(&body, prefix)
+}
+
+/// A gateway in front of `e`; in token mode with the model's GGUF when `token_mode`.
+fn proxy(e: &Engine, token_mode: bool) -> Proxy {
+    let port = free_port();
+    let tokenizer = if token_mode {
+        format!(
+            "[[tokenizers]]\nmodel = \"{MODEL}\"\ngguf = \"{}\"\n",
+            root()
+                .join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+                .display()
+        )
+    } else {
+        String::new()
+    };
+    // 8 blocks hashed: the long prompt is tokenized only up to them.
+    let toml = format!(
+        "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn\"\n[routing]\nmax_prefix_blocks = 8\n[health]\ninterval_ms = 200\n{tokenizer}[[engines]]\nname = \"shim\"\nurl = \"http://{}\"\n",
+        e.addr
+    );
+    Proxy::start_with(&toml, port, true)
+}
+
+fn chat(messages: Value, extra: Value) -> Vec<u8> {
+    let mut body = json!({"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0});
+    if let (Some(b), Some(x)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(x.clone());
+    }
+    serde_json::to_vec(&body).unwrap()
+}
+
+/// Requests of several shapes, each with at least one full 16-token block.
+fn requests() -> Vec<(&'static str, Vec<u8>)> {
+    let long = "Retrieval passage: the harbour of the old town was rebuilt in 1872 after a storm. "
+        .repeat(20);
+    vec![
+        (
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "system", "content": "You are a careful assistant."},
+                       {"role": "user", "content": "Name three rivers of Europe and one fact about each."}]),
+                json!({}),
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "user", "content": "What is the capital of France?"},
+                       {"role": "assistant", "content": "Paris."},
+                       {"role": "user", "content": "And of Italy? Answer in one word, please."}]),
+                json!({}),
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "user", "content": "日本語のテキスト、émojis 😀 et un café naïve — ça va? Ünïcödé ½ ∑ 🚀🚀"}]),
+                json!({}),
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "user", "content": [
+                    {"type": "text", "text": "Summarise the following in a sentence. "},
+                    {"type": "text", "text": "Tides rise and fall twice a day because of the moon."}
+                ]}]),
+                json!({}),
+            ),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!([{"role": "user", "content": long}]), json!({})),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(
+                json!([{"role": "user", "content": "A tenant's prompt, salted apart from everyone else's."}]),
+                json!({"cache_salt": "tenant-7"}),
+            ),
+        ),
+        (
+            "/v1/completions",
+            serde_json::to_vec(&json!({"model": MODEL, "max_tokens": 1, "temperature": 0,
+                "prompt": "Once upon a time, in a small village by the sea, there lived an old fisherman who"}))
+            .unwrap(),
+        ),
+    ]
+}
+
+#[test]
+fn token_mode_digests_are_the_engines_own() {
+    let e = engine();
+    let p = proxy(&e, true);
+    let reqs = requests();
+    for (path, body) in &reqs {
+        let r = post(p.addr, path, body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    }
+    let n = reqs.len() as f64;
+    assert_eq!(
+        engine_metric(&e, "engine_shim_routing_digests_total{result=\"match\"}"),
+        n
+    );
+    assert_eq!(
+        engine_metric(&e, "engine_shim_routing_digests_total{result=\"mismatch\"}"),
+        0.0
+    );
+    assert_eq!(p.metric("kvmesh_token_mode_fallbacks_total"), 0.0);
+    assert_eq!(p.metric("kvmesh_tokenize_seconds_count"), n);
+
+    // Asked again, the long prompt's cached tokens confirm the index's prediction in blocks.
+    let (path, body) = &reqs[4];
+    let confirmed = p.metric("kvmesh_residency_verdicts_total{verdict=\"confirmed\"}");
+    let r = post(p.addr, path, body);
+    assert_eq!(r.status, 200);
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 8 * 16, "{cached}");
+    assert_eq!(
+        p.metric("kvmesh_residency_verdicts_total{verdict=\"confirmed\"}"),
+        confirmed + 1.0
+    );
+
+    // A prompt token mode cannot read is routed without a chain, counted, and the engine's
+    // own answer (it takes only string prompts) comes back.
+    let bad = br#"{"model":"SmolLM2-135M-Instruct","prompt":["a","b"],"max_tokens":1}"#;
+    let r = post(p.addr, "/v1/completions", bad);
+    assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        p.metric("kvmesh_token_mode_fallbacks_total{reason=\"prompt\"}"),
+        1.0
+    );
+
+    // The control: text-mode digests (of the long prompt: a shorter one has no 256-byte
+    // block) are not the engine's.
+    let text = proxy(&e, false);
+    let (path, body) = &reqs[4];
+    assert_eq!(post(text.addr, path, body).status, 200);
+    assert_eq!(
+        engine_metric(&e, "engine_shim_routing_digests_total{result=\"mismatch\"}"),
+        1.0
+    );
+}
+
+#[test]
+fn a_token_mode_proxy_refuses_to_start_without_its_tokenizer() {
+    let (ok, out) = check_config(&format!(
+        "[[tokenizers]]\nmodel = \"{MODEL}\"\ngguf = \"/nonexistent/model.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n"
+    ));
+    assert!(!ok, "{out}");
+    assert!(out.contains("/nonexistent/model.gguf"), "{out}");
+    let (ok, out) = check_config(
+        "[[tokenizers]]\nmodel = \"m\"\ngguf = \"x.gguf\"\nblock_tokens = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\n",
+    );
+    assert!(!ok, "{out}");
+    assert!(out.contains("block_tokens"), "{out}");
+}

@@ -1,0 +1,90 @@
+//! What token mode costs the proxy per request: rendering a 32 KiB chat prompt with the model's
+//! template and tokenizing it whole, against tokenizing only the leading blocks routing hashes
+//! (`encode_prefix`, at 64 and 1,024 blocks of 16 tokens), with nothing cached and with every
+//! chunk cached (a prompt whose prefix was seen). Needs the model (scripts/setup.sh).
+#![allow(missing_docs)] // criterion_group! generates undocumented public functions
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kvmesh_tokenize::gguf::Gguf;
+use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
+
+fn tokenizer() -> ModelTokenizer {
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let g = Gguf::open(&path).expect("the model (scripts/setup.sh installs it)");
+    ModelTokenizer::from_gguf(&g).unwrap()
+}
+
+/// About 32 KiB of English-like text, from a seed.
+fn passage() -> String {
+    const WORDS: &[&str] = &[
+        "the",
+        "harbour",
+        "was",
+        "rebuilt",
+        "in",
+        "1872",
+        "after",
+        "a",
+        "storm,",
+        "and",
+        "its",
+        "merchants",
+        "traded",
+        "salt",
+        "fish",
+        "timber",
+        "with",
+        "towns",
+        "along",
+        "coast.",
+    ];
+    let mut rng = fastrand::Rng::with_seed(7);
+    let mut s = String::new();
+    while s.len() < 32 * 1024 {
+        s.push_str(WORDS[rng.usize(..WORDS.len())]);
+        s.push(' ');
+    }
+    s
+}
+
+fn bench(c: &mut Criterion) {
+    let tok = tokenizer();
+    let turns = vec![
+        (
+            "system".to_string(),
+            "You are a careful assistant.".to_string(),
+        ),
+        ("user".to_string(), passage()),
+    ];
+    let prompt = tok.render_chat(&turns).unwrap();
+    eprintln!(
+        "prompt: {} bytes, {} tokens",
+        prompt.len(),
+        tok.encode(&prompt).unwrap().len()
+    );
+    let mut g = c.benchmark_group("tokenize_32KiB_chat");
+    g.bench_function("render", |b| b.iter(|| tok.render_chat(&turns).unwrap()));
+    g.bench_function("encode_whole", |b| b.iter(|| tok.encode(&prompt).unwrap()));
+    for blocks in [64usize, 1024] {
+        // Nothing cached: every chunk tokenized.
+        g.bench_function(format!("encode_prefix_{blocks}_blocks_uncached"), |b| {
+            b.iter(|| {
+                tok.encode_prefix(&prompt, blocks * 16, &PrefixCache::new(1024, 0))
+                    .unwrap()
+            })
+        });
+        // The same prompt again (a shared prefix): every chunk from the cache.
+        let cache = PrefixCache::new(1024, 8192);
+        g.bench_function(format!("encode_prefix_{blocks}_blocks_cached"), |b| {
+            b.iter(|| tok.encode_prefix(&prompt, blocks * 16, &cache).unwrap())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

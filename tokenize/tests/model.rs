@@ -1,0 +1,126 @@
+//! The tokenizer of the real model (SmolLM2-135M-Instruct, installed by scripts/setup.sh):
+//! tokenizing a prefix gives the whole text's first tokens, for chat prompts and for texts
+//! made of the pieces where byte-level BPE boundaries are subtle.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use kvmesh_tokenize::gguf::Gguf;
+use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
+use proptest::prelude::*;
+
+fn tokenizer() -> &'static ModelTokenizer {
+    static T: OnceLock<ModelTokenizer> = OnceLock::new();
+    T.get_or_init(|| {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let g = Gguf::open(&path).expect("the model (scripts/setup.sh installs it)");
+        ModelTokenizer::from_gguf(&g).expect("tokenizer")
+    })
+}
+
+/// Pieces whose joins exercise the pre-tokenizer: words, runs of spaces and newlines, digits
+/// (split one by one by SmolLM2's pre-tokenizer), punctuation, contractions, multi-byte text and
+/// the chat template's control tokens.
+const PIECES: &[&str] = &[
+    "the",
+    " the",
+    "  ",
+    " ",
+    "   ",
+    "\n",
+    "\n\n",
+    " \n",
+    "\t",
+    "2024",
+    " 7",
+    "3.14",
+    ",",
+    ".",
+    "!?",
+    "'s",
+    "'re",
+    " don't",
+    "é",
+    " naïve",
+    "日本語",
+    " 😀",
+    "<|im_start|>",
+    "<|im_end|>",
+    "user",
+    "assistant",
+    "\u{a0}",
+    "x",
+    "supercalifragilistic",
+    "--",
+    " ==",
+];
+
+fn text() -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(PIECES), 0..160).prop_map(|p| p.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// In chunks of 1 to 64 bytes, tokenized afresh, then again from the cache (a shared
+    /// one: chunks of earlier cases too), and without a cache.
+    #[test]
+    fn a_prefix_encoding_is_the_whole_encodings_prefix(
+        t in text(),
+        min in 0usize..200,
+        chunk in 1usize..64,
+    ) {
+        static SHARED: OnceLock<PrefixCache> = OnceLock::new();
+        let tok = tokenizer();
+        let whole = tok.encode(&t).unwrap();
+        let fresh = PrefixCache::new(chunk, 1 << 16);
+        let shared = SHARED.get_or_init(|| PrefixCache::new(8, 1 << 12));
+        for cache in [&fresh, &fresh, shared, &PrefixCache::new(chunk, 0)] {
+            let (prefix, bytes) = tok.encode_prefix(&t, min, cache).unwrap();
+            prop_assert!(bytes <= t.len());
+            prop_assert_eq!(&tok.encode(&t[..bytes]).unwrap(), &prefix);
+            prop_assert!(prefix.len() >= min.min(whole.len()), "{} < {min}", prefix.len());
+            prop_assert_eq!(&whole[..prefix.len()], &prefix[..]);
+        }
+        // The whole text, chunk by chunk, is the whole encoding.
+        let (all, bytes) = tok.encode_prefix(&t, usize::MAX, &fresh).unwrap();
+        prop_assert_eq!(bytes, t.len());
+        prop_assert_eq!(all, whole);
+    }
+}
+
+#[test]
+fn a_long_chat_prompt_is_cut_early_and_agrees() {
+    let tok = tokenizer();
+    let passage = "The quick brown fox jumps over the lazy dog, 42 times. ".repeat(400);
+    let prompt = tok
+        .render_chat(&[
+            ("system".into(), "You are helpful.".into()),
+            ("user".into(), passage),
+        ])
+        .unwrap();
+    let whole = tok.encode(&prompt).unwrap();
+    let cache = PrefixCache::new(1024, 64);
+    let (prefix, bytes) = tok.encode_prefix(&prompt, 256, &cache).unwrap();
+    assert!(
+        !cache.is_empty() && cache.len() < 4,
+        "{} chunks",
+        cache.len()
+    );
+    assert!(
+        bytes < prompt.len() / 4,
+        "{bytes} of {} bytes",
+        prompt.len()
+    );
+    assert!(prefix.len() >= 256);
+    // Only about the first blocks were tokenized, not the whole 22 KB prompt.
+    assert!(
+        prefix.len() < whole.len() / 4,
+        "{} of {}",
+        prefix.len(),
+        whole.len()
+    );
+    assert_eq!(&whole[..prefix.len()], &prefix[..]);
+}
