@@ -384,6 +384,15 @@ pub struct EngineConfig {
     /// Models this engine serves; empty (the default) means: ask its `/v1/models`.
     #[serde(default)]
     pub models: Vec<String>,
+    /// The engine's kvagent (`http://host:port`, or `https://` verified with `upstream.ca_file`),
+    /// whose `WatchResidency` feed is this engine's residency (source `engine_feed`); empty
+    /// (the default): none.
+    #[serde(default)]
+    pub kvagent: String,
+    /// A file whose first line is the kvagent's read-only token (its `auth.read_token_file`);
+    /// empty: none.
+    #[serde(default)]
+    pub kvagent_token_file: String,
 }
 
 /// Most tokens in one KV block `[[tokenizers]]` accepts (vLLM's largest block is 256; engine-shim
@@ -618,6 +627,8 @@ impl Overrides {
                     name: format!("engine-{i}"),
                     url: url.clone(),
                     models: Vec::new(),
+                    kvagent: String::new(),
+                    kvagent_token_file: String::new(),
                 })
                 .collect();
         }
@@ -810,6 +821,21 @@ impl ProxyConfig {
             // is resolved again at every health probe.
             if let Err(m) = engine_url_host(&e.url) {
                 p.push(format!("engine {:?}: {m}", e.name));
+            }
+            if !e.kvagent.is_empty() {
+                if let Err(m) = engine_url_host(&e.kvagent) {
+                    p.push(format!("engine {:?}: `kvagent`: {m}", e.name));
+                } else if e.kvagent.starts_with("https://") && self.upstream.ca_file.is_empty() {
+                    p.push(format!(
+                        "engine {:?}: an https:// `kvagent` is verified against `upstream.ca_file`, which is not set",
+                        e.name
+                    ));
+                }
+            } else if !e.kvagent_token_file.is_empty() {
+                p.push(format!(
+                    "engine {:?}: `kvagent_token_file` is set without a `kvagent`",
+                    e.name
+                ));
             }
         }
         if self.max_body_bytes == 0 {
@@ -1572,6 +1598,9 @@ mod tests {
             ("[[tokenizers]]\nmodel = \"\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "must not be empty"),
             ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"a.gguf\"\n[[tokenizers]]\nmodel = \"m\"\ngguf = \"b.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "two [[tokenizers]]"),
             ("[[tokenizers]]\nmodel = \"m\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "missing field `gguf`"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent = \"grpc://x:1\"", "`kvagent`: url \"grpc://x:1\" must start with http://"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent = \"https://x:1\"", "`upstream.ca_file`, which is not set"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent_token_file = \"t\"", "without a `kvagent`"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {

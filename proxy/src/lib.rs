@@ -19,6 +19,7 @@ pub mod body;
 pub mod cluster;
 pub mod config;
 pub mod dashboard;
+pub mod feed;
 pub mod feedback;
 pub mod fleet;
 pub mod guard;

@@ -14,6 +14,7 @@ use pingora::services::background::{background_service, BackgroundService};
 
 use kvmesh_proxy::cluster;
 use kvmesh_proxy::config::{LogFormat, Mode, Overrides, ProxyConfig};
+use kvmesh_proxy::feed::Feeds;
 use kvmesh_proxy::fleet::{self, Fleet, HealthCheck, ModelsProbe};
 use kvmesh_proxy::metrics::Metrics;
 use kvmesh_proxy::otel::Otel;
@@ -257,6 +258,9 @@ fn main() -> anyhow::Result<()> {
         interval: Duration::from_millis(cfg.health.interval_ms),
         timeout: Duration::from_millis(cfg.health.timeout_ms),
     };
+    let feeds = Feeds::new(&cfg, fleet.clone(), index.clone(), metrics.clone())
+        .map_err(anyhow::Error::msg)
+        .context("`[[engines]]` kvagent feed")?;
     let listen = cfg.listen.clone();
     let listener_tls_on = cfg.tls.enabled();
     let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
@@ -310,6 +314,9 @@ fn main() -> anyhow::Result<()> {
     }
     server.add_service(proxy);
     server.add_service(background_service("housekeeping", housekeeping));
+    if !feeds.is_empty() {
+        server.add_service(background_service("residency feeds", feeds));
+    }
     server.add_service(background_service("reload", reloader));
     if let Some(a) = admin {
         server.add_service(background_service("admin", a));
@@ -399,6 +406,11 @@ fn run_picker(
         };
         let rx = shutdown.clone();
         tokio::spawn(async move { housekeeping.start(rx).await });
+        let feeds = Feeds::new(&cfg, fleet.clone(), index.clone(), metrics.clone())
+            .map_err(anyhow::Error::msg)
+            .context("`[[engines]]` kvagent feed")?;
+        let rx = shutdown.clone();
+        tokio::spawn(async move { feeds.start(rx).await });
         let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
         if cfg.cluster.enabled {
             let gossip = cluster::ClusterService {

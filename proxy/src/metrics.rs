@@ -62,6 +62,8 @@ pub struct Metrics {
     pub token_mode_fallbacks: IntCounterVec,
     /// Time to render and tokenize a token-mode request's prompt prefix.
     pub tokenize_seconds: Histogram,
+    /// Engine residency feeds (kvagent `WatchResidency`), by engine and event.
+    pub engine_feed: IntCounterVec,
     /// Residency index entries by source.
     pub residency_entries: IntGaugeVec,
     /// Digests the index holds per engine.
@@ -241,6 +243,13 @@ impl Metrics {
             )
             .buckets(vec![1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1]),
         )?;
+        let engine_feed = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_engine_feed_events_total",
+                "Engine residency feeds (kvagent WatchResidency), by engine and event",
+            ),
+            &["engine", "event"],
+        )?;
         let gossip_peers_refused = IntCounterVec::new(
             Opts::new(
                 "kvmesh_peer_urls_refused_total",
@@ -280,6 +289,7 @@ impl Metrics {
         registry.register(Box::new(gossip_bulk.clone()))?;
         registry.register(Box::new(token_mode_fallbacks.clone()))?;
         registry.register(Box::new(tokenize_seconds.clone()))?;
+        registry.register(Box::new(engine_feed.clone()))?;
         registry.register(Box::new(gossip_peers_refused.clone()))?;
         registry.register(Box::new(residency_entries.clone()))?;
         registry.register(Box::new(engine_residency.clone()))?;
@@ -369,6 +379,7 @@ impl Metrics {
             gossip_bulk,
             token_mode_fallbacks,
             tokenize_seconds,
+            engine_feed,
             gossip_peers_refused,
             residency_entries,
             engine_residency,

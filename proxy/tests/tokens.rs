@@ -1,9 +1,14 @@
-//! Token mode against the real engine-shim and model: the digests the proxy routes by (and
-//! sends in `x-kvmesh-prefix-digests`) are the engine's own token-block digests for the same
-//! request, which engine-shim checks and counts (`engine_shim_routing_digests_total`), for
-//! several chat shapes, Unicode, a cache salt, a prompt longer than the hashed prefix, and a
-//! completion. A text-mode proxy in front of the same engine is the control: its digests never
-//! match.
+//! Precise residency against the real engine-shim, kvagent and model.
+//!
+//! Token mode: the digests the proxy routes by (and sends in `x-kvmesh-prefix-digests`) are the
+//! engine's own token-block digests for the same request, which engine-shim checks and counts
+//! (`engine_shim_routing_digests_total`), for several chat shapes, Unicode, a cache salt, a
+//! prompt longer than the hashed prefix, and a completion. A text-mode proxy in front of the
+//! same engine is the control: its digests never match.
+//!
+//! The engine feed: blocks engine-shim writes through to its kvagent become the engine's
+//! `engine_feed` residency in a proxy that never saw the request, which then routes the prefix
+//! to it; a kvagent restart (a new `kv_epoch`, an empty store) withdraws them.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -12,6 +17,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
@@ -65,6 +71,12 @@ fn engine_metric(e: &Engine, prefix: &str) -> f64 {
 
 /// A gateway in front of `e`; in token mode with the model's GGUF when `token_mode`.
 fn proxy(e: &Engine, token_mode: bool) -> Proxy {
+    proxy_with(&[e], token_mode, &[])
+}
+
+/// A gateway in front of `engines` (named `shim0`, `shim1`, ...), engine `i` with `feeds[i]`
+/// as its kvagent when given.
+fn proxy_with(engines: &[&Engine], token_mode: bool, feeds: &[Option<SocketAddr>]) -> Proxy {
     let port = free_port();
     let tokenizer = if token_mode {
         format!(
@@ -76,10 +88,19 @@ fn proxy(e: &Engine, token_mode: bool) -> Proxy {
     } else {
         String::new()
     };
+    let mut engine_tables = String::new();
+    for (i, e) in engines.iter().enumerate() {
+        engine_tables.push_str(&format!(
+            "[[engines]]\nname = \"shim{i}\"\nurl = \"http://{}\"\n",
+            e.addr
+        ));
+        if let Some(Some(agent)) = feeds.get(i) {
+            engine_tables.push_str(&format!("kvagent = \"http://{agent}\"\n"));
+        }
+    }
     // 8 blocks hashed: the long prompt is tokenized only up to them.
     let toml = format!(
-        "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn\"\n[routing]\nmax_prefix_blocks = 8\n[health]\ninterval_ms = 200\n{tokenizer}[[engines]]\nname = \"shim\"\nurl = \"http://{}\"\n",
-        e.addr
+        "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn\"\n[routing]\nmax_prefix_blocks = 8\n[health]\ninterval_ms = 200\n{tokenizer}{engine_tables}"
     );
     Proxy::start_with(&toml, port, true)
 }
@@ -219,4 +240,107 @@ fn a_token_mode_proxy_refuses_to_start_without_its_tokenizer() {
     );
     assert!(!ok, "{out}");
     assert!(out.contains("block_tokens"), "{out}");
+}
+
+/// A kvagent on 127.0.0.1:`port` storing under `dir`; killed on drop.
+fn kvagent(dir: &std::path::Path, port: u16) -> Killed {
+    let child = Command::new(bin("kvagent"))
+        .env("KVAGENT_LISTEN", format!("127.0.0.1:{port}"))
+        .env("KVAGENT_METRICS_LISTEN", "")
+        .env("KVAGENT_SSD_DIR", dir)
+        .env("KVAGENT_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvagent");
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || std::net::TcpStream::connect(
+            addr
+        )
+        .is_ok()),
+        "kvagent did not start"
+    );
+    Killed(child)
+}
+
+#[test]
+fn blocks_an_engine_wrote_to_kvagent_are_its_residency_until_kvagent_restarts() {
+    let dir = std::env::temp_dir().join(format!("kvmesh-feed-{}", std::process::id()));
+    let port = free_port();
+    let agent_addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut agent = kvagent(&dir, port);
+    // Engine 1 writes through to the agent; engine 0 has none.
+    let e0 = engine();
+    let e1 = {
+        let mut child = Command::new(bin("engine-shim"))
+            .current_dir(root())
+            .args(["--listen", "127.0.0.1:0", "--cache-blocks", "512"])
+            .args(["--kvagent", &format!("http://{agent_addr}")])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn engine-shim");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .rsplit("http://")
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        Engine { child, addr }
+    };
+    let p = proxy_with(&[&e0, &e1], true, &[None, Some(agent_addr)]);
+    let feed = "kvmesh_residency_entries{source=\"engine_feed\"}";
+    assert!(eventually(Duration::from_secs(10), || {
+        p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"connected\"}") == 1.0
+    }));
+    assert_eq!(p.metric(feed), 0.0);
+
+    // The engine computes a prompt the proxy never sees; its blocks reach the agent and, by
+    // the feed, the proxy's index.
+    let (path, body) = &requests()[4];
+    let r = post(e1.addr, path, body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let prompt_tokens = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let blocks = (prompt_tokens / 16) as f64;
+    assert!(blocks >= 8.0, "{prompt_tokens} tokens");
+    assert!(
+        eventually(Duration::from_secs(20), || p.metric(feed) == blocks),
+        "engine_feed entries {} of {blocks}",
+        p.metric(feed)
+    );
+    // Routed on that residency: every time to the engine that holds it, a prefix hit.
+    for _ in 0..3 {
+        let r = post(p.addr, path, body);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-kvmesh-engine"), Some("shim1"));
+    }
+    assert_eq!(
+        p.metric("kvmesh_routing_decisions_total{policy=\"prefix\",reason=\"prefix_hit\"}"),
+        3.0
+    );
+
+    // The agent restarts empty (a new kv_epoch): the feed is lost, then reconnects, and
+    // nothing it claimed is left.
+    agent.0.kill().unwrap();
+    agent.0.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        eventually(Duration::from_secs(10), || p.metric(feed) == 0.0),
+        "engine_feed entries {} after the agent stopped",
+        p.metric(feed)
+    );
+    let _agent = kvagent(&dir, port);
+    assert!(eventually(Duration::from_secs(20), || {
+        p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"connected\"}") == 2.0
+    }));
+    assert_eq!(p.metric(feed), 0.0);
+    assert!(p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"lost\"}") >= 1.0);
+    let _ = std::fs::remove_dir_all(&dir);
 }
