@@ -105,6 +105,8 @@ impl ClientTls {
 /// Connects a client to the agent at `url` (`http://host:port`) with the HTTP/2 settings the
 /// benchmarks were measured with: large flow-control windows and 1 MiB DATA frames, so
 /// multi-megabyte blocks stream without stalls; messages up to `max_message_bytes` both ways.
+/// Connecting gives up after 5 s; an idle channel is pinged every 10 s and dropped when a ping
+/// goes 5 s unanswered.
 pub async fn connect(url: String, max_message_bytes: usize) -> Result<Client, ConnectError> {
     connect_with_token(url, max_message_bytes, None).await
 }
@@ -137,11 +139,18 @@ pub async fn connect_with(
     if let Some(t) = tls {
         endpoint = endpoint.tls_config(t.config()?)?;
     }
+    // Keepalive pings find a dead peer or path on an idle channel (a watch stream that hears
+    // nothing would otherwise wait forever), and connecting to a black hole gives up.
     let channel = endpoint
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(32 << 20)
         .max_frame_size(1 << 20)
         .tcp_nodelay(true)
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .tcp_keepalive(Some(std::time::Duration::from_secs(30)))
+        .http2_keep_alive_interval(std::time::Duration::from_secs(10))
+        .keep_alive_timeout(std::time::Duration::from_secs(5))
+        .keep_alive_while_idle(true)
         .connect()
         .await?;
     Ok(KvAgentClient::with_interceptor(channel, bearer)

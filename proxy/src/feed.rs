@@ -9,16 +9,24 @@
 //! backoff (0.2 s doubling to 5 s) and re-records what it holds every quarter of the feed TTL,
 //! so entries the agent still holds never expire.
 //!
-//! The stream is hostile input: a digest that is not 32 bytes is skipped and counted, and the
-//! feed tracks at most `residency.capacity_per_node` digests per engine.
+//! The stream is hostile input: a digest that is not 32 bytes is skipped and counted, the feed
+//! holds at most half of `residency.capacity_per_node` digests per engine (the newest: an
+//! addition past the bound replaces the oldest, counted as `over_cap`), leaving the rest of the
+//! engine's index to the proxy's own predictions, and the agent can withdraw only what its
+//! feed recorded. A connection is given up after 5 s, and an idle stream is pinged every 10 s
+//! (a dead agent or path is noticed within 15 s).
+//!
+//! A digest the feed lists and the proxy also confirmed (`reported`) becomes `engine_feed`;
+//! withdrawing it (the agent evicted it, or the stream was lost) removes the entry, also where
+//! the engine's own cache may still hold it: the index errs towards claiming less.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use kvmesh_filters::chain::Digest;
 use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
+use lru::LruCache;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
@@ -45,7 +53,7 @@ pub mod event {
     pub const EPOCH: &str = "epoch";
     /// A digest was not 32 bytes.
     pub const MALFORMED: &str = "malformed";
-    /// An added digest was past the feed's bound.
+    /// The feed held its bound: an added digest replaced the oldest one.
     pub const OVER_CAP: &str = "over_cap";
     /// Every event, to export them from start.
     pub const ALL: [&str; 6] = [CONNECTED, LOST, RESET, EPOCH, MALFORMED, OVER_CAP];
@@ -124,7 +132,7 @@ impl Feeds {
             fleet,
             index,
             metrics,
-            cap: cfg.residency.capacity_per_node,
+            cap: (cfg.residency.capacity_per_node / 2).max(1),
             refresh: feed_ttl / 4,
         })
     }
@@ -147,7 +155,7 @@ impl BackgroundService for Feeds {
                 metrics: self.metrics.clone(),
                 cap: self.cap,
                 refresh: self.refresh,
-                held: HashSet::new(),
+                held: LruCache::unbounded(),
                 node: None,
             };
             let mut shutdown = shutdown.clone();
@@ -181,8 +189,8 @@ struct Follower {
     metrics: Arc<Metrics>,
     cap: usize,
     refresh: Duration,
-    /// Short digests recorded from this feed.
-    held: HashSet<u64>,
+    /// Short digests recorded from this feed, least recently added first.
+    held: LruCache<u64, ()>,
     /// The node they were recorded for.
     node: Option<NodeId>,
 }
@@ -254,8 +262,8 @@ impl Follower {
         }
     }
 
-    /// The engine's node now (a reload may have replaced it); what was recorded for another
-    /// node is withdrawn first.
+    /// The engine's node now (a reload may have replaced it): what was recorded for the old
+    /// node moves to the new one (the agent's set did not change).
     fn node(&mut self) -> Option<NodeId> {
         let now = self
             .fleet
@@ -264,7 +272,18 @@ impl Follower {
             .find(|e| e.peer.is_none() && e.name == self.feed.engine)
             .map(|e| e.id);
         if now != self.node {
-            self.withdraw();
+            if let Some(old) = self.node {
+                self.index
+                    .remove_keys(old, self.held.iter().map(|(k, _)| *k));
+            }
+            if let Some(new) = now {
+                self.index.record_keys(
+                    new,
+                    self.held.iter().rev().map(|(k, _)| *k),
+                    Source::EngineFeed,
+                    Instant::now(),
+                );
+            }
             self.node = now;
         }
         now
@@ -297,22 +316,31 @@ impl Follower {
                 None
             }
         };
-        // Removals first: they free room for this update's additions.
-        let removed: Vec<u64> = u.removed.iter().filter_map(|b| short(b)).collect();
-        for k in &removed {
-            self.held.remove(k);
-        }
+        // Removals first: they free room for this update's additions. Only what this feed
+        // recorded is withdrawn: entries from other sources are not the agent's to remove.
+        let removed: Vec<u64> = u
+            .removed
+            .iter()
+            .filter_map(|b| short(b))
+            .filter(|k| self.held.pop(k).is_some())
+            .collect();
         self.index.remove_keys(node, removed);
         let mut added = Vec::with_capacity(u.added.len());
         let mut over = 0u64;
+        let mut evicted = Vec::new();
         for k in u.added.iter().filter_map(|b| short(b)) {
-            if self.held.contains(&k) || self.held.len() < self.cap {
-                self.held.insert(k);
-                added.push(k);
-            } else {
-                over += 1;
+            if self.held.put(k, ()).is_none() && self.held.len() > self.cap {
+                // Full: the oldest addition makes room for the newest.
+                if let Some((old, ())) = self.held.pop_lru() {
+                    evicted.push(old);
+                    over += 1;
+                }
             }
+            added.push(k);
         }
+        // An addition this update already replaced is not recorded.
+        added.retain(|k| self.held.contains(k));
+        self.index.remove_keys(node, evicted);
         self.index
             .record_keys(node, added, Source::EngineFeed, Instant::now());
         let by = |ev: &str, n: u64| {
@@ -327,12 +355,13 @@ impl Follower {
         by(event::OVER_CAP, over);
     }
 
-    /// Records what is held again, so that its TTL does not run out while the agent holds it.
+    /// Records what is held again, oldest first, so that its TTL does not run out while the
+    /// agent holds it.
     fn rerecord(&mut self) {
         if let Some(node) = self.node() {
             self.index.record_keys(
                 node,
-                self.held.iter().copied(),
+                self.held.iter().rev().map(|(k, _)| *k),
                 Source::EngineFeed,
                 Instant::now(),
             );
@@ -342,7 +371,8 @@ impl Follower {
     /// Withdraws everything this feed recorded.
     fn withdraw(&mut self) {
         if let Some(node) = self.node {
-            self.index.remove_keys(node, self.held.drain());
+            self.index
+                .remove_keys(node, self.held.iter().map(|(k, _)| *k));
         }
         self.held.clear();
     }
@@ -377,7 +407,7 @@ mod tests {
             metrics: Arc::new(Metrics::new().unwrap()),
             cap,
             refresh: Duration::from_secs(150),
-            held: HashSet::new(),
+            held: LruCache::unbounded(),
             node: None,
         }
     }
@@ -427,21 +457,30 @@ mod tests {
                 vec![],
             ),
         );
+        // At the bound the newest replace the oldest: 2 and 3 are held.
         assert_eq!(feed_entries(&f), 2);
         assert_eq!(events(&f, event::MALFORMED), 2);
         assert_eq!(events(&f, event::OVER_CAP), 1);
-        // A removal frees room; a removed digest is no longer the engine's.
+        let node = f.node.unwrap();
+        let key = |i: u8| Digest([i; 32]).short();
+        assert_eq!(f.index.overlap(&[Digest([1; 32])], Instant::now()), vec![]);
+        // The proxy's own entry for 9: the agent cannot remove it, only what it listed.
+        f.index
+            .record_keys(node, [key(9)], Source::Reported, Instant::now());
         f.on_update(
             &mut epoch,
-            update(1, false, vec![digest(3)], vec![digest(1)]),
+            update(1, false, vec![], vec![digest(9), digest(2)]),
         );
-        assert_eq!(feed_entries(&f), 2);
-        let node = f.node.unwrap();
+        assert_eq!(feed_entries(&f), 1);
         assert_eq!(f.index.node_usage(node).0, 2);
-        // A new epoch withdraws everything first.
+        // A new epoch withdraws what the feed recorded first.
         f.on_update(&mut epoch, update(2, false, vec![digest(4)], vec![]));
         assert_eq!(events(&f, event::EPOCH), 1);
         assert_eq!(feed_entries(&f), 1);
+        assert_eq!(
+            f.index.overlap(&[Digest([4; 32])], Instant::now()),
+            vec![(node, 1)]
+        );
         // A snapshot starts over.
         f.on_update(
             &mut epoch,
@@ -451,6 +490,6 @@ mod tests {
         assert_eq!(feed_entries(&f), 2);
         f.withdraw();
         assert_eq!(feed_entries(&f), 0);
-        assert!(f.index.is_empty());
+        assert_eq!(f.index.node_usage(node).0, 1, "the reported entry stays");
     }
 }

@@ -154,7 +154,11 @@ impl Gateway {
                 timer.observe_duration();
                 match tokens {
                     Ok(t) => {
-                        size.block_bytes = t.block_bytes;
+                        // The engine's prompt, in the unit the chain's blocks are measured in.
+                        size = PromptSize {
+                            total_bytes: t.total_bytes,
+                            block_bytes: t.block_bytes,
+                        };
                         t.chain
                     }
                     Err(why) => {

@@ -693,6 +693,8 @@ impl ProxyHttp for Gateway {
             );
             req.insert_header(crate::access::FORWARDED_FOR, xff)?;
         }
+        // The digests engines get are the proxy's own, never a client's.
+        req.remove_header(crate::plan::DIGESTS_HEADER);
         if let Some(plan) = ctx.plan.as_ref() {
             let digests = self.forwarded_digests(&plan.facts);
             if !digests.is_empty() {

@@ -2,13 +2,16 @@
 //! the token ids the engine itself computes (the model's chat template rendered and tokenized
 //! with the model's own vocabulary, `kvmesh-tokenize`, the crate engine-shim uses), cut into the
 //! engine's KV blocks. The digests then name the blocks the engine caches, so residency the
-//! engine reports (kvagent's feed, vLLM's KV events) and the proxy's own predictions agree.
+//! engine reports (kvagent's feed of engine-shim's blocks) and the proxy's own predictions
+//! agree. The template is rendered from the messages' roles and text (as engine-shim does):
+//! an engine that also renders `tools` or template arguments into the prompt gets other ids.
 //! Models without a tokenizer keep text mode.
 //!
 //! Only the leading tokens routing compares are computed: the prompt is tokenized up to
-//! `routing.max_prefix_blocks` blocks, in chunks of about 1 KiB whose token ids are cached per
-//! model (8,192 chunks), so a prefix seen before (a system prompt, a shared document) is not
-//! tokenized again ([`ModelTokenizer::encode_prefix`]).
+//! `routing.max_prefix_blocks` blocks, in chunks of about 1 KiB (at most 4 KiB: a prompt with no
+//! whitespace for that long is hashed up to there) whose token ids are cached per model and
+//! tenant (at most 2M ids, 8 MiB), so a prefix seen before (a system prompt, a shared
+//! document) is not tokenized again ([`ModelTokenizer::encode_prefix`]).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,6 +30,8 @@ use crate::config::TokenizerConfig;
 pub struct TokenChain {
     /// Digests of the leading full blocks of the prompt's tokens.
     pub chain: Vec<Digest>,
+    /// The prompt as the engine sees it (the rendered template, or the prompt), bytes.
+    pub total_bytes: usize,
     /// Bytes of prompt text one block stood for, measured on the tokenized prefix (at least 1).
     pub block_bytes: usize,
 }
@@ -68,8 +73,8 @@ impl Fallback {
 
 /// Bytes of prompt per cached chunk of token ids.
 const CHUNK_BYTES: usize = 1024;
-/// Most chunks cached per model (about 256 tokens each: some 8 MiB of ids).
-const MAX_CHUNKS: usize = 8192;
+/// Most token ids cached per model (8 MiB of ids, about 8 MiB of English prompt).
+const MAX_CACHED_IDS: usize = 2 << 20;
 
 /// One model's tokenizer and KV block size.
 struct ModelTokens {
@@ -106,7 +111,7 @@ impl TokenModes {
                 ModelTokens {
                     tokenizer,
                     block_tokens: c.block_tokens,
-                    cache: PrefixCache::new(CHUNK_BYTES, MAX_CHUNKS),
+                    cache: PrefixCache::new(CHUNK_BYTES, MAX_CACHED_IDS),
                 },
             );
         }
@@ -146,42 +151,50 @@ impl TokenModes {
                     .tokenizer
                     .render_chat(&turns)
                     .map_err(|_| Fallback::Template)?;
-                m.encode(&text, want)?
+                (m.encode(&text, want, ns)?, text.len())
             }
             Endpoint::Completions => match v.get("prompt") {
-                Some(Value::String(s)) => m.encode(s, want)?,
+                Some(Value::String(s)) => (m.encode(s, want, ns)?, s.len()),
                 // Token ids, as vLLM accepts them: the engine's tokens already.
                 Some(Value::Array(ids)) if !ids.is_empty() => {
-                    let ids = ids
+                    let kept = ids
                         .iter()
                         .take(want)
                         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
                         .collect::<Option<Vec<u32>>>()
                         .ok_or(Fallback::Prompt)?;
                     // Four bytes of text per token: the scale text mode would see.
-                    let bytes = ids.len() * 4;
-                    (ids, bytes)
+                    let bytes = kept.len() * 4;
+                    ((kept, bytes), ids.len().saturating_mul(4))
                 }
                 _ => return Err(Fallback::Prompt),
             },
             // Embeddings reuse no KV cache; the caller keeps them in text mode.
             Endpoint::Embeddings => return Err(Fallback::Prompt),
         };
-        let (tokens, bytes) = tokens_and_bytes;
+        let ((tokens, bytes), total_bytes) = tokens_and_bytes;
         let kept = &tokens[..tokens.len().min(want)];
         let block_bytes = (bytes.saturating_mul(m.block_tokens) / tokens.len().max(1)).max(1);
         Ok(TokenChain {
             chain: token_chain(ns, kept, m.block_tokens),
+            total_bytes,
             block_bytes,
         })
     }
 }
 
 impl ModelTokens {
-    /// The first `want` tokens of `text` or more, and the bytes of text they came from.
-    fn encode(&self, text: &str, want: usize) -> Result<(Vec<u32>, usize), Fallback> {
+    /// The first `want` tokens of `text` or more (fewer where the text has no boundary to
+    /// cut at, see [`ModelTokenizer::encode_prefix`]), and the bytes of text they came from;
+    /// cached within `ns` (a tenant's chunks are not another's).
+    fn encode(
+        &self,
+        text: &str,
+        want: usize,
+        ns: &Namespace,
+    ) -> Result<(Vec<u32>, usize), Fallback> {
         self.tokenizer
-            .encode_prefix(text, want, &self.cache)
+            .encode_prefix(text, want, &self.cache, ns.key())
             .map_err(|_| Fallback::Tokenizer)
     }
 }

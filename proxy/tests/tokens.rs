@@ -13,7 +13,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -42,25 +41,21 @@ impl Drop for Engine {
 }
 
 fn engine() -> Engine {
+    engine_with(&[])
+}
+
+/// engine-shim with `extra` arguments.
+fn engine_with(extra: &[&str]) -> Engine {
     let mut child = Command::new(bin("engine-shim"))
         .current_dir(root())
         .args(["--listen", "127.0.0.1:0", "--cache-blocks", "512"])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .expect("spawn engine-shim");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .rsplit("http://")
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap_or_else(|_| panic!("engine-shim did not start: {line:?}"));
+    let addr = announced_addr(&mut child, "engine-shim");
     Engine { child, addr }
 }
 
@@ -272,29 +267,7 @@ fn blocks_an_engine_wrote_to_kvagent_are_its_residency_until_kvagent_restarts() 
     let mut agent = kvagent(&dir, port);
     // Engine 1 writes through to the agent; engine 0 has none.
     let e0 = engine();
-    let e1 = {
-        let mut child = Command::new(bin("engine-shim"))
-            .current_dir(root())
-            .args(["--listen", "127.0.0.1:0", "--cache-blocks", "512"])
-            .args(["--kvagent", &format!("http://{agent_addr}")])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn engine-shim");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .rsplit("http://")
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
-        Engine { child, addr }
-    };
+    let e1 = engine_with(&["--kvagent", &format!("http://{agent_addr}")]);
     let p = proxy_with(&[&e0, &e1], true, &[None, Some(agent_addr)]);
     let feed = "kvmesh_residency_entries{source=\"engine_feed\"}";
     assert!(eventually(Duration::from_secs(10), || {

@@ -73,14 +73,17 @@ fn bench(c: &mut Criterion) {
         // Nothing cached: every chunk tokenized.
         g.bench_function(format!("encode_prefix_{blocks}_blocks_uncached"), |b| {
             b.iter(|| {
-                tok.encode_prefix(&prompt, blocks * 16, &PrefixCache::new(1024, 0))
+                tok.encode_prefix(&prompt, blocks * 16, &PrefixCache::new(1024, 0), b"")
                     .unwrap()
             })
         });
         // The same prompt again (a shared prefix): every chunk from the cache.
-        let cache = PrefixCache::new(1024, 8192);
+        let cache = PrefixCache::new(1024, 1 << 21);
         g.bench_function(format!("encode_prefix_{blocks}_blocks_cached"), |b| {
-            b.iter(|| tok.encode_prefix(&prompt, blocks * 16, &cache).unwrap())
+            b.iter(|| {
+                tok.encode_prefix(&prompt, blocks * 16, &cache, b"")
+                    .unwrap()
+            })
         });
     }
     g.finish();

@@ -9,7 +9,6 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::{AddedToken, Tokenizer};
 
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use kvmesh_gguf::{Gguf, GgufError, Value};
@@ -208,46 +207,68 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
-    /// A prefix of [`ModelTokenizer::encode`]`(text)` at least `min_tokens` long (all of it when
-    /// the text has fewer), tokenizing only as much of the text as that takes, and the bytes of
+    /// A prefix of [`ModelTokenizer::encode`]`(text)` at least `min_tokens` long when the text
+    /// allows (see below), tokenizing only as much of the text as that takes, and the bytes of
     /// text that prefix covers.
     ///
-    /// The text is tokenized in chunks of about `cache.chunk_bytes()`, each cut before a space
-    /// that follows a non-whitespace character. Such a position is a boundary of the byte-level
-    /// pre-tokenizer whatever comes before or after it (its word, number and punctuation runs
-    /// never take a space after their first character, a whitespace run never takes a
-    /// non-whitespace one, and the pattern looks neither behind nor more than one character
+    /// The text is tokenized in chunks of about `cache.chunk_bytes()`, each cut before a
+    /// whitespace character that follows a non-whitespace one. Such a position is a boundary of
+    /// the byte-level pre-tokenizer whatever comes before or after it (its word, number and
+    /// punctuation runs take no whitespace after their first character, a whitespace run takes
+    /// no non-whitespace one, and the pattern looks neither behind nor more than one character
     /// ahead), BPE merges never cross it, and no special token spans it (checked at load: none
     /// holds whitespace). So the chunks' tokens, in order, are the whole text's tokens, and a
-    /// chunk's tokens can be looked up in `cache` by its bytes: prompts that share a prefix
-    /// share its chunks, which are tokenized once. Tokenizers where that does not hold are
-    /// tokenized whole.
+    /// chunk's tokens can be looked up in `cache` by its bytes within `scope` (a tenant: one
+    /// tenant cannot time another's chunks): prompts that share a prefix share its chunks,
+    /// which are tokenized once.
+    ///
+    /// The work is bounded: a chunk is at most four times `chunk_bytes`, and where a text has
+    /// no boundary that far past the last cut, the prefix stops at that cut (shorter than
+    /// `min_tokens`, still exact). A tokenizer where the cut is not known to be exact (a special
+    /// token holding whitespace) tokenizes the whole text, at most [`MAX_UNCUT_BYTES`] of it.
     pub fn encode_prefix(
         &self,
         text: &str,
         min_tokens: usize,
         cache: &PrefixCache,
+        scope: &[u8],
     ) -> Result<(Vec<u32>, usize), TokenizerError> {
         if !self.prefix_safe {
+            if text.len() > MAX_UNCUT_BYTES {
+                return Err(TokenizerError::Unsupported(format!(
+                    "a {}-byte prompt: a tokenizer whose special tokens hold whitespace tokenizes prompts whole, at most {MAX_UNCUT_BYTES} bytes",
+                    text.len()
+                )));
+            }
             return Ok((self.encode(text)?, text.len()));
         }
         let mut ids = Vec::new();
         if self.add_bos {
             ids.push(self.bos);
         }
+        let chunk = cache.chunk_bytes;
         let mut start = 0;
         while start < text.len() && ids.len() < min_tokens {
-            let end = next_cut(text, start.saturating_add(cache.chunk_bytes)).unwrap_or(text.len());
-            let chunk = &text[start..end];
-            match cache.get(chunk) {
+            let from = start.saturating_add(chunk);
+            let until = start.saturating_add(chunk.saturating_mul(4));
+            let end = match next_cut(text, from, until) {
+                Some(cut) => cut,
+                // The rest is one last chunk within the bound.
+                None if until >= text.len() => text.len(),
+                // No boundary within the bound: the prefix ends here.
+                None => break,
+            };
+            let piece = &text[start..end];
+            let key = cache.key(scope, piece);
+            match cache.get(&key) {
                 Some(hit) => ids.extend_from_slice(&hit),
                 None => {
                     let enc = self
                         .tokenizer
-                        .encode(chunk, false)
+                        .encode(piece, false)
                         .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
                     ids.extend_from_slice(enc.get_ids());
-                    cache.put(chunk, enc.get_ids());
+                    cache.put(key, enc.get_ids());
                 }
             }
             start = end;
@@ -303,39 +324,67 @@ impl ModelTokenizer {
     }
 }
 
-/// The first position at or after `from` where `text` has a space after a non-whitespace
-/// character (a chunk boundary of [`ModelTokenizer::encode_prefix`]); `None` past the text or
-/// when there is none.
-fn next_cut(text: &str, from: usize) -> Option<usize> {
-    let bytes = text.as_bytes();
-    // A space is one byte in UTF-8, so every candidate is a char boundary.
-    (from.max(1)..bytes.len()).find(|&i| {
-        bytes[i] == b' '
-            && text[..i]
-                .chars()
-                .next_back()
-                .is_some_and(|c| !c.is_whitespace())
-    })
+/// Most bytes [`ModelTokenizer::encode_prefix`] tokenizes whole when it cannot cut a text.
+pub const MAX_UNCUT_BYTES: usize = 256 << 10;
+
+/// The first position in `from..until` (byte offsets, clamped to the text; `from` at least 1)
+/// where `text` has a whitespace character after a non-whitespace one: a chunk boundary of
+/// [`ModelTokenizer::encode_prefix`].
+fn next_cut(text: &str, from: usize, until: usize) -> Option<usize> {
+    let mut from = from.max(1);
+    let mut until = until.min(text.len());
+    // A character that starts before `until` is in the window.
+    while until < text.len() && !text.is_char_boundary(until) {
+        until += 1;
+    }
+    while from < until && !text.is_char_boundary(from) {
+        from += 1;
+    }
+    if from >= until {
+        return None;
+    }
+    let mut prev_ws = text[..from]
+        .chars()
+        .next_back()
+        .is_none_or(char::is_whitespace);
+    for (i, c) in text[from..until].char_indices() {
+        let ws = c.is_whitespace();
+        if ws && !prev_ws {
+            return Some(from + i);
+        }
+        prev_ws = ws;
+    }
+    None
 }
 
-/// Token ids of text chunks, by the chunks' BLAKE3 digest, for one tokenizer: what
-/// [`ModelTokenizer::encode_prefix`] reuses across prompts. Bounded (least recently used chunks
-/// go first); safe to share between threads.
+/// Token ids of text chunks, by the chunks' BLAKE3 digest within a scope, for one tokenizer:
+/// what [`ModelTokenizer::encode_prefix`] reuses across prompts. Bounded by the ids it holds
+/// (least recently used chunks go first); safe to share between threads.
 pub struct PrefixCache {
     chunk_bytes: usize,
     chunks: Option<Mutex<ChunkIds>>,
 }
 
-/// Token ids by chunk digest.
-type ChunkIds = LruCache<[u8; 32], Arc<[u32]>>;
+/// Token ids by chunk digest, and how many ids that is.
+struct ChunkIds {
+    lru: LruCache<[u8; 32], Arc<[u32]>>,
+    ids: usize,
+    max_ids: usize,
+}
 
 impl PrefixCache {
-    /// A cache of at most `max_chunks` chunks (0: none kept) of about `chunk_bytes` bytes (at
-    /// least 1).
-    pub fn new(chunk_bytes: usize, max_chunks: usize) -> Self {
+    /// A cache of chunks of about `chunk_bytes` bytes (at least 1) holding at most `max_ids`
+    /// token ids in all (0: nothing is kept).
+    pub fn new(chunk_bytes: usize, max_ids: usize) -> Self {
         PrefixCache {
             chunk_bytes: chunk_bytes.max(1),
-            chunks: NonZeroUsize::new(max_chunks).map(|n| Mutex::new(LruCache::new(n))),
+            chunks: (max_ids > 0).then(|| {
+                Mutex::new(ChunkIds {
+                    lru: LruCache::unbounded(),
+                    ids: 0,
+                    max_ids,
+                })
+            }),
         }
     }
 
@@ -346,7 +395,12 @@ impl PrefixCache {
 
     /// Chunks held.
     pub fn len(&self) -> usize {
-        self.chunks.as_ref().map_or(0, |c| c.lock().len())
+        self.chunks.as_ref().map_or(0, |c| c.lock().lru.len())
+    }
+
+    /// Token ids held, over all chunks.
+    pub fn ids(&self) -> usize {
+        self.chunks.as_ref().map_or(0, |c| c.lock().ids)
     }
 
     /// Whether no chunk is held.
@@ -354,34 +408,80 @@ impl PrefixCache {
         self.len() == 0
     }
 
-    fn get(&self, chunk: &str) -> Option<Arc<[u32]>> {
-        let key = *blake3::hash(chunk.as_bytes()).as_bytes();
-        self.chunks.as_ref()?.lock().get(&key).cloned()
+    fn key(&self, scope: &[u8], chunk: &str) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(&(scope.len() as u64).to_le_bytes());
+        h.update(scope);
+        h.update(chunk.as_bytes());
+        *h.finalize().as_bytes()
     }
 
-    fn put(&self, chunk: &str, ids: &[u32]) {
-        if let Some(c) = &self.chunks {
-            let key = *blake3::hash(chunk.as_bytes()).as_bytes();
-            c.lock().put(key, Arc::from(ids));
+    fn get(&self, key: &[u8; 32]) -> Option<Arc<[u32]>> {
+        self.chunks.as_ref()?.lock().lru.get(key).cloned()
+    }
+
+    fn put(&self, key: [u8; 32], ids: &[u32]) {
+        let Some(c) = &self.chunks else {
+            return;
+        };
+        let mut c = c.lock();
+        if ids.len() > c.max_ids {
+            return;
+        }
+        if let Some(old) = c.lru.put(key, Arc::from(ids)) {
+            c.ids -= old.len();
+        }
+        c.ids += ids.len();
+        while c.ids > c.max_ids {
+            match c.lru.pop_lru() {
+                Some((_, gone)) => c.ids -= gone.len(),
+                None => break,
+            }
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::next_cut;
+    use super::{next_cut, PrefixCache};
 
     #[test]
-    fn cuts_fall_before_a_space_after_a_non_space() {
-        assert_eq!(next_cut("hello world again", 0), Some(5));
-        assert_eq!(next_cut("hello world again", 6), Some(11));
-        assert_eq!(next_cut("hello world again", 12), None);
-        assert_eq!(next_cut("hello world again", 100), None);
+    fn cuts_fall_before_whitespace_after_a_non_whitespace() {
+        let all = usize::MAX;
+        assert_eq!(next_cut("hello world again", 0, all), Some(5));
+        assert_eq!(next_cut("hello world again", 6, all), Some(11));
+        assert_eq!(next_cut("hello world again", 12, all), None);
+        assert_eq!(next_cut("hello world again", 100, all), None);
+        // Within the window only.
+        assert_eq!(next_cut("hello world again", 6, 11), None);
         // Not inside a whitespace run, and not at the very start.
-        assert_eq!(next_cut("ab   cd ef", 3), Some(7));
-        assert_eq!(next_cut(" abcdef", 0), None);
-        assert_eq!(next_cut("a\n b", 0), None);
-        // Multi-byte characters before the space; `from` inside a character.
-        assert_eq!(next_cut("été là-bas", 1), Some(5));
+        assert_eq!(next_cut("ab   cd ef", 3, all), Some(7));
+        assert_eq!(next_cut(" abcdef", 0, all), None);
+        // Any whitespace: a newline, an ideographic space.
+        assert_eq!(next_cut("a\n b", 0, all), Some(1));
+        assert_eq!(next_cut("日本\u{3000}語", 0, all), Some(6));
+        // Multi-byte characters before the cut; `from` inside a character.
+        assert_eq!(next_cut("été là-bas", 1, all), Some(5));
+        assert_eq!(next_cut("ééé", 1, all), None);
+    }
+
+    #[test]
+    fn the_cache_is_bounded_by_the_ids_it_holds() {
+        let c = PrefixCache::new(8, 10);
+        let k = |i: u8| c.key(b"", &i.to_string());
+        c.put(k(1), &[1; 4]);
+        c.put(k(2), &[2; 4]);
+        assert_eq!((c.len(), c.ids()), (2, 8));
+        // A third pushes out the least recently used (1; 2 was just read).
+        assert!(c.get(&k(2)).is_some());
+        c.put(k(3), &[3; 4]);
+        assert_eq!((c.len(), c.ids()), (2, 8));
+        assert!(c.get(&k(1)).is_none());
+        // Larger than the whole bound: not kept.
+        c.put(k(4), &[4; 11]);
+        assert!(c.get(&k(4)).is_none());
+        // Scopes do not share entries.
+        assert_ne!(c.key(b"a", "x"), c.key(b"b", "x"));
+        assert_eq!(PrefixCache::new(8, 0).len(), 0);
     }
 }

@@ -77,18 +77,33 @@ proptest! {
         let whole = tok.encode(&t).unwrap();
         let fresh = PrefixCache::new(chunk, 1 << 16);
         let shared = SHARED.get_or_init(|| PrefixCache::new(8, 1 << 12));
-        for cache in [&fresh, &fresh, shared, &PrefixCache::new(chunk, 0)] {
-            let (prefix, bytes) = tok.encode_prefix(&t, min, cache).unwrap();
+        let none = PrefixCache::new(chunk, 0);
+        for (cache, want) in [(&fresh, min), (&fresh, min), (shared, min), (&none, min), (&fresh, usize::MAX)] {
+            let (prefix, bytes) = tok.encode_prefix(&t, want, cache, b"").unwrap();
             prop_assert!(bytes <= t.len());
             prop_assert_eq!(&tok.encode(&t[..bytes]).unwrap(), &prefix);
-            prop_assert!(prefix.len() >= min.min(whole.len()), "{} < {min}", prefix.len());
             prop_assert_eq!(&whole[..prefix.len()], &prefix[..]);
+            let c = cache.chunk_bytes();
+            if prefix.len() < want.min(whole.len()) {
+                // Stopped early: only where no boundary came within four chunks of the last cut.
+                prop_assert!(bytes + 4 * c < t.len(), "stopped at {bytes} of {}", t.len());
+                prop_assert!(!has_cut(&t, bytes + c, bytes + 4 * c), "stopped at {bytes} before a cut");
+            }
         }
-        // The whole text, chunk by chunk, is the whole encoding.
-        let (all, bytes) = tok.encode_prefix(&t, usize::MAX, &fresh).unwrap();
-        prop_assert_eq!(bytes, t.len());
-        prop_assert_eq!(all, whole);
     }
+}
+
+/// Whether `t` has a whitespace character after a non-whitespace one at a byte offset in
+/// `from..until` (the test's own statement of a chunk boundary).
+fn has_cut(t: &str, from: usize, until: usize) -> bool {
+    let mut prev: Option<char> = None;
+    for (i, c) in t.char_indices() {
+        if i >= from && i < until && c.is_whitespace() && prev.is_some_and(|p| !p.is_whitespace()) {
+            return true;
+        }
+        prev = Some(c);
+    }
+    false
 }
 
 #[test]
@@ -102,8 +117,8 @@ fn a_long_chat_prompt_is_cut_early_and_agrees() {
         ])
         .unwrap();
     let whole = tok.encode(&prompt).unwrap();
-    let cache = PrefixCache::new(1024, 64);
-    let (prefix, bytes) = tok.encode_prefix(&prompt, 256, &cache).unwrap();
+    let cache = PrefixCache::new(1024, 1 << 16);
+    let (prefix, bytes) = tok.encode_prefix(&prompt, 256, &cache, b"").unwrap();
     assert!(
         !cache.is_empty() && cache.len() < 4,
         "{} chunks",
@@ -123,4 +138,22 @@ fn a_long_chat_prompt_is_cut_early_and_agrees() {
         whole.len()
     );
     assert_eq!(&whole[..prefix.len()], &prefix[..]);
+}
+
+#[test]
+fn a_prompt_without_whitespace_costs_a_bounded_amount() {
+    let tok = tokenizer();
+    let cache = PrefixCache::new(1024, 1 << 20);
+    // 1 MiB of digits (one token each) and of letters: no cut anywhere.
+    for text in ["1".repeat(1 << 20), "a".repeat(1 << 20)] {
+        let (ids, bytes) = tok.encode_prefix(&text, 16_384, &cache, b"").unwrap();
+        assert_eq!((ids.len(), bytes), (0, 0));
+    }
+    // Words, then 1 MiB without a boundary: the prefix stops at the last chunk cut before it
+    // (chunks of at least 1 KiB: at byte 1024, a space).
+    let text = format!("{}{}", "word ".repeat(300), "x".repeat(1 << 20));
+    let (ids, bytes) = tok.encode_prefix(&text, 16_384, &cache, b"").unwrap();
+    assert_eq!(bytes, 1024);
+    assert_eq!(tok.encode(&text[..bytes]).unwrap(), ids);
+    assert!(cache.ids() < 1000, "{} ids cached", cache.ids());
 }

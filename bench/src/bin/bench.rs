@@ -365,7 +365,8 @@ struct DemoArgs {
     /// Number of engines (sim).
     #[arg(long, default_value_t = 3)]
     engines: usize,
-    /// Policies to compare, in order.
+    /// Policies to compare, in order; `POLICY+tokens` runs it in token mode (`--engine shim`:
+    /// the proxy tokenizes with the engines' model).
     #[arg(long, value_delimiter = ',', default_value = "round_robin,prefix")]
     policies: Vec<String>,
     /// Prefix-cache capacity of each engine, in 16-token blocks (small enough that one engine
@@ -406,6 +407,10 @@ fn row(name: &str, s: &Summary) {
         s.requests, s.errors, s.hit_ratio, s.mean_ttft_ms, s.ttft_ms[0], s.ttft_ms[1]
     );
 }
+
+/// The `[[tokenizers]]` table of the demo's `+tokens` policies: engine-shim's model, by the
+/// path engine-shim loads it from (both run in the repository root).
+const DEMO_TOKENIZER: &str = "[[tokenizers]]\nmodel = \"SmolLM2-135M-Instruct\"\ngguf = \"models/SmolLM2-135M-Instruct.Q4_1.gguf\"\n";
 
 async fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let shim = match a.engine.as_str() {
@@ -470,7 +475,13 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
-        let proxy = procs::kvmesh(policy, &addrs, 0, 500).await?;
+        // `prefix+tokens`: the policy in token mode, with the engines' own tokenizer.
+        let (name, extra) = match policy.strip_suffix("+tokens") {
+            Some(p) if shim => (p, DEMO_TOKENIZER),
+            Some(_) => anyhow::bail!("--policies {policy}: token mode needs --engine shim"),
+            None => (policy.as_str(), ""),
+        };
+        let proxy = procs::kvmesh_with(name, &addrs, 0, 500, None, extra).await?;
         let client = load::client(concurrency);
         let url = format!("http://{}/v1/chat/completions", proxy.addr);
         let start = Instant::now();

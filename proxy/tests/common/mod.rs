@@ -33,6 +33,21 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// The address a child announces on the first line of its stdout (`... http://ADDR`), as the
+/// sim engine and engine-shim do once they listen.
+pub fn announced_addr(child: &mut Child, what: &str) -> SocketAddr {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    line.trim()
+        .rsplit("http://")
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("{what} did not start: {line:?}"))
+}
+
 /// A running simulated engine; killed on drop.
 pub struct Sim {
     pub child: Child,
@@ -55,17 +70,7 @@ impl Sim {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn sim engine");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .rsplit("http://")
-            .next()
-            .unwrap()
-            .parse()
-            .expect("sim address");
+        let addr = announced_addr(&mut child, "sim engine");
         Sim {
             child,
             addr,
