@@ -120,12 +120,7 @@ impl TokenModes {
         })
     }
 
-    /// Whether `model` is in token mode.
-    pub fn covers(&self, model: &str) -> bool {
-        self.models.contains_key(model)
-    }
-
-    /// `model`'s KV block size, tokens, when it is in token mode.
+    /// `model`'s KV block size, tokens, when it is in token mode (`None`: text mode).
     pub fn block_tokens(&self, model: &str) -> Option<usize> {
         self.models.get(model).map(|m| m.block_tokens)
     }
