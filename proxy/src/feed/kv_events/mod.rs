@@ -1,0 +1,457 @@
+//! The KV events feed: the proxy subscribes to a vLLM (or SGLang) engine's ZeroMQ KV events
+//! publisher and records the blocks it reports stored as the engine's `engine_feed` residency.
+//!
+//! Each message is `[topic, seq (u64 big-endian, from 0), msgpack batch]` ([`schema`]). vLLM's
+//! block hashes are not reproducible outside vLLM (a seeded SHA-256 over a pickle), so the
+//! feed hashes the tokens each `BlockStored` carries into the proxy's own token-mode chain
+//! (continued from the digest it mapped the parent hash to) and remembers vLLM hash -> digest
+//! to resolve later parents and `BlockRemoved`. Blocks whose contents their tokens do not name
+//! alone (a LoRA, extra keys: images, a cache salt) are skipped, as are their descendants
+//! (their parent is unknown: `unmapped`).
+//!
+//! Sequence: a batch seen before is skipped; a gap is filled from the replay socket when one
+//! is configured (`[empty, start seq]` to its ROUTER; batches back until seq -1); a gap nothing
+//! fills, and an unreadable batch, withdraw what the feed recorded (`resync`): the engine may
+//! have removed blocks the proxy did not hear of. On connect the feed replays what the
+//! publisher still buffers. A lost connection withdraws everything and forgets the hash map
+//! (a restarted engine hashes with a new seed).
+//!
+//! A block is resident while any medium (GPU, CPU, storage) holds it.
+
+pub mod schema;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use kvmesh_filters::chain::{token_chain_from, Digest, Namespace};
+use lru::LruCache;
+
+use super::zmtp::{Limits, SocketType, Zmtp, ZmtpError};
+use super::{event, FedSet, Follow};
+use crate::config::{zmq_tcp_addr, EngineConfig, TokenizerConfig};
+use schema::{Batch, Event, Removed, Stored};
+
+/// What a publisher may send: a batch of at most 8 MiB (vLLM's are KBs to a few MBs: the token
+/// ids of one scheduler step's new full blocks) in messages of at most 4 frames.
+const LIMITS: Limits = Limits {
+    max_frame: 8 << 20,
+    max_parts: 4,
+};
+/// A silent publisher is pinged after this long (vLLM publishes only when blocks change).
+const IDLE: Duration = Duration::from_secs(10);
+/// Longest wait for the next replayed batch.
+const REPLAY_IDLE: Duration = Duration::from_secs(5);
+/// Most batches one replay may send (vLLM buffers 10,000 by default): past it, the replay is
+/// abandoned, so that a publisher cannot hold the feed in replay.
+const MAX_REPLAY_BATCHES: usize = 100_000;
+/// The replay end marker: seq -1.
+const END_SEQ: u64 = u64::MAX;
+
+/// One engine's KV events feed.
+#[derive(Clone)]
+pub struct Feed {
+    /// The engine's name.
+    pub engine: String,
+    endpoint: String,
+    publisher: String,
+    replay: Option<String>,
+    topic: Vec<u8>,
+    /// The chain's namespace: the engine's one model, no cache salt.
+    ns: Namespace,
+    block_tokens: usize,
+}
+
+impl Feed {
+    /// The feed of `e` (which has `kv_events`, validated: one model, in token mode).
+    pub fn new(e: &EngineConfig, tokenizers: &[TokenizerConfig]) -> Result<Self, String> {
+        let bad = |m: String| format!("engine {:?}: {m}", e.name);
+        let model = match e.models.as_slice() {
+            [m] => m,
+            _ => return Err(bad("`kv_events` needs exactly one model in `models`".into())),
+        };
+        let block_tokens = tokenizers
+            .iter()
+            .find(|t| &t.model == model)
+            .map(|t| t.block_tokens)
+            .ok_or_else(|| {
+                bad(format!(
+                    "`kv_events`: model {model:?} has no [[tokenizers]]"
+                ))
+            })?;
+        let replay = match e.kv_events_replay.as_str() {
+            "" => None,
+            r => Some(zmq_tcp_addr(r).map_err(bad)?),
+        };
+        Ok(Feed {
+            engine: e.name.clone(),
+            endpoint: e.kv_events.clone(),
+            publisher: zmq_tcp_addr(&e.kv_events).map_err(bad)?,
+            replay,
+            topic: e.kv_events_topic.as_bytes().to_vec(),
+            ns: Namespace::new(model, b""),
+            block_tokens,
+        })
+    }
+}
+
+/// A medium's bit in the feed's set (an unknown name gets one of its own).
+fn medium_bit(m: Option<&str>) -> u8 {
+    match m {
+        None => 1,
+        Some(m) if m.eq_ignore_ascii_case("GPU") => 1,
+        Some(m) if m.eq_ignore_ascii_case("CPU") => 2,
+        Some(m) if m.eq_ignore_ascii_case("STORAGE") || m.eq_ignore_ascii_case("DISK") => 4,
+        Some(_) => 8,
+    }
+}
+
+/// One KV events feed's state.
+pub(crate) struct Subscriber {
+    feed: Feed,
+    set: FedSet,
+    /// vLLM block hash key -> the proxy's digest of that block.
+    hashes: LruCache<u128, Digest>,
+    /// The last sequence number applied on this connection.
+    last: Option<u64>,
+}
+
+#[async_trait]
+impl Follow for Subscriber {
+    async fn follow(&mut self) -> String {
+        match self.connection().await {
+            Ok(never) => match never {},
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn lost(&mut self) {
+        self.set.withdraw();
+        self.hashes.clear();
+        self.last = None;
+        self.set.count(event::LOST, 1);
+    }
+
+    fn names(&self) -> (&str, &str) {
+        (&self.feed.engine, &self.feed.endpoint)
+    }
+}
+
+impl Subscriber {
+    pub(crate) fn new(feed: Feed, set: FedSet) -> Self {
+        // Twice the digests the set holds: parents outlive the blocks they lead to.
+        let cap = std::num::NonZeroUsize::new(set.shared.cap.saturating_mul(2).max(1))
+            .unwrap_or(std::num::NonZeroUsize::MIN);
+        Subscriber {
+            feed,
+            set,
+            hashes: LruCache::new(cap),
+            last: None,
+        }
+    }
+
+    /// One subscription, until it fails.
+    async fn connection(&mut self) -> Result<std::convert::Infallible, ZmtpError> {
+        let mut sub = Zmtp::connect(&self.feed.publisher, SocketType::Sub, LIMITS).await?;
+        sub.subscribe(&self.feed.topic).await?;
+        self.set.count(event::CONNECTED, 1);
+        tracing::info!(engine = %self.feed.engine, publisher = %self.feed.endpoint, "KV events feed connected");
+        // Subscribed first, so nothing published from here on is missed: what the publisher
+        // still buffers comes by replay, the rest live (overlap skipped by sequence).
+        self.replay(0).await;
+        let mut refresh = tokio::time::interval(self.set.shared.refresh);
+        refresh.tick().await;
+        loop {
+            let parts = tokio::select! {
+                p = sub.recv(IDLE) => p?,
+                _ = refresh.tick() => {
+                    self.set.rerecord();
+                    continue;
+                }
+            };
+            let [topic, seq, payload] = parts.as_slice() else {
+                self.set.count(event::MALFORMED, 1);
+                continue;
+            };
+            let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
+                self.set.count(event::MALFORMED, 1);
+                continue;
+            };
+            if !topic.starts_with(&self.feed.topic) {
+                continue;
+            }
+            self.on_live(seq, payload).await;
+        }
+    }
+
+    /// A batch from the subscription.
+    async fn on_live(&mut self, seq: u64, payload: &Bytes) {
+        match self.last {
+            Some(l) if seq <= l => {
+                self.set.count(event::DUPLICATE, 1);
+                return;
+            }
+            Some(l) if seq > l + 1 => {
+                self.set.count(event::GAP, 1);
+                self.replay(l + 1).await;
+                // Still short of `seq`: those batches are gone for good.
+                if self.last.is_some_and(|l| seq > l + 1) {
+                    self.resync();
+                }
+                if self.last.is_some_and(|l| seq <= l) {
+                    return;
+                }
+            }
+            _ => {}
+        }
+        self.apply(seq, payload);
+    }
+
+    /// Fetches the batches from `from` on from the replay socket, if there is one, applying
+    /// those past the last one applied. A failed replay leaves the gap to the caller.
+    async fn replay(&mut self, from: u64) {
+        let Some(addr) = self.feed.replay.clone() else {
+            return;
+        };
+        if let Err(e) = self.replay_from(&addr, from).await {
+            tracing::warn!(engine = %self.feed.engine, replay = %addr, error = %e, "KV events replay failed");
+        }
+    }
+
+    async fn replay_from(&mut self, addr: &str, from: u64) -> Result<(), ZmtpError> {
+        let mut d = Zmtp::connect(addr, SocketType::Dealer, LIMITS).await?;
+        d.send(&[b"", &from.to_be_bytes()]).await?;
+        for _ in 0..=MAX_REPLAY_BATCHES {
+            let parts = tokio::time::timeout(REPLAY_IDLE, d.recv(REPLAY_IDLE))
+                .await
+                .map_err(|_| ZmtpError::Timeout("replay"))??;
+            let [empty, seq, payload] = parts.as_slice() else {
+                return Err(ZmtpError::Protocol(format!(
+                    "a replay message of {} frames (3 expected)",
+                    parts.len()
+                )));
+            };
+            let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
+                return Err(ZmtpError::Protocol("a replay seq not 8 bytes".into()));
+            };
+            if !empty.is_empty() {
+                return Err(ZmtpError::Protocol(
+                    "a replay message without its delimiter".into(),
+                ));
+            }
+            if seq == END_SEQ {
+                return Ok(());
+            }
+            match self.last {
+                Some(l) if seq <= l => continue,
+                // The publisher's buffer no longer has what came between.
+                Some(l) if seq > l + 1 => self.resync(),
+                _ => {}
+            }
+            self.set.count(event::REPLAYED, 1);
+            self.apply(seq, payload);
+        }
+        Err(ZmtpError::TooLarge(format!(
+            "a replay of more than {MAX_REPLAY_BATCHES} batches"
+        )))
+    }
+
+    /// Withdraws what was recorded: some events are lost for good.
+    fn resync(&mut self) {
+        self.set.count(event::RESYNC, 1);
+        self.set.withdraw();
+    }
+
+    /// Applies batch `seq`.
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        self.last = Some(seq);
+        let batch: Batch = match schema::decode(payload) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(engine = %self.feed.engine, seq, error = %e, "unreadable KV events batch");
+                self.set.count(event::MALFORMED, 1);
+                self.resync();
+                return;
+            }
+        };
+        for ev in batch.events {
+            match ev {
+                Event::BlockStored(s) => self.stored(s),
+                Event::BlockRemoved(r) => self.removed(r),
+                Event::AllBlocksCleared => {
+                    self.set.count(event::CLEARED, 1);
+                    self.set.withdraw();
+                }
+                Event::Unknown(_) => self.set.count(event::UNSUPPORTED, 1),
+            }
+        }
+    }
+
+    fn stored(&mut self, s: Stored) {
+        // Only the first (or only) KV cache group; LoRA and extra keys change what a block's
+        // hash names beyond its tokens.
+        if s.group_idx.is_some_and(|g| g != 0)
+            || s.lora_id.is_some()
+            || s.lora_name.is_some()
+            || s.has_extra_keys
+        {
+            self.set.count(event::UNSUPPORTED, 1);
+            return;
+        }
+        if usize::try_from(s.block_size).ok() != Some(self.feed.block_tokens) {
+            self.set.count(event::BLOCK_SIZE, 1);
+            return;
+        }
+        if s.block_hashes.len().checked_mul(self.feed.block_tokens) != Some(s.token_ids.len()) {
+            self.set.count(event::MALFORMED, 1);
+            return;
+        }
+        let parent = match &s.parent_block_hash {
+            None => None,
+            Some(h) => match self.hashes.get(&h.key()) {
+                Some(d) => Some(*d),
+                None => {
+                    self.set.count(event::UNMAPPED, 1);
+                    return;
+                }
+            },
+        };
+        let digests = token_chain_from(
+            &self.feed.ns,
+            parent.as_ref(),
+            &s.token_ids,
+            self.feed.block_tokens,
+        );
+        let bit = medium_bit(s.medium.as_deref());
+        for (h, d) in s.block_hashes.iter().zip(&digests) {
+            self.hashes.put(h.key(), *d);
+        }
+        self.set.add(digests.iter().map(|d| (d.short(), bit)));
+    }
+
+    fn removed(&mut self, r: Removed) {
+        if r.group_idx.is_some_and(|g| g != 0) {
+            return;
+        }
+        let bit = medium_bit(r.medium.as_deref());
+        let keys: Vec<_> = r
+            .block_hashes
+            .iter()
+            .filter_map(|h| self.hashes.peek(&h.key()))
+            .map(|d| (d.short(), bit))
+            .collect();
+        self.set.remove(keys);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::feed::tests::{events, feed_entries, set};
+    use kvmesh_filters::chain::token_chain;
+    use serde_json::json;
+
+    fn subscriber() -> Subscriber {
+        let feed = Feed {
+            engine: "e".into(),
+            endpoint: "tcp://127.0.0.1:1".into(),
+            publisher: "127.0.0.1:1".into(),
+            replay: None,
+            topic: Vec::new(),
+            ns: Namespace::new("m", b""),
+            block_tokens: 2,
+        };
+        Subscriber::new(feed, set(100))
+    }
+
+    fn batch(events: serde_json::Value) -> Vec<u8> {
+        rmp_serde::to_vec_named(&json!({"ts": 0.0, "events": events})).unwrap()
+    }
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> serde_json::Value {
+        json!({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+               "token_ids": tokens, "block_size": 2, "lora_id": null, "medium": "GPU"})
+    }
+
+    #[test]
+    fn stored_blocks_map_to_the_proxys_chain_and_are_removed_by_hash() {
+        let mut s = subscriber();
+        let whole = token_chain(&Namespace::new("m", b""), &[1, 2, 3, 4, 5, 6], 2);
+        s.apply(0, &batch(json!([stored(&[10, 11], None, &[1, 2, 3, 4])])));
+        s.apply(1, &batch(json!([stored(&[12], Some(11), &[5, 6])])));
+        assert_eq!(feed_entries(&s.set), 3);
+        assert_eq!(
+            s.hashes.peek(&12),
+            Some(&whole[2]),
+            "continued from the parent"
+        );
+        // An unknown parent, a LoRA block, another group, another block size, a token count
+        // that is not the blocks': skipped, each counted.
+        s.apply(
+            2,
+            &batch(json!([
+                stored(&[20], Some(99), &[7, 8]),
+                {"type": "BlockStored", "block_hashes": [21], "parent_block_hash": null,
+                 "token_ids": [7, 8], "block_size": 2, "lora_id": 3, "medium": null},
+                {"type": "BlockStored", "block_hashes": [22], "parent_block_hash": null,
+                 "token_ids": [7, 8], "block_size": 2, "lora_id": null, "medium": null, "group_idx": 1},
+                {"type": "BlockStored", "block_hashes": [23], "parent_block_hash": null,
+                 "token_ids": [7, 8, 9, 10], "block_size": 4, "lora_id": null, "medium": null},
+                stored(&[24, 25], None, &[7, 8, 9]),
+            ])),
+        );
+        assert_eq!(feed_entries(&s.set), 3);
+        assert_eq!(events(&s.set, event::UNMAPPED), 1);
+        assert_eq!(events(&s.set, event::UNSUPPORTED), 2);
+        assert_eq!(events(&s.set, event::BLOCK_SIZE), 1);
+        assert_eq!(events(&s.set, event::MALFORMED), 1);
+        // Offloaded to CPU, then evicted from GPU: still resident; then from CPU too.
+        let cpu = json!({"type": "BlockStored", "block_hashes": [12], "parent_block_hash": 11,
+                         "token_ids": [5, 6], "block_size": 2, "lora_id": null, "medium": "CPU"});
+        s.apply(
+            3,
+            &batch(
+                json!([cpu, {"type": "BlockRemoved", "block_hashes": [12, 999], "medium": "GPU"}]),
+            ),
+        );
+        assert_eq!(feed_entries(&s.set), 3);
+        s.apply(
+            4,
+            &batch(json!([{"type": "BlockRemoved", "block_hashes": [12], "medium": "CPU"}])),
+        );
+        assert_eq!(feed_entries(&s.set), 2);
+        s.apply(5, &batch(json!([{"type": "AllBlocksCleared"}])));
+        assert_eq!(feed_entries(&s.set), 0);
+        assert_eq!(events(&s.set, event::CLEARED), 1);
+    }
+
+    #[test]
+    fn an_unreadable_batch_withdraws_and_a_gap_without_replay_resyncs() {
+        let mut s = subscriber();
+        s.apply(0, &batch(json!([stored(&[10], None, &[1, 2])])));
+        assert_eq!(feed_entries(&s.set), 1);
+        s.apply(1, b"\xc1garbage");
+        assert_eq!(events(&s.set, event::MALFORMED), 1);
+        assert_eq!(events(&s.set, event::RESYNC), 1);
+        assert_eq!(feed_entries(&s.set), 0);
+        // The map survives: a child of block 10 still maps.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(s.on_live(
+            2,
+            &Bytes::from(batch(json!([stored(&[11], Some(10), &[3, 4])]))),
+        ));
+        assert_eq!(feed_entries(&s.set), 1);
+        rt.block_on(s.on_live(2, &Bytes::from(batch(json!([])))));
+        assert_eq!(events(&s.set, event::DUPLICATE), 1);
+        rt.block_on(s.on_live(
+            9,
+            &Bytes::from(batch(json!([stored(&[12], Some(11), &[5, 6])]))),
+        ));
+        assert_eq!(events(&s.set, event::GAP), 1);
+        assert_eq!(events(&s.set, event::RESYNC), 2);
+        assert_eq!(feed_entries(&s.set), 1, "withdrawn, then batch 9 applied");
+        assert_eq!(s.last, Some(9));
+    }
+}

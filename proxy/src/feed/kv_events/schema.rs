@@ -1,0 +1,367 @@
+//! The msgpack payload of a vLLM (or SGLang) KV events message, as `vllm/distributed/kv_events.py`
+//! defines it: a `KVEventBatch {ts, events, data_parallel_rank}` of tagged events
+//! `BlockStored {block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+//! lora_name, extra_keys, group_idx, ...}`, `BlockRemoved {block_hashes, medium, group_idx, ...}`
+//! and `AllBlocksCleared {}`.
+//!
+//! Both encodings msgspec has produced are read, at both levels: positional arrays (`array_like`
+//! structs; an event is `["BlockStored", field, ...]`, trailing defaults omitted; vLLM up to
+//! v0.23, and the batch in forks since) and maps (`{"type": "BlockStored", "block_hashes": ...}`;
+//! vLLM main since vllm#42892). Fields this proxy has no use for are skipped, whatever they
+//! hold; fields added after those listed are ignored.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+
+/// A block hash as vLLM exports it: an integer (the low 64 bits, the default) or bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockHash {
+    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` (the default).
+    Int(u64),
+    /// The full hash.
+    Bytes(Vec<u8>),
+}
+
+/// Longest bytes hash accepted (vLLM's sha256 hashes are 32 bytes).
+const MAX_HASH_BYTES: usize = 64;
+
+impl BlockHash {
+    /// A compact key for the hash: the integer itself, or the first 16 bytes of the bytes'
+    /// BLAKE3 hash (tagged apart).
+    pub fn key(&self) -> u128 {
+        match self {
+            BlockHash::Int(v) => u128::from(*v),
+            BlockHash::Bytes(b) => {
+                let h = blake3::hash(b);
+                let mut k = [0u8; 16];
+                k.copy_from_slice(&h.as_bytes()[..16]);
+                u128::from_be_bytes(k) | (1 << 127)
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BlockHash {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = BlockHash;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a block hash (an integer or bytes)")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<BlockHash, E> {
+                Ok(BlockHash::Int(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<BlockHash, E> {
+                // The same 64 bits, as a publisher that packs signed integers would send them.
+                Ok(BlockHash::Int(v as u64))
+            }
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<BlockHash, E> {
+                if v.len() > MAX_HASH_BYTES {
+                    return Err(E::custom(format!(
+                        "a block hash of {} bytes (at most {MAX_HASH_BYTES})",
+                        v.len()
+                    )));
+                }
+                Ok(BlockHash::Bytes(v.to_vec()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Blocks were stored: `block_hashes[i]` holds `token_ids[i * block_size..][..block_size]`,
+    /// the first one following `parent_block_hash`.
+    BlockStored(Stored),
+    /// Blocks were evicted from `medium`.
+    BlockRemoved(Removed),
+    /// The engine's cache was cleared.
+    AllBlocksCleared,
+    /// An event type this proxy does not know (skipped).
+    Unknown(String),
+}
+
+/// `BlockStored`'s fields that matter here.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stored {
+    /// The stored blocks' hashes, in prompt order.
+    pub block_hashes: Vec<BlockHash>,
+    /// The hash of the block before the first one (`None`: they start a prompt).
+    pub parent_block_hash: Option<BlockHash>,
+    /// The stored blocks' tokens.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// A LoRA adapter's id (deprecated by vLLM for `lora_name`).
+    pub lora_id: Option<u64>,
+    /// Where the blocks are (`GPU`, `CPU`, ...; `None`: GPU).
+    pub medium: Option<String>,
+    /// A LoRA adapter's name: its blocks are not the base model's.
+    pub lora_name: Option<String>,
+    /// Whether any block's hash took extra keys (images, a cache salt, prompt embeddings):
+    /// then its tokens alone do not name its contents.
+    pub has_extra_keys: bool,
+    /// The KV cache group (hybrid models have several).
+    pub group_idx: Option<u64>,
+}
+
+/// `BlockRemoved`'s fields that matter here.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Removed {
+    /// The evicted blocks' hashes.
+    pub block_hashes: Vec<BlockHash>,
+    /// Where they were evicted from (`None`: GPU).
+    pub medium: Option<String>,
+    /// The KV cache group.
+    pub group_idx: Option<u64>,
+}
+
+/// One batch: the payload of one message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Its events, in order.
+    pub events: Vec<Event>,
+}
+
+/// Decodes one payload.
+pub fn decode(payload: &[u8]) -> Result<Batch, rmp_serde::decode::Error> {
+    rmp_serde::from_slice(payload)
+}
+
+/// `extra_keys`: one entry per block, `None` or a tuple of whatever vLLM hashed in.
+struct ExtraKeys(bool);
+
+impl<'de> Deserialize<'de> for ExtraKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let keys: Option<Vec<Option<IgnoredAny>>> = Deserialize::deserialize(d)?;
+        Ok(ExtraKeys(
+            keys.is_some_and(|k| k.iter().any(Option::is_some)),
+        ))
+    }
+}
+
+impl<'de> Deserialize<'de> for Batch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Batch;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a KVEventBatch (an array or a map)")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Batch, A::Error> {
+                let _ts: IgnoredAny = a
+                    .next_element()?
+                    .ok_or_else(|| de::Error::custom("a batch without ts"))?;
+                let events = a
+                    .next_element()?
+                    .ok_or_else(|| de::Error::custom("a batch without events"))?;
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Batch { events })
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Batch, A::Error> {
+                let mut events = None;
+                while let Some(k) = a.next_key::<String>()? {
+                    match k.as_str() {
+                        "events" => events = Some(a.next_value()?),
+                        _ => {
+                            a.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(Batch {
+                    events: events.ok_or_else(|| de::Error::custom("a batch without events"))?,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for Event {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Event;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a KV cache event (a tagged array or map)")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Event, A::Error> {
+                let tag: String = a
+                    .next_element()?
+                    .ok_or_else(|| de::Error::custom("an event without its type"))?;
+                let ev = match tag.as_str() {
+                    "BlockStored" => {
+                        let mut s = Stored {
+                            block_hashes: next(&mut a, "block_hashes")?,
+                            parent_block_hash: next(&mut a, "parent_block_hash")?,
+                            ..Default::default()
+                        };
+                        s.token_ids = next(&mut a, "token_ids")?;
+                        s.block_size = next(&mut a, "block_size")?;
+                        // Later fields are optional: omitted when they hold their default.
+                        s.lora_id = a.next_element::<Option<u64>>()?.flatten();
+                        s.medium = a.next_element::<Option<String>>()?.flatten();
+                        s.lora_name = a.next_element::<Option<String>>()?.flatten();
+                        s.has_extra_keys = a.next_element::<ExtraKeys>()?.is_some_and(|k| k.0);
+                        s.group_idx = a.next_element::<Option<u64>>()?.flatten();
+                        Event::BlockStored(s)
+                    }
+                    "BlockRemoved" => {
+                        let block_hashes = next(&mut a, "block_hashes")?;
+                        let medium = a.next_element::<Option<String>>()?.flatten();
+                        let group_idx = a.next_element::<Option<u64>>()?.flatten();
+                        Event::BlockRemoved(Removed {
+                            block_hashes,
+                            medium,
+                            group_idx,
+                        })
+                    }
+                    "AllBlocksCleared" => Event::AllBlocksCleared,
+                    _ => Event::Unknown(tag),
+                };
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(ev)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Event, A::Error> {
+                let mut tag: Option<String> = None;
+                let mut s = Stored::default();
+                let (mut hashes, mut tokens, mut size) = (false, false, false);
+                while let Some(k) = a.next_key::<String>()? {
+                    match k.as_str() {
+                        "type" => tag = Some(a.next_value()?),
+                        "block_hashes" => {
+                            s.block_hashes = a.next_value()?;
+                            hashes = true;
+                        }
+                        "parent_block_hash" => s.parent_block_hash = a.next_value()?,
+                        "token_ids" => {
+                            s.token_ids = a.next_value()?;
+                            tokens = true;
+                        }
+                        "block_size" => {
+                            s.block_size = a.next_value()?;
+                            size = true;
+                        }
+                        "lora_id" => s.lora_id = a.next_value()?,
+                        "medium" => s.medium = a.next_value()?,
+                        "lora_name" => s.lora_name = a.next_value()?,
+                        "extra_keys" => s.has_extra_keys = a.next_value::<ExtraKeys>()?.0,
+                        "group_idx" => s.group_idx = a.next_value()?,
+                        _ => {
+                            a.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                let tag = tag.ok_or_else(|| de::Error::custom("an event without its type"))?;
+                let missing = |what: &str| de::Error::custom(format!("{tag} without {what}"));
+                Ok(match tag.as_str() {
+                    "BlockStored" if !hashes => return Err(missing("block_hashes")),
+                    "BlockStored" if !tokens => return Err(missing("token_ids")),
+                    "BlockStored" if !size => return Err(missing("block_size")),
+                    "BlockStored" => Event::BlockStored(s),
+                    "BlockRemoved" if !hashes => return Err(missing("block_hashes")),
+                    "BlockRemoved" => Event::BlockRemoved(Removed {
+                        block_hashes: s.block_hashes,
+                        medium: s.medium,
+                        group_idx: s.group_idx,
+                    }),
+                    "AllBlocksCleared" => Event::AllBlocksCleared,
+                    _ => Event::Unknown(tag),
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A required positional field.
+fn next<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(a: &mut A, what: &str) -> Result<T, A::Error> {
+    a.next_element()?
+        .ok_or_else(|| de::Error::custom(format!("an event without {what}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Serialize;
+
+    fn pack(v: &impl Serialize) -> Vec<u8> {
+        rmp_serde::to_vec(v).unwrap()
+    }
+
+    #[test]
+    fn both_encodings_decode_alike() {
+        let array = pack(&(
+            1.5f64,
+            (
+                (
+                    "BlockStored",
+                    vec![7u64, 8],
+                    Some(6u64),
+                    vec![1u32, 2, 3, 4],
+                    2u64,
+                    None::<u64>,
+                    "GPU",
+                ),
+                ("BlockRemoved", vec![7u64], "CPU"),
+                ("AllBlocksCleared",),
+                ("SomethingNew", 1),
+            ),
+        ));
+        let map = rmp_serde::to_vec_named(&serde_json::json!({
+        "ts": 1.5, "data_parallel_rank": 0, "events": [
+            {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6,
+             "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": null, "medium": "GPU",
+             "lora_name": null, "kv_cache_spec_kind": "full_attention"},
+            {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"},
+            {"type": "AllBlocksCleared"},
+            {"type": "SomethingNew", "x": [1, 2]},
+        ]}))
+        .unwrap();
+        let a = decode(&array).unwrap();
+        assert_eq!(a, decode(&map).unwrap());
+        let Event::BlockStored(s) = &a.events[0] else {
+            panic!("{:?}", a.events[0])
+        };
+        assert_eq!(s.block_hashes, vec![BlockHash::Int(7), BlockHash::Int(8)]);
+        assert_eq!(s.parent_block_hash, Some(BlockHash::Int(6)));
+        assert_eq!(s.medium.as_deref(), Some("GPU"));
+        assert_eq!(a.events[3], Event::Unknown("SomethingNew".into()));
+    }
+
+    #[test]
+    fn hostile_payloads_are_errors() {
+        for bad in [
+            &b"\xc1"[..],              // a reserved msgpack byte
+            b"\x92\xcb",               // truncated
+            b"\xdd\xff\xff\xff\xff",   // an array claiming 4G elements, with none
+            b"\x81\xa6events\x91\x90", // an event without a type
+        ] {
+            assert!(decode(bad).is_err(), "{bad:?}");
+        }
+        // A token id past u32, a bytes hash of 65 bytes.
+        let big = rmp_serde::to_vec_named(&serde_json::json!({"events": [
+            {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": null,
+             "token_ids": [4294967296u64], "block_size": 1}]}))
+        .unwrap();
+        assert!(decode(&big).is_err());
+        let long_hash = pack(&(0, vec![("BlockRemoved", vec![Bin(65)])]));
+        assert!(decode(&long_hash).is_err());
+        let ok_hash = pack(&(0, vec![("BlockRemoved", vec![Bin(32)])]));
+        assert!(decode(&ok_hash).is_ok());
+    }
+
+    /// `n` bytes, packed as msgpack bin.
+    struct Bin(usize);
+
+    impl Serialize for Bin {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(&vec![1; self.0])
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The kvagent feed: the proxy follows an engine's kvagent `WatchResidency` stream and records
+//! the digests it lists as the engine's `engine_feed` residency.
+//!
+//! The agent sends a snapshot first (`reset`), then changes; its `kv_epoch` names one lifetime
+//! of its store. What the feed recorded is withdrawn when a snapshot starts over, when the
+//! epoch changes (the agent restarted or was cleared), and when the stream is lost.
+//!
+//! A digest that is not 32 bytes is skipped and counted (`malformed`). A connection is given
+//! up after 5 s, and an idle stream is pinged every 10 s (a dead agent or path is noticed
+//! within 15 s).
+
+use async_trait::async_trait;
+use kvmesh_filters::chain::Digest;
+
+use super::{event, FedSet, Follow};
+use crate::config::{EngineConfig, UpstreamConfig};
+
+/// Largest `WatchResidency` message accepted (the agent sends at most ~2.3 MB).
+const MAX_MESSAGE_BYTES: usize = 8 << 20;
+/// kvagent holds one medium, as far as routing is concerned.
+const MEDIUM: u8 = 1;
+
+/// One engine's kvagent feed.
+#[derive(Clone)]
+pub struct Feed {
+    /// The engine's name.
+    pub engine: String,
+    url: String,
+    token: Option<String>,
+    tls: Option<kvagent::ClientTls>,
+}
+
+impl Feed {
+    /// The feed of `e` (which has a `kvagent`); its token file is read now.
+    pub fn new(e: &EngineConfig, up: &UpstreamConfig) -> Result<Self, String> {
+        let token = match e.kvagent_token_file.as_str() {
+            "" => None,
+            path => {
+                let text = std::fs::read_to_string(path).map_err(|err| {
+                    format!("engine {:?}: kvagent_token_file {path}: {err}", e.name)
+                })?;
+                let first = text.lines().next().unwrap_or("").trim().to_string();
+                if first.is_empty() {
+                    return Err(format!(
+                        "engine {:?}: kvagent_token_file {path} has no token on its first line",
+                        e.name
+                    ));
+                }
+                Some(first)
+            }
+        };
+        // An `https://` agent is reached with `[upstream]`'s CA and client certificate.
+        let tls = e
+            .kvagent
+            .starts_with("https://")
+            .then(|| kvagent::ClientTls {
+                ca_file: up.ca_file.clone(),
+                cert_file: up.client_cert_file.clone(),
+                key_file: up.client_key_file.clone(),
+            });
+        Ok(Feed {
+            engine: e.name.clone(),
+            url: e.kvagent.clone(),
+            token,
+            tls,
+        })
+    }
+}
+
+/// Why a stream ended.
+#[derive(Debug, thiserror::Error)]
+enum FeedError {
+    #[error(transparent)]
+    Connect(#[from] kvagent::ConnectError),
+    #[error("{0}")]
+    Status(#[from] tonic::Status),
+    #[error("the agent ended the stream")]
+    Ended,
+}
+
+/// One kvagent feed's state.
+pub(crate) struct Follower {
+    feed: Feed,
+    set: FedSet,
+}
+
+#[async_trait]
+impl Follow for Follower {
+    async fn follow(&mut self) -> String {
+        self.stream().await.to_string()
+    }
+
+    fn lost(&mut self) {
+        self.set.withdraw();
+        self.set.count(event::LOST, 1);
+    }
+
+    fn names(&self) -> (&str, &str) {
+        (&self.feed.engine, &self.feed.url)
+    }
+}
+
+impl Follower {
+    pub(crate) fn new(feed: Feed, set: FedSet) -> Self {
+        Follower { feed, set }
+    }
+
+    /// One stream, until it fails.
+    async fn stream(&mut self) -> FeedError {
+        let client = kvagent::connect_with(
+            self.feed.url.clone(),
+            MAX_MESSAGE_BYTES,
+            self.feed.token.as_deref(),
+            self.feed.tls.as_ref(),
+        )
+        .await;
+        let mut client = match client {
+            Ok(c) => c,
+            Err(e) => return e.into(),
+        };
+        let mut stream = match client
+            .watch_residency(kvagent::pb::WatchResidencyRequest {})
+            .await
+        {
+            Ok(s) => s.into_inner(),
+            Err(e) => return e.into(),
+        };
+        self.set.count(event::CONNECTED, 1);
+        tracing::info!(engine = %self.feed.engine, kvagent = %self.feed.url, "residency feed connected");
+        let mut epoch = None;
+        let mut refresh = tokio::time::interval(self.set.shared.refresh);
+        refresh.tick().await;
+        loop {
+            let msg = tokio::select! {
+                m = stream.message() => m,
+                _ = refresh.tick() => {
+                    self.set.rerecord();
+                    continue;
+                }
+            };
+            match msg {
+                Ok(Some(u)) => self.on_update(&mut epoch, u),
+                Ok(None) => return FeedError::Ended,
+                Err(e) => return e.into(),
+            }
+        }
+    }
+
+    /// One message of the stream, whose agent has been at `epoch` so far.
+    fn on_update(&mut self, epoch: &mut Option<u64>, u: kvagent::pb::ResidencyUpdate) {
+        if epoch.is_some_and(|e| e != u.kv_epoch) {
+            self.set.count(event::EPOCH, 1);
+            self.set.withdraw();
+        }
+        *epoch = Some(u.kv_epoch);
+        if u.reset {
+            self.set.count(event::RESET, 1);
+            self.set.withdraw();
+        }
+        let mut malformed = 0u64;
+        let mut short = |b: &[u8]| match <[u8; 32]>::try_from(b) {
+            Ok(d) => Some((Digest(d).short(), MEDIUM)),
+            Err(_) => {
+                malformed += 1;
+                None
+            }
+        };
+        // Removals first: they free room for this update's additions.
+        let removed: Vec<_> = u.removed.iter().filter_map(|b| short(b)).collect();
+        let added: Vec<_> = u.added.iter().filter_map(|b| short(b)).collect();
+        self.set.remove(removed);
+        self.set.add(added);
+        self.set.count(event::MALFORMED, malformed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::feed::tests::{events, feed_entries, set};
+    use kvmesh_filters::residency::Source;
+    use std::time::Instant;
+
+    fn follower(cap: usize) -> Follower {
+        Follower {
+            feed: Feed {
+                engine: "e".into(),
+                url: "http://127.0.0.1:2".into(),
+                token: None,
+                tls: None,
+            },
+            set: set(cap),
+        }
+    }
+
+    fn digest(i: u8) -> bytes::Bytes {
+        bytes::Bytes::from(vec![i; 32])
+    }
+
+    fn update(
+        epoch: u64,
+        reset: bool,
+        added: Vec<bytes::Bytes>,
+        removed: Vec<bytes::Bytes>,
+    ) -> kvagent::pb::ResidencyUpdate {
+        kvagent::pb::ResidencyUpdate {
+            kv_epoch: epoch,
+            reset,
+            added,
+            removed,
+        }
+    }
+
+    #[test]
+    fn hostile_updates_are_bounded_and_counted() {
+        let mut f = follower(2);
+        let mut epoch = None;
+        let short = bytes::Bytes::from_static(b"short");
+        let long = bytes::Bytes::from(vec![7u8; 33]);
+        f.on_update(
+            &mut epoch,
+            update(
+                1,
+                true,
+                vec![digest(1), short, long, digest(2), digest(3)],
+                vec![],
+            ),
+        );
+        // At the bound the newest replace the oldest: 2 and 3 are held.
+        assert_eq!(feed_entries(&f.set), 2);
+        assert_eq!(events(&f.set, event::MALFORMED), 2);
+        assert_eq!(events(&f.set, event::OVER_CAP), 1);
+        let node = f.set.node.unwrap();
+        let index = f.set.shared.index.clone();
+        let key = |i: u8| Digest([i; 32]).short();
+        assert_eq!(index.overlap(&[Digest([1; 32])], Instant::now()), vec![]);
+        // The proxy's own entry for 9: the agent cannot remove it, only what it listed.
+        index.record_keys(node, [key(9)], Source::Reported, Instant::now());
+        f.on_update(
+            &mut epoch,
+            update(1, false, vec![], vec![digest(9), digest(2)]),
+        );
+        assert_eq!(feed_entries(&f.set), 1);
+        assert_eq!(index.node_usage(node).0, 2);
+        // A new epoch withdraws what the feed recorded first.
+        f.on_update(&mut epoch, update(2, false, vec![digest(4)], vec![]));
+        assert_eq!(events(&f.set, event::EPOCH), 1);
+        assert_eq!(feed_entries(&f.set), 1);
+        assert_eq!(
+            index.overlap(&[Digest([4; 32])], Instant::now()),
+            vec![(node, 1)]
+        );
+        // A snapshot starts over.
+        f.on_update(
+            &mut epoch,
+            update(2, true, vec![digest(5), digest(6)], vec![]),
+        );
+        assert_eq!(events(&f.set, event::RESET), 2);
+        assert_eq!(feed_entries(&f.set), 2);
+        f.set.withdraw();
+        assert_eq!(feed_entries(&f.set), 0);
+        assert_eq!(index.node_usage(node).0, 1, "the reported entry stays");
+    }
+}

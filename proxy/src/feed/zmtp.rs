@@ -1,0 +1,358 @@
+//! A ZeroMQ (ZMTP 3.1, NULL security) client of the two sockets a KV events publisher binds:
+//! SUB to its PUB socket, DEALER to its replay ROUTER socket.
+//!
+//! Hand-written, and small, because what reaches it is hostile: a peer states each frame's
+//! length in 8 bytes, and the maintained pure-Rust implementation (`zeromq` 0.7) reserves
+//! whatever a frame states, so one forged length aborts the process; `libzmq` bindings bound
+//! messages (`ZMQ_MAXMSGSIZE`) but bring a C library into every image. Here a frame over
+//! `max_frame` bytes or a message of more than `max_parts` frames ends the connection, and
+//! a read is never larger than the frame it reads.
+//!
+//! Liveness: the client pings an idle connection (a ZMTP 3.1 PING, which libzmq answers)
+//! and gives the connection up when nothing arrives for [`Zmtp::recv`]'s `idle` plus the
+//! pong timeout, so a publisher that vanished without closing is noticed.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Longest greeting-to-ready exchange.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for anything after a ping.
+const PONG_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most properties accepted in a peer's READY.
+const MAX_PROPERTIES: usize = 64;
+
+/// Why a connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZmtpError {
+    /// The TCP connection failed or closed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The peer did not finish the handshake in time, or was silent after a ping.
+    #[error("timed out: {0}")]
+    Timeout(&'static str),
+    /// The peer broke the protocol.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// A frame or message was larger than allowed.
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+fn protocol(msg: impl Into<String>) -> ZmtpError {
+    ZmtpError::Protocol(msg.into())
+}
+
+/// The socket type this end plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SocketType {
+    /// Subscriber, of a PUB or XPUB peer.
+    Sub,
+    /// Dealer, of a ROUTER peer.
+    Dealer,
+}
+
+impl SocketType {
+    fn name(self) -> &'static [u8] {
+        match self {
+            SocketType::Sub => b"SUB",
+            SocketType::Dealer => b"DEALER",
+        }
+    }
+
+    /// The peer socket types this one talks to.
+    fn peers(self) -> &'static [&'static [u8]] {
+        match self {
+            SocketType::Sub => &[b"PUB", b"XPUB"],
+            SocketType::Dealer => &[b"ROUTER"],
+        }
+    }
+}
+
+/// Bounds on what a peer may send.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest frame, bytes.
+    pub max_frame: usize,
+    /// Most frames in one message.
+    pub max_parts: usize,
+}
+
+/// One frame as read: its flags and body.
+struct Frame {
+    more: bool,
+    command: bool,
+    body: Bytes,
+}
+
+/// One connection, after the handshake.
+pub struct Zmtp {
+    stream: TcpStream,
+    limits: Limits,
+}
+
+impl Zmtp {
+    /// Connects to `addr` (`host:port`) as `kind` and completes the handshake (greeting, NULL
+    /// mechanism, READY both ways, the peer's socket type checked).
+    pub async fn connect(addr: &str, kind: SocketType, limits: Limits) -> Result<Self, ZmtpError> {
+        let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(addr))
+            .await
+            .map_err(|_| ZmtpError::Timeout("connect"))??;
+        stream.set_nodelay(true)?;
+        let mut z = Zmtp { stream, limits };
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, z.handshake(kind))
+            .await
+            .map_err(|_| ZmtpError::Timeout("handshake"))??;
+        Ok(z)
+    }
+
+    async fn handshake(&mut self, kind: SocketType) -> Result<(), ZmtpError> {
+        // Signature, version 3.1, mechanism NULL, as-server 0, filler.
+        let mut greeting = [0u8; 64];
+        greeting[0] = 0xff;
+        greeting[9] = 0x7f;
+        greeting[10] = 3;
+        greeting[11] = 1;
+        greeting[12..16].copy_from_slice(b"NULL");
+        self.stream.write_all(&greeting).await?;
+        let mut peer = [0u8; 64];
+        self.stream.read_exact(&mut peer).await?;
+        if peer[0] != 0xff || peer[9] & 1 != 1 {
+            return Err(protocol("not a ZMTP peer (bad signature)"));
+        }
+        if peer[10] < 3 {
+            return Err(protocol(format!(
+                "ZMTP {}.{} is not supported (3.0 or later)",
+                peer[10], peer[11]
+            )));
+        }
+        if &peer[12..32] != b"NULL\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0" {
+            return Err(protocol(
+                "the peer asks for a security mechanism other than NULL (CURVE and PLAIN are not supported)",
+            ));
+        }
+        let mut ready = Vec::with_capacity(32);
+        ready.push(5);
+        ready.extend_from_slice(b"READY");
+        put_property(&mut ready, b"Socket-Type", kind.name());
+        if kind == SocketType::Dealer {
+            put_property(&mut ready, b"Identity", b"");
+        }
+        self.send_frame(&ready, false, true).await?;
+        let frame = self.read_frame().await?;
+        if !frame.command {
+            return Err(protocol("expected READY, got a message"));
+        }
+        let (name, data) = command_parts(&frame.body)?;
+        match name {
+            b"READY" => {}
+            b"ERROR" => {
+                return Err(protocol(format!(
+                    "the peer refused: {}",
+                    String::from_utf8_lossy(data.get(1..).unwrap_or_default())
+                )))
+            }
+            other => {
+                return Err(protocol(format!(
+                    "expected READY, got {:?}",
+                    String::from_utf8_lossy(other)
+                )))
+            }
+        }
+        let peer_type = ready_socket_type(data)?;
+        if !kind.peers().contains(&peer_type.as_slice()) {
+            return Err(protocol(format!(
+                "the peer is a {} socket, not {}",
+                String::from_utf8_lossy(&peer_type),
+                kind.peers()
+                    .iter()
+                    .map(|p| String::from_utf8_lossy(p).into_owned())
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )));
+        }
+        Ok(())
+    }
+
+    /// Subscribes to messages whose first frame starts with `topic` (empty: all).
+    pub async fn subscribe(&mut self, topic: &[u8]) -> Result<(), ZmtpError> {
+        let mut body = Vec::with_capacity(10 + topic.len());
+        body.push(9);
+        body.extend_from_slice(b"SUBSCRIBE");
+        body.extend_from_slice(topic);
+        self.send_frame(&body, false, true).await
+    }
+
+    /// Sends one message of `parts`.
+    pub async fn send(&mut self, parts: &[&[u8]]) -> Result<(), ZmtpError> {
+        for (i, p) in parts.iter().enumerate() {
+            self.send_frame(p, i + 1 < parts.len(), false).await?;
+        }
+        Ok(())
+    }
+
+    /// The next message. When nothing arrives for `idle`, the peer is pinged; when nothing
+    /// answers that either, the connection is given up. Commands (PONG, PING) are handled here.
+    pub async fn recv(&mut self, idle: Duration) -> Result<Vec<Bytes>, ZmtpError> {
+        let mut parts = Vec::new();
+        let mut pinged = false;
+        loop {
+            let wait = if pinged { PONG_TIMEOUT } else { idle };
+            let frame = match tokio::time::timeout(wait, self.read_frame()).await {
+                Ok(f) => f?,
+                Err(_) if pinged => return Err(ZmtpError::Timeout("no answer to a ping")),
+                Err(_) => {
+                    // TTL 0: no claim on how long the peer should wait for us.
+                    self.send_frame(b"\x04PING\x00\x00", false, true).await?;
+                    pinged = true;
+                    continue;
+                }
+            };
+            pinged = false;
+            if frame.command {
+                let (name, data) = command_parts(&frame.body)?;
+                match name {
+                    b"PING" => {
+                        // PONG carries the ping's context (after its 2-byte TTL).
+                        let context = data.get(2..).unwrap_or_default();
+                        let mut pong = Vec::with_capacity(5 + context.len());
+                        pong.push(4);
+                        pong.extend_from_slice(b"PONG");
+                        pong.extend_from_slice(context);
+                        self.send_frame(&pong, false, true).await?;
+                    }
+                    b"ERROR" => return Err(protocol("the peer sent ERROR")),
+                    _ => {}
+                }
+                continue;
+            }
+            if parts.len() == self.limits.max_parts {
+                return Err(ZmtpError::TooLarge(format!(
+                    "a message of more than {} frames",
+                    self.limits.max_parts
+                )));
+            }
+            parts.push(frame.body);
+            if !frame.more {
+                return Ok(parts);
+            }
+        }
+    }
+
+    async fn send_frame(
+        &mut self,
+        body: &[u8],
+        more: bool,
+        command: bool,
+    ) -> Result<(), ZmtpError> {
+        let mut flags = u8::from(more) | if command { 0x04 } else { 0 };
+        let mut head = Vec::with_capacity(9);
+        match u8::try_from(body.len()) {
+            Ok(n) => {
+                head.push(flags);
+                head.push(n);
+            }
+            Err(_) => {
+                flags |= 0x02;
+                head.push(flags);
+                head.extend_from_slice(&(body.len() as u64).to_be_bytes());
+            }
+        }
+        self.stream.write_all(&head).await?;
+        self.stream.write_all(body).await?;
+        Ok(())
+    }
+
+    async fn read_frame(&mut self) -> Result<Frame, ZmtpError> {
+        let flags = self.stream.read_u8().await?;
+        let len = if flags & 0x02 != 0 {
+            self.stream.read_u64().await?
+        } else {
+            u64::from(self.stream.read_u8().await?)
+        };
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= self.limits.max_frame)
+            .ok_or_else(|| {
+                ZmtpError::TooLarge(format!(
+                    "a frame of {len} bytes (at most {})",
+                    self.limits.max_frame
+                ))
+            })?;
+        let mut body = BytesMut::zeroed(len);
+        self.stream.read_exact(&mut body).await?;
+        Ok(Frame {
+            more: flags & 0x01 != 0,
+            command: flags & 0x04 != 0,
+            body: body.freeze(),
+        })
+    }
+}
+
+fn put_property(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    // Names and values here are constants, well under their length fields' bounds.
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    out.extend_from_slice(value);
+}
+
+/// A command's name and data.
+fn command_parts(body: &[u8]) -> Result<(&[u8], &[u8]), ZmtpError> {
+    let (&n, rest) = body
+        .split_first()
+        .ok_or_else(|| protocol("an empty command"))?;
+    if rest.len() < usize::from(n) {
+        return Err(protocol("a command name longer than its frame"));
+    }
+    Ok(rest.split_at(usize::from(n)))
+}
+
+/// The `Socket-Type` property of a READY command's data.
+fn ready_socket_type(mut data: &[u8]) -> Result<Vec<u8>, ZmtpError> {
+    let bad = || protocol("a malformed READY property");
+    for _ in 0..MAX_PROPERTIES {
+        if data.is_empty() {
+            break;
+        }
+        let (&n, rest) = data.split_first().ok_or_else(bad)?;
+        let name = rest.get(..usize::from(n)).ok_or_else(bad)?;
+        let rest = &rest[usize::from(n)..];
+        let len_bytes: [u8; 4] = rest
+            .get(..4)
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(bad)?;
+        let len = usize::try_from(u32::from_be_bytes(len_bytes)).map_err(|_| bad())?;
+        let value = rest.get(4..4usize.saturating_add(len)).ok_or_else(bad)?;
+        if name.eq_ignore_ascii_case(b"Socket-Type") {
+            return Ok(value.to_vec());
+        }
+        data = &rest[4 + len..];
+    }
+    Err(protocol("READY names no Socket-Type"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_properties_are_bounds_checked() {
+        let mut ok = Vec::new();
+        put_property(&mut ok, b"Identity", b"x");
+        put_property(&mut ok, b"Socket-Type", b"PUB");
+        assert_eq!(ready_socket_type(&ok).unwrap(), b"PUB");
+        // A value length past the end, a name past the end, no socket type.
+        let mut long = vec![11];
+        long.extend_from_slice(b"Socket-Type");
+        long.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(ready_socket_type(&long).is_err());
+        assert!(ready_socket_type(&[200, b'a']).is_err());
+        assert!(ready_socket_type(&[]).is_err());
+        assert!(command_parts(&[9, b'P']).is_err());
+        assert!(command_parts(&[]).is_err());
+    }
+}
