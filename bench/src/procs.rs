@@ -295,14 +295,17 @@ pub async fn kvmesh_sidecars(
     engines: &[SocketAddr],
     cold_placement: &str,
 ) -> anyhow::Result<Vec<Proc>> {
-    kvmesh_sidecars_with(engines, cold_placement, "").await
+    kvmesh_sidecars_with(engines, cold_placement, "", "").await
 }
 
-/// [`kvmesh_sidecars`] with `extra` TOML tables in each sidecar's configuration.
+/// [`kvmesh_sidecars`] with `extra` TOML in each sidecar's configuration (keys of the
+/// `[sidecar]` table first, then any tables but `[cluster]`, `[health]` and `[sidecar]`) and
+/// `cluster_extra` keys in its `[cluster]` table.
 pub async fn kvmesh_sidecars_with(
     engines: &[SocketAddr],
     cold_placement: &str,
     extra: &str,
+    cluster_extra: &str,
 ) -> anyhow::Result<Vec<Proc>> {
     let seed = gossip_port()?;
     // One fresh key per benchmark cluster.
@@ -316,7 +319,7 @@ pub async fn kvmesh_sidecars_with(
              [health]\ninterval_ms = 1000\n\
              [cluster]\nenabled = true\ncluster_id = \"bench\"\nnode_id = \"sidecar-{i}\"\n\
              gossip_listen = \"127.0.0.1:{gossip}\"\nseeds = [\"127.0.0.1:{seed}\"]\n\
-             gossip_keys = [\"{gossip_key}\"]\n\
+             gossip_keys = [\"{gossip_key}\"]\n{cluster_extra}\n\
              [sidecar]\ncold_placement = \"{cold_placement}\"\n{extra}\n\
              [[engines]]\nname = \"engine-{i}\"\nurl = \"http://{e}\"\n"
         );
@@ -695,4 +698,47 @@ pub async fn envoy(
     )
     .await?;
     Ok(p)
+}
+
+/// The Prometheus text a kvmesh process serves on `/metrics` (10 s at most).
+pub async fn metrics_text(
+    client: &crate::load::HttpClient,
+    addr: SocketAddr,
+) -> anyhow::Result<String> {
+    let uri: http::Uri = format!("http://{addr}/metrics").parse()?;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let resp = client.get(uri).await.context("GET /metrics")?;
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .context("reading /metrics")?
+            .to_bytes();
+        anyhow::Ok(String::from_utf8_lossy(&body).into_owned())
+    })
+    .await
+    .context("/metrics did not answer within 10 s")?
+}
+
+/// Sums of the series of `metric` in `texts` by the value of its `label`, sorted by label.
+pub fn sum_by_label(texts: &[String], metric: &str, label: &str) -> Vec<(String, f64)> {
+    let mut sums = std::collections::BTreeMap::<String, f64>::new();
+    let want = format!("{label}=\"");
+    for line in texts.iter().flat_map(|t| t.lines()) {
+        let Some(rest) = line.strip_prefix(metric).and_then(|r| r.strip_prefix('{')) else {
+            continue;
+        };
+        let Some((labels, value)) = rest.rsplit_once("} ") else {
+            continue;
+        };
+        let Some(v) = labels
+            .split_once(&want)
+            .and_then(|(_, r)| r.split_once('"'))
+            .map(|(v, _)| v.to_string())
+        else {
+            continue;
+        };
+        if let Ok(x) = value.trim().parse::<f64>() {
+            *sums.entry(v).or_default() += x;
+        }
+    }
+    sums.into_iter().collect()
 }

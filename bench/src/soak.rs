@@ -136,18 +136,9 @@ fn metric(text: &str, name: &str) -> Option<u64> {
 /// One reading of proxy `name`; an error names it (a proxy that died, or hangs, fails the soak).
 async fn read(client: &HttpClient, name: &str, p: &Proc) -> anyhow::Result<Reading> {
     let (rss_kib, fds) = proc_reading(p.pid()).with_context(|| format!("{name} (did it die?)"))?;
-    let uri: http::Uri = format!("http://{}/metrics", p.addr).parse()?;
-    let text = tokio::time::timeout(Duration::from_secs(10), async {
-        let resp = client.get(uri).await.context("GET /metrics")?;
-        let body = http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .context("reading /metrics")?
-            .to_bytes();
-        anyhow::Ok(String::from_utf8_lossy(&body).into_owned())
-    })
-    .await
-    .with_context(|| format!("{name}: /metrics did not answer within 10 s"))?
-    .with_context(|| name.to_string())?;
+    let text = procs::metrics_text(client, p.addr)
+        .await
+        .with_context(|| name.to_string())?;
     let get = |m: &str| metric(&text, m).with_context(|| format!("{name}: no {m} in /metrics"));
     Ok(Reading {
         rss_kib,
@@ -308,7 +299,7 @@ pub async fn run(cfg: &SoakConfig) -> anyhow::Result<SoakReport> {
     )
     .await?;
     let sidecars =
-        procs::kvmesh_sidecars_with(&[sims[2].addr, sims[3].addr], "home", &residency).await?;
+        procs::kvmesh_sidecars_with(&[sims[2].addr, sims[3].addr], "home", &residency, "").await?;
     let proxies: Vec<(&str, &Proc)> = vec![
         ("gateway", &gateway),
         ("sidecar-0", &sidecars[0]),

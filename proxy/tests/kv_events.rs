@@ -179,8 +179,12 @@ fn stored_removed_cleared_in_both_encodings_route_and_withdraw() {
         3.0
     );
 
-    // Offloaded to CPU, then evicted from GPU: still held; evicted from CPU too: gone.
-    publisher.store(&tokens, 6, 8, "CPU");
+    // Offloaded to CPU (as vLLM's offloading connector reports it: hashes only), then
+    // evicted from GPU: still held; evicted from CPU too: gone.
+    publisher.send(
+        json!({"op": "stored", "hashes": [1006, 1007], "parent": null, "tokens": [],
+                          "block_size": 2 * BLOCK, "medium": "CPU"}),
+    );
     let removed: Vec<u64> = (1006..1008).collect();
     publisher.send(json!({"op": "removed", "hashes": removed, "medium": "GPU"}));
     publisher.send(json!({"op": "removed", "hashes": [1005], "medium": "GPU"}));

@@ -354,6 +354,14 @@ struct CompareArgs {
     /// Write the results here as JSON (and a Markdown table beside it).
     #[arg(long, default_value = "bench-out/compare.json")]
     out: std::path::PathBuf,
+    /// Extra TOML for every sidecar of the kvmesh-sidecar targets: `[sidecar]` keys first
+    /// (e.g. "forward_min_saving = 0"), then other tables except `[cluster]`, `[health]` and
+    /// `[sidecar]`, which the runner writes. Default: none.
+    #[arg(long, default_value = "")]
+    sidecar_config: String,
+    /// Extra keys of the sidecars' `[cluster]` table (e.g. "gossip_interval_ms = 50").
+    #[arg(long, default_value = "")]
+    sidecar_cluster_config: String,
 }
 
 #[derive(Args)]
@@ -692,6 +700,39 @@ fn cpus() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
+/// Prints (to stderr) how kvmesh routers decided, summed over them: routing decisions and
+/// forwards to peers by reason.
+async fn routing_breakdown(target: &str, routers: &[procs::Proc]) {
+    let client = load::client(4);
+    let mut texts = Vec::new();
+    for r in routers {
+        match procs::metrics_text(&client, r.addr).await {
+            Ok(t) => texts.push(t),
+            Err(e) => eprintln!("{target}: {}: {e:#}", r.addr),
+        }
+    }
+    let show = |pairs: Vec<(String, f64)>| {
+        pairs
+            .iter()
+            .map(|(k, v)| format!("{k} {v}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    eprintln!(
+        "{target}: decisions by reason: {}; forwards by reason: {}",
+        show(procs::sum_by_label(
+            &texts,
+            "kvmesh_routing_decisions_total",
+            "reason"
+        )),
+        show(procs::sum_by_label(
+            &texts,
+            "kvmesh_forwards_total",
+            "reason"
+        )),
+    );
+}
+
 async fn start_target(
     target: &str,
     sims: &[procs::Proc],
@@ -699,10 +740,22 @@ async fn start_target(
 ) -> anyhow::Result<Vec<procs::Proc>> {
     let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
     if target == "kvmesh-sidecar" {
-        return procs::kvmesh_sidecars(&addrs, "local").await;
+        return procs::kvmesh_sidecars_with(
+            &addrs,
+            "local",
+            &a.sidecar_config,
+            &a.sidecar_cluster_config,
+        )
+        .await;
     }
     if target == "kvmesh-sidecar-home" {
-        return procs::kvmesh_sidecars(&addrs, "home").await;
+        return procs::kvmesh_sidecars_with(
+            &addrs,
+            "home",
+            &a.sidecar_config,
+            &a.sidecar_cluster_config,
+        )
+        .await;
     }
     if let Some(policy) = target.strip_prefix("kvmesh-") {
         return Ok(vec![procs::kvmesh(policy, &addrs, 0, 1000).await?]);
@@ -766,6 +819,9 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             // What the routing tier itself burnt of the shared CPUs (start-up included).
             let router_cpu_s: Option<f64> = routers.iter().map(procs::Proc::cpu_seconds).sum();
             let row = full_row(target, &summary, router_cpu_s);
+            if target.starts_with("kvmesh-") {
+                routing_breakdown(target, &routers).await;
+            }
             println!("{row}");
             markdown.push_str(&row);
             markdown.push('\n');

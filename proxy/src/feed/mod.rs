@@ -65,6 +65,9 @@ pub mod event {
     pub const RESYNC: &str = "resync";
     /// KV events: a batch seen already (at-least-once delivery, replay overlap).
     pub const DUPLICATE: &str = "duplicate";
+    /// KV events: the live sequence went back (a publisher behind a forwarder restarted): the
+    /// feed starts over.
+    pub const RESTART: &str = "restart";
     /// KV events: `AllBlocksCleared`.
     pub const CLEARED: &str = "cleared";
     /// KV events: stored blocks whose parent block the feed does not know (skipped).
@@ -77,8 +80,9 @@ pub mod event {
     /// The events of a kvagent feed, to export them from start.
     pub const KVAGENT: [&str; 6] = [CONNECTED, LOST, RESET, EPOCH, MALFORMED, OVER_CAP];
     /// The events of a KV events feed.
-    pub const KV_EVENTS: [&str; 12] = [
+    pub const KV_EVENTS: [&str; 13] = [
         CONNECTED,
+        RESTART,
         LOST,
         MALFORMED,
         OVER_CAP,
@@ -317,6 +321,11 @@ impl FedSet {
             }
         }
         self.shared.index.remove_keys(node, gone);
+    }
+
+    /// Whether `key` is held in some medium.
+    fn holds(&self, key: u64) -> bool {
+        self.held.contains(&key)
     }
 
     /// Records what is held again, oldest first, so that its TTL does not run out while the

@@ -5,8 +5,8 @@
 //! length in 8 bytes, and the maintained pure-Rust implementation (`zeromq` 0.7) reserves
 //! whatever a frame states, so one forged length aborts the process; `libzmq` bindings bound
 //! messages (`ZMQ_MAXMSGSIZE`) but bring a C library into every image. Here a frame over
-//! `max_frame` bytes or a message of more than `max_parts` frames ends the connection, and
-//! a read is never larger than the frame it reads.
+//! `max_frame` bytes or a message of more than `max_parts` frames ends the connection, before
+//! its body is waited for.
 //!
 //! Liveness: the client pings an idle connection (a ZMTP 3.1 PING, which libzmq answers)
 //! and gives the connection up when nothing arrives for [`Zmtp::recv`]'s `idle` plus the
@@ -89,10 +89,20 @@ struct Frame {
 }
 
 /// One connection, after the handshake.
+///
+/// Reading is cancel safe: bytes read and frames of a message not yet complete are kept here,
+/// so a [`Zmtp::recv`] dropped by a timer (`select!`, a timeout) loses nothing.
 pub struct Zmtp {
     stream: TcpStream,
     limits: Limits,
+    /// Bytes read and not yet parsed.
+    buf: BytesMut,
+    /// Frames of the message being received.
+    parts: Vec<Bytes>,
 }
+
+/// Most bytes asked of the socket per read.
+const READ_CHUNK: usize = 64 << 10;
 
 impl Zmtp {
     /// Connects to `addr` (`host:port`) as `kind` and completes the handshake (greeting, NULL
@@ -102,7 +112,12 @@ impl Zmtp {
             .await
             .map_err(|_| ZmtpError::Timeout("connect"))??;
         stream.set_nodelay(true)?;
-        let mut z = Zmtp { stream, limits };
+        let mut z = Zmtp {
+            stream,
+            limits,
+            buf: BytesMut::new(),
+            parts: Vec::new(),
+        };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, z.handshake(kind))
             .await
             .map_err(|_| ZmtpError::Timeout("handshake"))??;
@@ -123,9 +138,10 @@ impl Zmtp {
         if peer[0] != 0xff || peer[9] & 1 != 1 {
             return Err(protocol("not a ZMTP peer (bad signature)"));
         }
-        if peer[10] < 3 {
+        // 3.1: the SUBSCRIBE command and PING, which 3.0 peers do not know.
+        if (peer[10], peer[11]) < (3, 1) {
             return Err(protocol(format!(
-                "ZMTP {}.{} is not supported (3.0 or later)",
+                "ZMTP {}.{} is not supported (3.1 or later)",
                 peer[10], peer[11]
             )));
         }
@@ -197,7 +213,6 @@ impl Zmtp {
     /// The next message. When nothing arrives for `idle`, the peer is pinged; when nothing
     /// answers that either, the connection is given up. Commands (PONG, PING) are handled here.
     pub async fn recv(&mut self, idle: Duration) -> Result<Vec<Bytes>, ZmtpError> {
-        let mut parts = Vec::new();
         let mut pinged = false;
         loop {
             let wait = if pinged { PONG_TIMEOUT } else { idle };
@@ -216,8 +231,10 @@ impl Zmtp {
                 let (name, data) = command_parts(&frame.body)?;
                 match name {
                     b"PING" => {
-                        // PONG carries the ping's context (after its 2-byte TTL).
+                        // PONG carries the ping's context (after its 2-byte TTL; at most 16
+                        // bytes, RFC 37).
                         let context = data.get(2..).unwrap_or_default();
+                        let context = &context[..context.len().min(16)];
                         let mut pong = Vec::with_capacity(5 + context.len());
                         pong.push(4);
                         pong.extend_from_slice(b"PONG");
@@ -229,15 +246,15 @@ impl Zmtp {
                 }
                 continue;
             }
-            if parts.len() == self.limits.max_parts {
+            if self.parts.len() == self.limits.max_parts {
                 return Err(ZmtpError::TooLarge(format!(
                     "a message of more than {} frames",
                     self.limits.max_parts
                 )));
             }
-            parts.push(frame.body);
+            self.parts.push(frame.body);
             if !frame.more {
-                return Ok(parts);
+                return Ok(std::mem::take(&mut self.parts));
             }
         }
     }
@@ -266,12 +283,37 @@ impl Zmtp {
         Ok(())
     }
 
+    /// The next frame; cancel safe (what was read stays in `buf`).
     async fn read_frame(&mut self) -> Result<Frame, ZmtpError> {
-        let flags = self.stream.read_u8().await?;
-        let len = if flags & 0x02 != 0 {
-            self.stream.read_u64().await?
+        loop {
+            if let Some(frame) = self.parse_frame()? {
+                return Ok(frame);
+            }
+            self.buf.reserve(READ_CHUNK);
+            if self.stream.read_buf(&mut self.buf).await? == 0 {
+                return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+        }
+    }
+
+    /// A whole frame from `buf`, if it holds one. A stated length over the bound is refused
+    /// before anything is waited for.
+    fn parse_frame(&mut self) -> Result<Option<Frame>, ZmtpError> {
+        let Some(&flags) = self.buf.first() else {
+            return Ok(None);
+        };
+        let (head, len) = if flags & 0x02 != 0 {
+            let Some(b) = self.buf.get(1..9) else {
+                return Ok(None);
+            };
+            let mut n = [0u8; 8];
+            n.copy_from_slice(b);
+            (9, u64::from_be_bytes(n))
         } else {
-            u64::from(self.stream.read_u8().await?)
+            let Some(&n) = self.buf.get(1) else {
+                return Ok(None);
+            };
+            (2, u64::from(n))
         };
         let len = usize::try_from(len)
             .ok()
@@ -282,13 +324,15 @@ impl Zmtp {
                     self.limits.max_frame
                 ))
             })?;
-        let mut body = BytesMut::zeroed(len);
-        self.stream.read_exact(&mut body).await?;
-        Ok(Frame {
+        if self.buf.len() < head + len {
+            return Ok(None);
+        }
+        let _ = self.buf.split_to(head);
+        Ok(Some(Frame {
             more: flags & 0x01 != 0,
             command: flags & 0x04 != 0,
-            body: body.freeze(),
-        })
+            body: self.buf.split_to(len).freeze(),
+        }))
     }
 }
 
@@ -354,5 +398,62 @@ mod tests {
         assert!(ready_socket_type(&[]).is_err());
         assert!(command_parts(&[9, b'P']).is_err());
         assert!(command_parts(&[]).is_err());
+    }
+
+    /// A peer that completes the handshake as PUB, then sends one 100-byte message in two
+    /// halves 300 ms apart.
+    async fn split_frame_peer(listener: tokio::net::TcpListener) {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut greeting = [0u8; 64];
+        greeting[0] = 0xff;
+        greeting[9] = 0x7f;
+        greeting[10] = 3;
+        greeting[11] = 1;
+        greeting[12..16].copy_from_slice(b"NULL");
+        s.write_all(&greeting).await.unwrap();
+        let mut ready = vec![5];
+        ready.extend_from_slice(b"READY");
+        put_property(&mut ready, b"Socket-Type", b"PUB");
+        s.write_all(&[0x04, ready.len() as u8]).await.unwrap();
+        s.write_all(&ready).await.unwrap();
+        let mut frame = vec![0x00, 100];
+        frame.extend((0..100).map(|i| i as u8));
+        s.write_all(&frame[..50]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(&frame[50..]).await.unwrap();
+        // Keep the connection open while the client reads.
+        let mut sink = [0u8; 1024];
+        while s.read(&mut sink).await.unwrap_or(0) > 0 {}
+    }
+
+    #[test]
+    fn a_frame_split_across_a_cancelled_read_arrives_whole() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            tokio::spawn(split_frame_peer(listener));
+            let limits = Limits {
+                max_frame: 1 << 20,
+                max_parts: 4,
+            };
+            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
+            z.subscribe(b"").await.unwrap();
+            // A timer cancels the read every 50 ms, as the feed's refresh tick does.
+            let msg = loop {
+                tokio::select! {
+                    m = z.recv(Duration::from_secs(10)) => break m.unwrap(),
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            };
+            assert_eq!(msg.len(), 1);
+            assert_eq!(
+                msg[0].as_ref(),
+                (0..100).map(|i| i as u8).collect::<Vec<_>>()
+            );
+        });
     }
 }

@@ -7,14 +7,19 @@
 //! (continued from the digest it mapped the parent hash to) and remembers vLLM hash -> digest
 //! to resolve later parents and `BlockRemoved`. Blocks whose contents their tokens do not name
 //! alone (a LoRA, extra keys: images, a cache salt) are skipped, as are their descendants
-//! (their parent is unknown: `unmapped`).
+//! (their parent is unknown: `unmapped`). A `BlockStored` of hashes alone (no tokens, no
+//! parent: vLLM's offloading connector copying blocks to CPU) adds that medium to blocks
+//! already mapped. A mapping goes when its block is held in no medium, and a mapping the
+//! bounded map pushes out takes its block's claim with it (its removal could not be heard).
 //!
 //! Sequence: a batch seen before is skipped; a gap is filled from the replay socket when one
 //! is configured (`[empty, start seq]` to its ROUTER; batches back until seq -1); a gap nothing
 //! fills, and an unreadable batch, withdraw what the feed recorded (`resync`): the engine may
 //! have removed blocks the proxy did not hear of. On connect the feed replays what the
 //! publisher still buffers. A lost connection withdraws everything and forgets the hash map
-//! (a restarted engine hashes with a new seed).
+//! (a restarted engine hashes with a new seed), and so does a live sequence that goes back (a
+//! publisher restarted behind a forwarder: `restart`). A replay is abandoned after 30 s or
+//! 100,000 batches.
 //!
 //! A block is resident while any medium (GPU, CPU, storage) holds it.
 
@@ -42,9 +47,11 @@ const LIMITS: Limits = Limits {
 const IDLE: Duration = Duration::from_secs(10);
 /// Longest wait for the next replayed batch.
 const REPLAY_IDLE: Duration = Duration::from_secs(5);
-/// Most batches one replay may send (vLLM buffers 10,000 by default): past it, the replay is
-/// abandoned, so that a publisher cannot hold the feed in replay.
+/// Most batches one replay may send (vLLM buffers 10,000 by default) ...
 const MAX_REPLAY_BATCHES: usize = 100_000;
+/// ... and longest it may take: past either, the replay is abandoned (the gap stays a gap), so
+/// that a publisher cannot hold the feed in replay.
+const REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 /// The replay end marker: seq -1.
 const END_SEQ: u64 = u64::MAX;
 
@@ -95,12 +102,13 @@ impl Feed {
     }
 }
 
-/// A medium's bit in the feed's set (an unknown name gets one of its own).
+/// A medium's bit in the feed's set (names it does not know share one bit).
 fn medium_bit(m: Option<&str>) -> u8 {
     match m {
         None => 1,
         Some(m) if m.eq_ignore_ascii_case("GPU") => 1,
-        Some(m) if m.eq_ignore_ascii_case("CPU") => 2,
+        // SGLang's host tier is CPU_PINNED.
+        Some(m) if m.eq_ignore_ascii_case("CPU") || m.eq_ignore_ascii_case("CPU_PINNED") => 2,
         Some(m) if m.eq_ignore_ascii_case("STORAGE") || m.eq_ignore_ascii_case("DISK") => 4,
         Some(_) => 8,
     }
@@ -114,6 +122,9 @@ pub(crate) struct Subscriber {
     hashes: LruCache<u128, Digest>,
     /// The last sequence number applied on this connection.
     last: Option<u64>,
+    /// The last sequence number the subscription itself delivered: a publisher's live stream
+    /// only goes forward, so going back means it restarted.
+    live_last: Option<u64>,
 }
 
 #[async_trait]
@@ -126,9 +137,7 @@ impl Follow for Subscriber {
     }
 
     fn lost(&mut self) {
-        self.set.withdraw();
-        self.hashes.clear();
-        self.last = None;
+        self.forget();
         self.set.count(event::LOST, 1);
     }
 
@@ -147,6 +156,7 @@ impl Subscriber {
             set,
             hashes: LruCache::new(cap),
             last: None,
+            live_last: None,
         }
     }
 
@@ -184,18 +194,39 @@ impl Subscriber {
         }
     }
 
+    /// Forgets everything this connection learnt, and withdraws what it recorded.
+    fn forget(&mut self) {
+        self.set.withdraw();
+        self.hashes.clear();
+        self.last = None;
+        self.live_last = None;
+    }
+
     /// A batch from the subscription.
     async fn on_live(&mut self, seq: u64, payload: &Bytes) {
+        if seq == END_SEQ {
+            // The replay end marker, never a batch's number.
+            self.set.count(event::MALFORMED, 1);
+            return;
+        }
+        if self.live_last.is_some_and(|l| seq <= l) {
+            // Back to an earlier number on the same stream: a publisher behind a forwarder
+            // restarted, and its hashes are a new lifetime's.
+            self.set.count(event::RESTART, 1);
+            self.forget();
+            self.replay(0).await;
+        }
+        self.live_last = Some(seq);
         match self.last {
             Some(l) if seq <= l => {
                 self.set.count(event::DUPLICATE, 1);
                 return;
             }
-            Some(l) if seq > l + 1 => {
+            Some(l) if seq > l.saturating_add(1) => {
                 self.set.count(event::GAP, 1);
-                self.replay(l + 1).await;
+                self.replay(l.saturating_add(1)).await;
                 // Still short of `seq`: those batches are gone for good.
-                if self.last.is_some_and(|l| seq > l + 1) {
+                if self.last.is_some_and(|l| seq > l.saturating_add(1)) {
                     self.resync();
                 }
                 if self.last.is_some_and(|l| seq <= l) {
@@ -213,9 +244,13 @@ impl Subscriber {
         let Some(addr) = self.feed.replay.clone() else {
             return;
         };
-        if let Err(e) = self.replay_from(&addr, from).await {
-            tracing::warn!(engine = %self.feed.engine, replay = %addr, error = %e, "KV events replay failed");
-        }
+        let replayed = tokio::time::timeout(REPLAY_DEADLINE, self.replay_from(&addr, from)).await;
+        let e = match replayed {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e,
+            Err(_) => ZmtpError::Timeout("the replay took longer than 30 s"),
+        };
+        tracing::warn!(engine = %self.feed.engine, replay = %addr, error = %e, "KV events replay failed");
     }
 
     async fn replay_from(&mut self, addr: &str, from: u64) -> Result<(), ZmtpError> {
@@ -245,7 +280,7 @@ impl Subscriber {
             match self.last {
                 Some(l) if seq <= l => continue,
                 // The publisher's buffer no longer has what came between.
-                Some(l) if seq > l + 1 => self.resync(),
+                Some(l) if seq > l.saturating_add(1) => self.resync(),
                 _ => {}
             }
             self.set.count(event::REPLAYED, 1);
@@ -298,6 +333,21 @@ impl Subscriber {
             self.set.count(event::UNSUPPORTED, 1);
             return;
         }
+        let bit = medium_bit(s.medium.as_deref());
+        if s.token_ids.is_empty() && s.parent_block_hash.is_none() {
+            // A copy to another medium of blocks stored before (vLLM's offloading connector
+            // names them by hash alone): they are held there too.
+            let known: Option<Vec<Digest>> = s
+                .block_hashes
+                .iter()
+                .map(|h| self.hashes.get(&h.key()).copied())
+                .collect();
+            match known {
+                Some(ds) => self.set.add(ds.iter().map(|d| (d.short(), bit))),
+                None => self.set.count(event::UNMAPPED, 1),
+            }
+            return;
+        }
         if usize::try_from(s.block_size).ok() != Some(self.feed.block_tokens) {
             self.set.count(event::BLOCK_SIZE, 1);
             return;
@@ -322,11 +372,18 @@ impl Subscriber {
             &s.token_ids,
             self.feed.block_tokens,
         );
-        let bit = medium_bit(s.medium.as_deref());
-        for (h, d) in s.block_hashes.iter().zip(&digests) {
-            self.hashes.put(h.key(), *d);
-        }
         self.set.add(digests.iter().map(|d| (d.short(), bit)));
+        let mut dropped = Vec::new();
+        for (h, d) in s.block_hashes.iter().zip(&digests) {
+            // A mapping pushed out is a block whose removal could no longer be resolved: its
+            // claim goes with it.
+            if let Some((k, old)) = self.hashes.push(h.key(), *d) {
+                if k != h.key() {
+                    dropped.push((old.short(), u8::MAX));
+                }
+            }
+        }
+        self.set.remove(dropped);
     }
 
     fn removed(&mut self, r: Removed) {
@@ -334,13 +391,18 @@ impl Subscriber {
             return;
         }
         let bit = medium_bit(r.medium.as_deref());
-        let keys: Vec<_> = r
+        let found: Vec<(u128, u64)> = r
             .block_hashes
             .iter()
-            .filter_map(|h| self.hashes.peek(&h.key()))
-            .map(|d| (d.short(), bit))
+            .filter_map(|h| Some((h.key(), self.hashes.peek(&h.key())?.short())))
             .collect();
-        self.set.remove(keys);
+        self.set.remove(found.iter().map(|&(_, d)| (d, bit)));
+        // Held in no medium now: the mapping goes too (the engine would store it again first).
+        for (k, d) in found {
+            if !self.set.holds(d) {
+                self.hashes.pop(&k);
+            }
+        }
     }
 }
 
@@ -443,7 +505,9 @@ mod tests {
             &Bytes::from(batch(json!([stored(&[11], Some(10), &[3, 4])]))),
         ));
         assert_eq!(feed_entries(&s.set), 1);
-        rt.block_on(s.on_live(2, &Bytes::from(batch(json!([])))));
+        // Applied ahead by a replay, then delivered live: a duplicate.
+        s.apply(3, &batch(json!([])));
+        rt.block_on(s.on_live(3, &Bytes::from(batch(json!([])))));
         assert_eq!(events(&s.set, event::DUPLICATE), 1);
         rt.block_on(s.on_live(
             9,
@@ -453,5 +517,70 @@ mod tests {
         assert_eq!(events(&s.set, event::RESYNC), 2);
         assert_eq!(feed_entries(&s.set), 1, "withdrawn, then batch 9 applied");
         assert_eq!(s.last, Some(9));
+        // The end marker is never a batch; the live stream going back is a restart.
+        rt.block_on(s.on_live(END_SEQ, &Bytes::from(batch(json!([])))));
+        assert_eq!(events(&s.set, event::MALFORMED), 2);
+        assert_eq!(s.last, Some(9));
+        rt.block_on(s.on_live(
+            0,
+            &Bytes::from(batch(json!([stored(&[13], Some(12), &[7, 8])]))),
+        ));
+        assert_eq!(events(&s.set, event::RESTART), 1);
+        assert_eq!(
+            feed_entries(&s.set),
+            0,
+            "the old lifetime's claims and hashes are gone"
+        );
+        assert_eq!(events(&s.set, event::UNMAPPED), 1);
+    }
+
+    #[test]
+    fn offloads_add_a_medium_and_mappings_go_with_their_blocks() {
+        let mut s = subscriber();
+        s.apply(0, &batch(json!([stored(&[10, 11], None, &[1, 2, 3, 4])])));
+        // vLLM's offloading connector: hashes only, no tokens, no parent.
+        let offload = json!({"type": "BlockStored", "block_hashes": [10, 11], "parent_block_hash": null,
+                             "token_ids": [], "block_size": 32, "lora_id": null, "medium": "CPU"});
+        let unknown = json!({"type": "BlockStored", "block_hashes": [77], "parent_block_hash": null,
+                             "token_ids": [], "block_size": 32, "lora_id": null, "medium": "CPU"});
+        s.apply(1, &batch(json!([offload, unknown])));
+        assert_eq!(events(&s.set, event::UNMAPPED), 1);
+        s.apply(
+            2,
+            &batch(json!([{"type": "BlockRemoved", "block_hashes": [10, 11], "medium": "GPU"}])),
+        );
+        assert_eq!(feed_entries(&s.set), 2, "still on CPU");
+        assert_eq!(s.hashes.len(), 2);
+        s.apply(
+            3,
+            &batch(json!([{"type": "BlockRemoved", "block_hashes": [11], "medium": "CPU"}])),
+        );
+        assert_eq!(feed_entries(&s.set), 1);
+        assert_eq!(
+            s.hashes.len(),
+            1,
+            "the mapping of a block held nowhere is dropped"
+        );
+    }
+
+    #[test]
+    fn a_mapping_pushed_out_takes_its_claim() {
+        let mut s = subscriber();
+        s.set = set(2);
+        s.hashes = LruCache::new(std::num::NonZeroUsize::new(3).unwrap());
+        for (i, h) in (100u64..106).enumerate() {
+            s.apply(
+                i as u64,
+                &batch(json!([stored(&[h], None, &[h as u32, 1])])),
+            );
+        }
+        assert_eq!(s.hashes.len(), 3);
+        // Every held digest still has its mapping: a claim no removal could reach is gone.
+        assert_eq!(feed_entries(&s.set), 2);
+        assert!(s
+            .set
+            .held
+            .iter()
+            .all(|(k, _)| s.hashes.iter().any(|(_, d)| d.short() == *k)));
     }
 }

@@ -15,31 +15,32 @@ use std::fmt;
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
-/// A block hash as vLLM exports it: an integer (the low 64 bits, the default) or bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BlockHash {
-    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1` (the default).
-    Int(u64),
-    /// The full hash.
-    Bytes(Vec<u8>),
-}
+/// A block hash as vLLM exports it (an integer, the low 64 bits, by default; or bytes), kept
+/// as a compact key: the integer itself, or the first 16 bytes of the bytes' BLAKE3 hash
+/// (tagged apart). Decoded straight to the key, so a batch of hashes costs 16 bytes each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHash(u128);
 
 /// Longest bytes hash accepted (vLLM's sha256 hashes are 32 bytes).
 const MAX_HASH_BYTES: usize = 64;
 
 impl BlockHash {
-    /// A compact key for the hash: the integer itself, or the first 16 bytes of the bytes'
-    /// BLAKE3 hash (tagged apart).
+    /// The hash vLLM sends as the integer `v`.
+    pub fn int(v: u64) -> Self {
+        BlockHash(u128::from(v))
+    }
+
+    /// The hash vLLM sends as `bytes`.
+    pub fn bytes(bytes: &[u8]) -> Self {
+        let h = blake3::hash(bytes);
+        let mut k = [0u8; 16];
+        k.copy_from_slice(&h.as_bytes()[..16]);
+        BlockHash(u128::from_be_bytes(k) | (1 << 127))
+    }
+
+    /// The key.
     pub fn key(&self) -> u128 {
-        match self {
-            BlockHash::Int(v) => u128::from(*v),
-            BlockHash::Bytes(b) => {
-                let h = blake3::hash(b);
-                let mut k = [0u8; 16];
-                k.copy_from_slice(&h.as_bytes()[..16]);
-                u128::from_be_bytes(k) | (1 << 127)
-            }
-        }
+        self.0
     }
 }
 
@@ -52,11 +53,11 @@ impl<'de> Deserialize<'de> for BlockHash {
                 f.write_str("a block hash (an integer or bytes)")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<BlockHash, E> {
-                Ok(BlockHash::Int(v))
+                Ok(BlockHash::int(v))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<BlockHash, E> {
                 // The same 64 bits, as a publisher that packs signed integers would send them.
-                Ok(BlockHash::Int(v as u64))
+                Ok(BlockHash::int(v as u64))
             }
             fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<BlockHash, E> {
                 if v.len() > MAX_HASH_BYTES {
@@ -65,7 +66,65 @@ impl<'de> Deserialize<'de> for BlockHash {
                         v.len()
                     )));
                 }
-                Ok(BlockHash::Bytes(v.to_vec()))
+                Ok(BlockHash::bytes(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// An optional positional field read leniently: nil, a string, an integer, or anything else
+/// (consumed, and reported as such). Publishers differ after the fields vLLM has always sent
+/// (SGLang puts a metadata map where vLLM has `lora_name`).
+enum Loose {
+    Nil,
+    Str(String),
+    Int(u64),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Loose {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Loose;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Loose, E> {
+                Ok(Loose::Nil)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Loose, E> {
+                Ok(Loose::Nil)
+            }
+            fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<Loose, D2::Error> {
+                Loose::deserialize(d)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Loose, E> {
+                Ok(Loose::Str(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Loose, E> {
+                Ok(Loose::Int(v))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
             }
         }
         d.deserialize_any(V)
@@ -103,8 +162,9 @@ pub struct Stored {
     pub medium: Option<String>,
     /// A LoRA adapter's name: its blocks are not the base model's.
     pub lora_name: Option<String>,
-    /// Whether any block's hash took extra keys (images, a cache salt, prompt embeddings):
-    /// then its tokens alone do not name its contents.
+    /// Whether any block's hash took extra keys (images, a cache salt, prompt embeddings), or
+    /// a field held what this proxy does not recognise: then its tokens alone may not name its
+    /// contents.
     pub has_extra_keys: bool,
     /// The KV cache group (hybrid models have several).
     pub group_idx: Option<u64>,
@@ -133,15 +193,58 @@ pub fn decode(payload: &[u8]) -> Result<Batch, rmp_serde::decode::Error> {
     rmp_serde::from_slice(payload)
 }
 
-/// `extra_keys`: one entry per block, `None` or a tuple of whatever vLLM hashed in.
+/// `extra_keys`: one entry per block, `None` or a tuple of whatever vLLM hashed in; true when
+/// any entry is not `None`, or the field is not a list at all.
 struct ExtraKeys(bool);
 
 impl<'de> Deserialize<'de> for ExtraKeys {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let keys: Option<Vec<Option<IgnoredAny>>> = Deserialize::deserialize(d)?;
-        Ok(ExtraKeys(
-            keys.is_some_and(|k| k.iter().any(Option::is_some)),
-        ))
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = ExtraKeys;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("extra keys")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<ExtraKeys, A::Error> {
+                let mut any = false;
+                while let Some(k) = a.next_element::<Loose>()? {
+                    any |= !matches!(k, Loose::Nil);
+                }
+                Ok(ExtraKeys(any))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(false))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(false))
+            }
+            fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<ExtraKeys, D2::Error> {
+                ExtraKeys::deserialize(d)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<ExtraKeys, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(ExtraKeys(true))
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<ExtraKeys, E> {
+                Ok(ExtraKeys(true))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -203,18 +306,45 @@ impl<'de> Deserialize<'de> for Event {
                         };
                         s.token_ids = next(&mut a, "token_ids")?;
                         s.block_size = next(&mut a, "block_size")?;
-                        // Later fields are optional: omitted when they hold their default.
-                        s.lora_id = a.next_element::<Option<u64>>()?.flatten();
-                        s.medium = a.next_element::<Option<String>>()?.flatten();
-                        s.lora_name = a.next_element::<Option<String>>()?.flatten();
+                        // Later fields are optional (omitted when they hold their default)
+                        // and read leniently: what is not vLLM's shape makes the blocks
+                        // unsupported, not the batch unreadable.
+                        let mut odd = false;
+                        match a.next_element::<Loose>()? {
+                            Some(Loose::Int(v)) => s.lora_id = Some(v),
+                            None | Some(Loose::Nil) => {}
+                            Some(_) => odd = true,
+                        }
+                        match a.next_element::<Loose>()? {
+                            Some(Loose::Str(m)) => s.medium = Some(m),
+                            None | Some(Loose::Nil) => {}
+                            Some(_) => odd = true,
+                        }
+                        match a.next_element::<Loose>()? {
+                            Some(Loose::Str(n)) => s.lora_name = Some(n),
+                            None | Some(Loose::Nil) => {}
+                            Some(_) => odd = true,
+                        }
                         s.has_extra_keys = a.next_element::<ExtraKeys>()?.is_some_and(|k| k.0);
-                        s.group_idx = a.next_element::<Option<u64>>()?.flatten();
+                        match a.next_element::<Loose>()? {
+                            Some(Loose::Int(g)) => s.group_idx = Some(g),
+                            None | Some(Loose::Nil) => {}
+                            Some(_) => odd = true,
+                        }
+                        s.has_extra_keys |= odd;
                         Event::BlockStored(s)
                     }
                     "BlockRemoved" => {
                         let block_hashes = next(&mut a, "block_hashes")?;
-                        let medium = a.next_element::<Option<String>>()?.flatten();
-                        let group_idx = a.next_element::<Option<u64>>()?.flatten();
+                        let medium = match a.next_element::<Loose>()? {
+                            Some(Loose::Str(m)) => Some(m),
+                            _ => None,
+                        };
+                        // Another group than the first only when it says so plainly.
+                        let group_idx = match a.next_element::<Loose>()? {
+                            Some(Loose::Int(g)) => Some(g),
+                            _ => None,
+                        };
                         Event::BlockRemoved(Removed {
                             block_hashes,
                             medium,
@@ -328,10 +458,53 @@ mod tests {
         let Event::BlockStored(s) = &a.events[0] else {
             panic!("{:?}", a.events[0])
         };
-        assert_eq!(s.block_hashes, vec![BlockHash::Int(7), BlockHash::Int(8)]);
-        assert_eq!(s.parent_block_hash, Some(BlockHash::Int(6)));
+        assert_eq!(s.block_hashes, vec![BlockHash::int(7), BlockHash::int(8)]);
+        assert_eq!(s.parent_block_hash, Some(BlockHash::int(6)));
         assert_eq!(s.medium.as_deref(), Some("GPU"));
         assert_eq!(a.events[3], Event::Unknown("SomethingNew".into()));
+    }
+
+    #[test]
+    fn a_field_in_another_shape_makes_the_blocks_unsupported_not_the_batch_unreadable() {
+        // SGLang's positional layout: a metadata map where vLLM has lora_name.
+        let sglang = pack(&(
+            0.0f64,
+            vec![(
+                "BlockStored",
+                vec![1u64],
+                None::<u64>,
+                vec![1u32, 2],
+                2u64,
+                None::<u64>,
+                "CPU_PINNED",
+                std::collections::BTreeMap::from([("cache_salt", "t")]),
+            )],
+        ));
+        let b = decode(&sglang).unwrap();
+        let Event::BlockStored(s) = &b.events[0] else {
+            panic!("{:?}", b.events[0])
+        };
+        assert!(s.has_extra_keys);
+        let plain = pack(&(
+            0.0f64,
+            vec![(
+                "BlockStored",
+                vec![1u64],
+                None::<u64>,
+                vec![1u32, 2],
+                2u64,
+                None::<u64>,
+                "GPU",
+                None::<String>,
+                None::<Vec<u8>>,
+                0u64,
+            )],
+        ));
+        let Event::BlockStored(s) = &decode(&plain).unwrap().events[0] else {
+            panic!()
+        };
+        assert!(!s.has_extra_keys);
+        assert_eq!(s.group_idx, Some(0));
     }
 
     #[test]
