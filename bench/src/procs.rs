@@ -742,3 +742,24 @@ pub fn sum_by_label(texts: &[String], metric: &str, label: &str) -> Vec<(String,
     }
     sums.into_iter().collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn series_sum_by_one_label_over_processes() {
+        let a = "kvmesh_forwards_total{peer=\"x\",reason=\"home\"} 2\n\
+                 kvmesh_forwards_total{peer=\"y\",reason=\"home\"} 3\n\
+                 kvmesh_forwards_total_other{reason=\"home\"} 100\n\
+                 kvmesh_forwards_total{peer=\"x\",reason=\"local\"} 1"
+            .to_string();
+        let b =
+            "# HELP kvmesh_forwards_total x\nkvmesh_forwards_total{reason=\"local\",peer=\"z\"} 4"
+                .to_string();
+        assert_eq!(
+            sum_by_label(&[a, b], "kvmesh_forwards_total", "reason"),
+            vec![("home".to_string(), 5.0), ("local".to_string(), 5.0)]
+        );
+    }
+}
