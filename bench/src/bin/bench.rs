@@ -739,19 +739,15 @@ async fn start_target(
     a: &CompareArgs,
 ) -> anyhow::Result<Vec<procs::Proc>> {
     let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    if target == "kvmesh-sidecar" {
+    let cold_placement = match target {
+        "kvmesh-sidecar" => Some("local"),
+        "kvmesh-sidecar-home" => Some("home"),
+        _ => None,
+    };
+    if let Some(cold) = cold_placement {
         return procs::kvmesh_sidecars_with(
             &addrs,
-            "local",
-            &a.sidecar_config,
-            &a.sidecar_cluster_config,
-        )
-        .await;
-    }
-    if target == "kvmesh-sidecar-home" {
-        return procs::kvmesh_sidecars_with(
-            &addrs,
-            "home",
+            cold,
             &a.sidecar_config,
             &a.sidecar_cluster_config,
         )

@@ -176,8 +176,7 @@ impl Feeds {
 impl BackgroundService for Feeds {
     async fn start(&self, shutdown: ShutdownWatch) {
         let mut tasks = tokio::task::JoinSet::new();
-        for f in &self.kvagent {
-            let follower = kvagent::Follower::new(f.clone(), self.shared.set(&f.engine));
+        let mut spawn = |follower: Box<dyn Follow>| {
             let mut shutdown = shutdown.clone();
             tasks.spawn(async move {
                 tokio::select! {
@@ -185,16 +184,18 @@ impl BackgroundService for Feeds {
                     _ = shutdown.changed() => {}
                 }
             });
+        };
+        for f in &self.kvagent {
+            spawn(Box::new(kvagent::Follower::new(
+                f.clone(),
+                self.shared.set(&f.engine),
+            )));
         }
         for f in &self.kv_events {
-            let follower = kv_events::Subscriber::new(f.clone(), self.shared.set(&f.engine));
-            let mut shutdown = shutdown.clone();
-            tasks.spawn(async move {
-                tokio::select! {
-                    _ = follow_forever(follower) => {}
-                    _ = shutdown.changed() => {}
-                }
-            });
+            spawn(Box::new(kv_events::Subscriber::new(
+                f.clone(),
+                self.shared.set(&f.engine),
+            )));
         }
         while tasks.join_next().await.is_some() {}
     }
@@ -212,7 +213,7 @@ trait Follow: Send {
 }
 
 /// Follows `f`, reconnecting with backoff, forever.
-async fn follow_forever(mut f: impl Follow) {
+async fn follow_forever(mut f: Box<dyn Follow>) {
     let mut backoff = MIN_BACKOFF;
     loop {
         let opened = Instant::now();

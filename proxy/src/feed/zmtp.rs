@@ -125,14 +125,7 @@ impl Zmtp {
     }
 
     async fn handshake(&mut self, kind: SocketType) -> Result<(), ZmtpError> {
-        // Signature, version 3.1, mechanism NULL, as-server 0, filler.
-        let mut greeting = [0u8; 64];
-        greeting[0] = 0xff;
-        greeting[9] = 0x7f;
-        greeting[10] = 3;
-        greeting[11] = 1;
-        greeting[12..16].copy_from_slice(b"NULL");
-        self.stream.write_all(&greeting).await?;
+        self.stream.write_all(&greeting()).await?;
         let mut peer = [0u8; 64];
         self.stream.read_exact(&mut peer).await?;
         if peer[0] != 0xff || peer[9] & 1 != 1 {
@@ -336,6 +329,17 @@ impl Zmtp {
     }
 }
 
+/// This end's greeting: signature, version 3.1, mechanism NULL, as-server 0, filler.
+fn greeting() -> [u8; 64] {
+    let mut g = [0u8; 64];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[11] = 1;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
 fn put_property(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     // Names and values here are constants, well under their length fields' bounds.
     out.push(name.len() as u8);
@@ -404,13 +408,7 @@ mod tests {
     /// halves 300 ms apart.
     async fn split_frame_peer(listener: tokio::net::TcpListener) {
         let (mut s, _) = listener.accept().await.unwrap();
-        let mut greeting = [0u8; 64];
-        greeting[0] = 0xff;
-        greeting[9] = 0x7f;
-        greeting[10] = 3;
-        greeting[11] = 1;
-        greeting[12..16].copy_from_slice(b"NULL");
-        s.write_all(&greeting).await.unwrap();
+        s.write_all(&greeting()).await.unwrap();
         let mut ready = vec![5];
         ready.extend_from_slice(b"READY");
         put_property(&mut ready, b"Socket-Type", b"PUB");

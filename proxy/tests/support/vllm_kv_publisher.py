@@ -127,24 +127,9 @@ def main():
 
     def event(cmd):
         op = cmd["op"]
-        if encoding == "map":
-            if op == "stored":
-                return BlockStored(
-                    block_hashes=cmd["hashes"],
-                    parent_block_hash=cmd.get("parent"),
-                    token_ids=cmd["tokens"],
-                    block_size=cmd.get("block_size", 16),
-                    lora_id=None,
-                    medium=cmd.get("medium", "GPU"),
-                    lora_name=cmd.get("lora_name"),
-                    extra_keys=cmd.get("extra_keys"),
-                    kv_cache_spec_kind="full_attention",
-                )
-            if op == "removed":
-                return BlockRemoved(block_hashes=cmd["hashes"], medium=cmd.get("medium", "GPU"))
-            return AllBlocksCleared()
+        as_map = encoding == "map"
         if op == "stored":
-            return ArrayBlockStored(
+            fields = dict(
                 block_hashes=cmd["hashes"],
                 parent_block_hash=cmd.get("parent"),
                 token_ids=cmd["tokens"],
@@ -152,9 +137,18 @@ def main():
                 lora_id=None,
                 medium=cmd.get("medium", "GPU"),
             )
+            if not as_map:
+                return ArrayBlockStored(**fields)
+            return BlockStored(
+                **fields,
+                lora_name=cmd.get("lora_name"),
+                extra_keys=cmd.get("extra_keys"),
+                kv_cache_spec_kind="full_attention",
+            )
         if op == "removed":
-            return ArrayBlockRemoved(block_hashes=cmd["hashes"], medium=cmd.get("medium", "GPU"))
-        return ArrayAllBlocksCleared()
+            cls = BlockRemoved if as_map else ArrayBlockRemoved
+            return cls(block_hashes=cmd["hashes"], medium=cmd.get("medium", "GPU"))
+        return AllBlocksCleared() if as_map else ArrayAllBlocksCleared()
 
     while True:
         for sock, _ in poller.poll():

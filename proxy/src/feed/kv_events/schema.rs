@@ -73,14 +73,41 @@ impl<'de> Deserialize<'de> for BlockHash {
     }
 }
 
-/// An optional positional field read leniently: nil, a string, an integer, or anything else
-/// (consumed, and reported as such). Publishers differ after the fields vLLM has always sent
-/// (SGLang puts a metadata map where vLLM has `lora_name`).
+/// An optional field read leniently: nil, a string, an integer, a list (whether any entry is
+/// not nil), or anything else (consumed, and reported as such). Publishers differ after the
+/// fields vLLM has always sent (SGLang puts a metadata map where vLLM has `lora_name`).
 enum Loose {
     Nil,
     Str(String),
     Int(u64),
+    List(bool),
     Other,
+}
+
+impl Loose {
+    /// `field` if it is an integer (absent or nil: none); another shape sets `odd`.
+    fn int(field: Option<Loose>, odd: &mut bool) -> Option<u64> {
+        match field {
+            Some(Loose::Int(v)) => Some(v),
+            None | Some(Loose::Nil) => None,
+            Some(_) => {
+                *odd = true;
+                None
+            }
+        }
+    }
+
+    /// `field` if it is a string (absent or nil: none); another shape sets `odd`.
+    fn string(field: Option<Loose>, odd: &mut bool) -> Option<String> {
+        match field {
+            Some(Loose::Str(v)) => Some(v),
+            None | Some(Loose::Nil) => None,
+            Some(_) => {
+                *odd = true;
+                None
+            }
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Loose {
@@ -119,8 +146,12 @@ impl<'de> Deserialize<'de> for Loose {
                 Ok(Loose::Other)
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
-                while a.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(Loose::Other)
+                // Nesting is bounded by the decoder's depth limit.
+                let mut any = false;
+                while let Some(entry) = a.next_element::<Loose>()? {
+                    any |= !matches!(entry, Loose::Nil);
+                }
+                Ok(Loose::List(any))
             }
             fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
                 while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -199,52 +230,11 @@ struct ExtraKeys(bool);
 
 impl<'de> Deserialize<'de> for ExtraKeys {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = ExtraKeys;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("extra keys")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<ExtraKeys, A::Error> {
-                let mut any = false;
-                while let Some(k) = a.next_element::<Loose>()? {
-                    any |= !matches!(k, Loose::Nil);
-                }
-                Ok(ExtraKeys(any))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(false))
-            }
-            fn visit_none<E: de::Error>(self) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(false))
-            }
-            fn visit_some<D2: Deserializer<'de>>(self, d: D2) -> Result<ExtraKeys, D2::Error> {
-                ExtraKeys::deserialize(d)
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<ExtraKeys, A::Error> {
-                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                Ok(ExtraKeys(true))
-            }
-            fn visit_str<E: de::Error>(self, _: &str) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-            fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<ExtraKeys, E> {
-                Ok(ExtraKeys(true))
-            }
-        }
-        d.deserialize_any(V)
+        Ok(ExtraKeys(match Loose::deserialize(d)? {
+            Loose::Nil => false,
+            Loose::List(any) => any,
+            _ => true,
+        }))
     }
 }
 
@@ -310,41 +300,21 @@ impl<'de> Deserialize<'de> for Event {
                         // and read leniently: what is not vLLM's shape makes the blocks
                         // unsupported, not the batch unreadable.
                         let mut odd = false;
-                        match a.next_element::<Loose>()? {
-                            Some(Loose::Int(v)) => s.lora_id = Some(v),
-                            None | Some(Loose::Nil) => {}
-                            Some(_) => odd = true,
-                        }
-                        match a.next_element::<Loose>()? {
-                            Some(Loose::Str(m)) => s.medium = Some(m),
-                            None | Some(Loose::Nil) => {}
-                            Some(_) => odd = true,
-                        }
-                        match a.next_element::<Loose>()? {
-                            Some(Loose::Str(n)) => s.lora_name = Some(n),
-                            None | Some(Loose::Nil) => {}
-                            Some(_) => odd = true,
-                        }
+                        s.lora_id = Loose::int(a.next_element()?, &mut odd);
+                        s.medium = Loose::string(a.next_element()?, &mut odd);
+                        s.lora_name = Loose::string(a.next_element()?, &mut odd);
                         s.has_extra_keys = a.next_element::<ExtraKeys>()?.is_some_and(|k| k.0);
-                        match a.next_element::<Loose>()? {
-                            Some(Loose::Int(g)) => s.group_idx = Some(g),
-                            None | Some(Loose::Nil) => {}
-                            Some(_) => odd = true,
-                        }
+                        s.group_idx = Loose::int(a.next_element()?, &mut odd);
                         s.has_extra_keys |= odd;
                         Event::BlockStored(s)
                     }
                     "BlockRemoved" => {
                         let block_hashes = next(&mut a, "block_hashes")?;
-                        let medium = match a.next_element::<Loose>()? {
-                            Some(Loose::Str(m)) => Some(m),
-                            _ => None,
-                        };
-                        // Another group than the first only when it says so plainly.
-                        let group_idx = match a.next_element::<Loose>()? {
-                            Some(Loose::Int(g)) => Some(g),
-                            _ => None,
-                        };
+                        // Another medium or group than the default only when it says so
+                        // plainly; the odd shape is ignored.
+                        let mut ignored = false;
+                        let medium = Loose::string(a.next_element()?, &mut ignored);
+                        let group_idx = Loose::int(a.next_element()?, &mut ignored);
                         Event::BlockRemoved(Removed {
                             block_hashes,
                             medium,
