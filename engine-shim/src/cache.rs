@@ -61,7 +61,8 @@ impl KvBlock {
         })
     }
 
-    /// Copies block `index` of a sequence's cache out.
+    /// Copies block `index` of a sequence's cache out (nothing evicted before it: slot `i` holds
+    /// position `i`).
     pub fn from_sequence(cache: &KvCache, index: usize) -> KvBlock {
         let at = (index * BLOCK_TOKENS) as i64;
         let take = |layers: &[Tensor]| {
@@ -131,14 +132,15 @@ impl PrefixCache {
         chain.iter().take_while(|d| self.blocks.contains(d)).count()
     }
 
-    /// Copies the first `n` blocks of `chain` into `cache` (they must be held); marks them used.
+    /// Copies the first `n` blocks of `chain` into `cache`, which must be empty (and the blocks
+    /// held); marks them used.
     pub fn load(&mut self, chain: &[Digest], n: usize, cache: &mut KvCache) {
         for (i, d) in chain.iter().take(n).enumerate() {
             if let Some(b) = self.blocks.get(d) {
                 b.copy_into(cache, i);
             }
         }
-        cache.len = cache.len.max(n * BLOCK_TOKENS);
+        cache.advance((n * BLOCK_TOKENS).saturating_sub(cache.pos));
     }
 
     /// Inserts a block; returns the blocks evicted to stay within the bound.

@@ -22,6 +22,7 @@ use tch::{Kind, Tensor};
 use tokio::sync::mpsc;
 
 use crate::cache::{KvBlock, PrefixCache, BLOCK_TOKENS};
+use crate::evict::{self, Eviction, EvictionReport, Policy};
 use crate::model::{Chunk, KvCache, Llama};
 use crate::tokenizer::ModelTokenizer;
 
@@ -134,6 +135,8 @@ pub enum Event {
         finish_reason: &'static str,
         /// Tokens generated.
         completion_tokens: usize,
+        /// What KV eviction did to the sequence.
+        eviction: EvictionReport,
     },
     /// The engine could not serve this request (it goes on serving the next): the last event.
     Failed {
@@ -174,6 +177,8 @@ pub struct Job {
     /// The request's `cache_salt` (empty: none): part of its block digests, so requests with
     /// different salts (tenants) never share cached or paged-in KV blocks.
     pub cache_salt: String,
+    /// KV budget and eviction policy (docs/eviction.md).
+    pub eviction: Eviction,
 }
 
 /// Where evicted and new blocks go, and where missing ones come from (kvagent).
@@ -226,6 +231,13 @@ pub struct Stats {
     pub preemptions: AtomicU64,
     /// Tokens of KV the running sequences hold (their buffers' capacity).
     pub kv_pool_used_tokens: AtomicU64,
+    /// KV evictions, by [`Policy::index`].
+    pub kv_evictions: [AtomicU64; 4],
+    /// Tokens of KV evicted, by [`Policy::index`].
+    pub kv_evicted_tokens: [AtomicU64; 4],
+    /// Sequences that finished holding more KV than their budget (reserved tokens the segment
+    /// policy may not drop), by [`Policy::index`].
+    pub kv_over_budget_sequences: [AtomicU64; 4],
     /// Requests whose `x-kvmesh-prefix-digests` were checked against this engine's own chain,
     /// by [`crate::server::DigestCheck::index`].
     pub routing_digests: [AtomicU64; 3],
@@ -316,10 +328,18 @@ struct Seq {
     /// written, and other requests' prefixes depend on them.
     created: Vec<Digest>,
     started: std::time::Instant,
+    /// What eviction did so far.
+    evicted: EvictionReport,
 }
 
 impl Seq {
+    /// Tokens computed (the position of the next one).
     fn computed(&self) -> usize {
+        self.kv.as_ref().map_or(0, |kv| kv.pos)
+    }
+
+    /// KV slots held (fewer than [`Seq::computed`] once anything was evicted).
+    fn held(&self) -> usize {
         self.kv.as_ref().map_or(0, |kv| kv.len)
     }
 
@@ -476,6 +496,7 @@ impl Worker {
             prefilled: false,
             created: Vec::new(),
             started: std::time::Instant::now(),
+            evicted: EvictionReport::default(),
             job,
         });
     }
@@ -523,7 +544,15 @@ impl Worker {
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             let mut kv = KvCache::new(&self.model.cfg, room);
-            let cached = self.reuse_prefix(&mut seq, &mut kv);
+            let h2o = seq.job.eviction.active() && seq.job.eviction.policy == Policy::H2o;
+            let cached = if h2o {
+                // H2O ranks slots by the attention they received since they were written: a
+                // block copied from the cache would come without its own prompt's share of it.
+                kv.track_attention(&self.model.cfg);
+                0
+            } else {
+                self.reuse_prefix(&mut seq, &mut kv)
+            };
             seq.kv = Some(kv);
             if seq.cached.is_none() {
                 seq.cached = Some(cached);
@@ -602,7 +631,7 @@ impl Worker {
         self.running
             .iter()
             .zip(plan)
-            .map(|(s, &n)| (s.computed() + n).saturating_sub(s.capacity()))
+            .map(|(s, &n)| (s.held() + n).saturating_sub(s.capacity()))
             .sum()
     }
 
@@ -631,7 +660,7 @@ impl Worker {
         let pool = self.schedule.kv_pool_tokens;
         let cfg = &self.model.cfg;
         for (s, &n) in self.running.iter_mut().zip(&plan) {
-            let (cap, need) = (s.capacity(), s.computed() + n);
+            let (cap, need) = (s.capacity(), s.held() + n);
             if need <= cap {
                 continue;
             }
@@ -705,6 +734,7 @@ impl Worker {
             }
         }
         self.running = kept;
+        self.evict_over_budget();
         self.publish_gauges();
         for (seq, events) in last_events {
             for ev in events {
@@ -732,7 +762,7 @@ impl Worker {
                 continue;
             }
             let Some(kv) = s.kv.as_mut() else { continue };
-            let from = kv.len;
+            let from = kv.pos;
             let wants = from + n == s.tokens.len();
             chunks.push(Chunk {
                 tokens: &s.tokens[from..from + n],
@@ -791,7 +821,7 @@ impl Worker {
             s.prefilled = true;
             if let Some(kv) = s.kv.as_ref() {
                 for (b, d) in s.chain.iter().enumerate() {
-                    if (b + 1) * BLOCK_TOKENS > kv.len {
+                    if (b + 1) * BLOCK_TOKENS > kv.pos {
                         break;
                     }
                     if !self.cache.contains(d) {
@@ -883,11 +913,52 @@ impl Worker {
             ms = s.started.elapsed().as_secs_f64() * 1e3,
             "request done"
         );
+        if s.evicted.over_budget_tokens > 0 {
+            let policy = s.job.eviction.policy.index();
+            self.stats.kv_over_budget_sequences[policy].fetch_add(1, Ordering::Relaxed);
+        }
         last.push(Event::Done {
             finish_reason,
             completion_tokens: s.generated.len(),
+            eviction: s.evicted,
         });
         Outcome::Finish(last)
+    }
+
+    /// The eviction boundary (`crate::evict`): every sequence whose prompt is computed and that
+    /// holds more KV than its budget evicts down to it. Its buffer shrinks to what is kept plus
+    /// room for the tokens it may still generate (at most [`KV_GROWTH`]).
+    fn evict_over_budget(&mut self) {
+        let cfg = &self.model.cfg;
+        for s in &mut self.running {
+            let ev = &s.job.eviction;
+            let decoding = s.prefilled && s.computed() + 1 == s.tokens.len();
+            if !decoding || !ev.active() || s.held() <= ev.budget_tokens {
+                continue;
+            }
+            let max_len = s.max_len();
+            let Some(kv) = s.kv.as_mut() else { continue };
+            let headroom = max_len.saturating_sub(kv.pos).min(KV_GROWTH);
+            let dropped = evict::evict(cfg, kv, ev, headroom);
+            let p = ev.policy.index();
+            if dropped > 0 {
+                s.evicted.evictions += 1;
+                s.evicted.evicted_tokens += dropped;
+                self.stats.kv_evictions[p].fetch_add(1, Ordering::Relaxed);
+                self.stats.kv_evicted_tokens[p].fetch_add(dropped as u64, Ordering::Relaxed);
+                tracing::debug!(
+                    policy = ev.policy.as_str(),
+                    dropped,
+                    kept = kv.len,
+                    position = kv.pos,
+                    "KV evicted"
+                );
+            }
+            s.evicted.over_budget_tokens = s
+                .evicted
+                .over_budget_tokens
+                .max(kv.len.saturating_sub(ev.budget_tokens));
+        }
     }
 
     /// kvagent lost its blocks (restarted, or cleared): the blocks cached here, most recently

@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use engine_shim::cache::KvBlock;
 use engine_shim::engine::{BlockStore, Schedule, Stats, Worker};
+use engine_shim::evict::{Eviction, Policy};
 use engine_shim::gguf::Gguf;
 use engine_shim::kvstore::{KvagentStore, Limits, MacKey};
 use engine_shim::model::{Llama, WeightType};
@@ -153,6 +154,14 @@ struct EngineConfig {
     kvagent_client_cert_file: String,
     /// Its PEM private key.
     kvagent_client_key_file: String,
+    /// KV eviction policy for requests that do not choose one (`kv_eviction.policy`): `none`
+    /// (default), `segment`, `h2o` or `streaming` (docs/eviction.md).
+    kv_eviction: Policy,
+    /// KV slots a sequence keeps once its prompt is computed, for requests that do not choose
+    /// (`kv_eviction.budget_tokens`); 0 (default): no budget. Needed by any policy but `none`.
+    kv_budget_tokens: usize,
+    /// Relevance a segment keeps per assistant turn since its message, in [0, 1] (default 0.5).
+    segment_decay: f64,
     /// Log filter.
     log: String,
 }
@@ -188,6 +197,9 @@ impl Default for EngineConfig {
             kvagent_ca_file: String::new(),
             kvagent_client_cert_file: String::new(),
             kvagent_client_key_file: String::new(),
+            kv_eviction: Policy::None,
+            kv_budget_tokens: 0,
+            segment_decay: 0.5,
             log: "info".into(),
         }
     }
@@ -252,6 +264,18 @@ fn load_config(cli: &Cli) -> anyhow::Result<EngineConfig> {
         cfg.max_num_seqs
     );
     anyhow::ensure!(cfg.default_max_tokens > 0, "default_max_tokens must be > 0");
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&cfg.segment_decay),
+        "segment_decay ({}) must be in [0, 1]",
+        cfg.segment_decay
+    );
+    anyhow::ensure!(
+        cfg.kv_eviction == Policy::None || cfg.kv_budget_tokens >= cfg.kv_eviction.min_budget(),
+        "kv_eviction = {:?} needs kv_budget_tokens of at least {} (it is {})",
+        cfg.kv_eviction.as_str(),
+        cfg.kv_eviction.min_budget(),
+        cfg.kv_budget_tokens
+    );
     anyhow::ensure!(
         cfg.kvagent_fetch_timeout_ms > 0 && cfg.kvagent_put_timeout_ms > 0,
         "kvagent_fetch_timeout_ms and kvagent_put_timeout_ms must be > 0"
@@ -563,6 +587,12 @@ fn run() -> anyhow::Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(1),
+        eviction: Eviction {
+            policy: cfg.kv_eviction,
+            budget_tokens: cfg.kv_budget_tokens,
+            segments: Vec::new(),
+        },
+        segment_decay: cfg.segment_decay,
     });
     let listener = {
         let _rt = rt.enter();

@@ -273,15 +273,29 @@ pub struct Llama {
 
 /// The key/value cache of one sequence: per layer `[n_kv_head, capacity, head_dim]`, grown by
 /// [`KvCache::reserve`] (a copy into a larger buffer) as the sequence lengthens.
+///
+/// Keys are stored after RoPE, so a slot keeps its token's original position whatever is
+/// evicted around it (`crate::evict`): slots are filled in position order, and eviction keeps
+/// that order, but once anything is evicted slot `i` no longer holds position `i` (`len` slots
+/// held, `pos` tokens appended).
 pub struct KvCache {
     /// Keys per layer.
     pub k: Vec<Tensor>,
     /// Values per layer.
     pub v: Vec<Tensor>,
-    /// Positions filled.
+    /// Slots filled.
     pub len: usize,
-    /// Positions available.
+    /// Slots available.
     pub capacity: usize,
+    /// Tokens appended so far: the RoPE position of the next one (`len` until an eviction).
+    pub pos: usize,
+    /// The position each slot holds, while every layer and head hold the same ones; `None`
+    /// once a per-head eviction (H2O) made them differ.
+    slot_pos: Option<Vec<u32>>,
+    /// Attention each slot has received so far, per layer `[n_kv_head, capacity]` (summed over
+    /// the kv head's query heads and every query since the slot was written): kept only when
+    /// [`KvCache::track_attention`] asked for it (H2O's heavy hitters).
+    attention: Option<Vec<Tensor>>,
 }
 
 impl KvCache {
@@ -293,7 +307,32 @@ impl KvCache {
             v: make(),
             len: 0,
             capacity,
+            pos: 0,
+            slot_pos: Some(Vec::new()),
+            attention: None,
         }
+    }
+
+    /// Accumulates, from now on, the attention every slot receives (before anything is written).
+    pub fn track_attention(&mut self, cfg: &LlamaConfig) {
+        self.attention = Some(
+            (0..cfg.n_layer)
+                .map(|_| attention_buffer(cfg, self.capacity))
+                .collect(),
+        );
+    }
+
+    /// The accumulated attention of layer `layer` (`[n_kv_head, len]`), when tracked.
+    pub fn attention(&self, layer: usize) -> Option<Tensor> {
+        self.attention
+            .as_ref()
+            .and_then(|a| a.get(layer))
+            .map(|t| t.narrow(1, 0, self.len as i64))
+    }
+
+    /// The position of each slot, while all layers and heads hold the same ones.
+    pub fn positions(&self) -> Option<&[u32]> {
+        self.slot_pos.as_deref()
     }
 
     /// Grows the buffers to hold at least `capacity` positions (keeping what is filled).
@@ -307,6 +346,70 @@ impl KvCache {
             bigger.narrow(1, 0, len).copy_(&t.narrow(1, 0, len));
             *t = bigger;
         }
+        for t in self.attention.iter_mut().flatten() {
+            let bigger = attention_buffer(cfg, capacity);
+            bigger.narrow(1, 0, len).copy_(&t.narrow(1, 0, len));
+            *t = bigger;
+        }
+        self.capacity = capacity;
+    }
+
+    /// `n` tokens were written after the filled slots: they are held now.
+    pub fn advance(&mut self, n: usize) {
+        if let Some(p) = self.slot_pos.as_mut() {
+            p.extend((self.pos..self.pos + n).map(|x| x as u32));
+        }
+        self.len += n;
+        self.pos += n;
+    }
+
+    /// Keeps only the slots `keep` (ascending, each below `len`), in every layer and head, in
+    /// new buffers of `keep.len() + headroom` slots: the memory of what is dropped is freed.
+    pub fn retain(&mut self, cfg: &LlamaConfig, keep: &[usize], headroom: usize) {
+        let idx = Tensor::from_slice(&keep.iter().map(|&i| i as i64).collect::<Vec<_>>());
+        let n = keep.len() as i64;
+        let capacity = keep.len() + headroom;
+        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let smaller = kv_buffer(cfg, capacity);
+            smaller.narrow(1, 0, n).copy_(&t.index_select(1, &idx));
+            *t = smaller;
+        }
+        for t in self.attention.iter_mut().flatten() {
+            let smaller = attention_buffer(cfg, capacity);
+            smaller.narrow(1, 0, n).copy_(&t.index_select(1, &idx));
+            *t = smaller;
+        }
+        if let Some(p) = self.slot_pos.as_mut() {
+            *p = keep.iter().filter_map(|&i| p.get(i).copied()).collect();
+        }
+        self.len = keep.len();
+        self.capacity = capacity;
+    }
+
+    /// Keeps, in each layer and kv head, its own slots: `keep[layer]` is `[n_kv_head, m]`
+    /// (int64, ascending along each row, each below `len`), the same `m` for every layer. The
+    /// buffers are rebuilt with `m + headroom` slots; slot positions are no longer shared.
+    pub fn retain_per_head(&mut self, cfg: &LlamaConfig, keep: &[Tensor], headroom: usize) {
+        let Some(m) = keep.first().map(|t| t.size()[1]) else {
+            return;
+        };
+        let capacity = m as usize + headroom;
+        let hd = cfg.head_dim as i64;
+        for (layer, idx) in keep.iter().enumerate() {
+            let wide = idx.unsqueeze(-1).expand([-1, -1, hd], false);
+            for t in [&mut self.k[layer], &mut self.v[layer]] {
+                let smaller = kv_buffer(cfg, capacity);
+                smaller.narrow(1, 0, m).copy_(&t.gather(1, &wide, false));
+                *t = smaller;
+            }
+            if let Some(a) = self.attention.as_mut().and_then(|a| a.get_mut(layer)) {
+                let smaller = attention_buffer(cfg, capacity);
+                smaller.narrow(1, 0, m).copy_(&a.gather(1, idx, false));
+                *a = smaller;
+            }
+        }
+        self.slot_pos = None;
+        self.len = m as usize;
         self.capacity = capacity;
     }
 }
@@ -314,6 +417,13 @@ impl KvCache {
 fn kv_buffer(cfg: &LlamaConfig, capacity: usize) -> Tensor {
     Tensor::zeros(
         [cfg.n_kv_head as i64, capacity as i64, cfg.head_dim as i64],
+        (Kind::Float, tch::Device::Cpu),
+    )
+}
+
+fn attention_buffer(cfg: &LlamaConfig, capacity: usize) -> Tensor {
+    Tensor::zeros(
+        [cfg.n_kv_head as i64, capacity as i64],
         (Kind::Float, tch::Device::Cpu),
     )
 }
@@ -494,7 +604,7 @@ impl Llama {
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
         let rows = self.rows(std::iter::repeat_n(decode, x.size()[0] as usize));
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &rows);
-        cache.len += tokens.len();
+        cache.advance(tokens.len());
         logits
     }
 
@@ -516,13 +626,14 @@ impl Llama {
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &kinds);
         // Only now: a step that failed anywhere above left every cache as it was.
         for ch in chunks.iter_mut() {
-            ch.kv.len += ch.tokens.len();
+            ch.kv.advance(ch.tokens.len());
         }
         logits
     }
 
     /// The transformer over every chunk's tokens (their K and V written after each cache's
-    /// `len`, which the caller advances); returns the final hidden states `[T, d]`.
+    /// `len` filled slots, at positions from its `pos`; the caller advances both); returns the
+    /// final hidden states `[T, d]`.
     fn layers_over(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
         let c = &self.cfg;
         let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
@@ -531,7 +642,7 @@ impl Llama {
         let mut ids = Vec::new();
         let mut pos = Vec::new();
         for ch in chunks.iter() {
-            let start = ch.kv.len as i64;
+            let start = ch.kv.pos as i64;
             ids.extend(ch.tokens.iter().map(|&x| x as i64));
             pos.extend(start..start + ch.tokens.len() as i64);
         }
@@ -545,7 +656,8 @@ impl Llama {
         let pos = Tensor::from_slice(&pos);
         let cos = self.rope_cos.index_select(0, &pos).unsqueeze(1);
         let sin = self.rope_sin.index_select(0, &pos).unsqueeze(1);
-        // Prefill chunks attend causally: query i (position start+i) sees keys 0..=start+i.
+        // Prefill chunks attend causally: query i sees every held slot and the chunk's keys
+        // 0..=i (held slots are all earlier positions).
         let masks: Vec<Option<Tensor>> = chunks
             .iter()
             .map(|ch| {
@@ -581,6 +693,9 @@ impl Llama {
                 ch.kv.v[li]
                     .narrow(1, start, t)
                     .copy_(&v.narrow(0, off, t).transpose(0, 1));
+                if let Some(acc) = ch.kv.attention.as_mut().and_then(|a| a.get_mut(li)) {
+                    let _ = acc.narrow(1, start, t).zero_();
+                }
                 // Batched over kv heads, with each kv head's `group` query heads stacked as
                 // rows: no broadcast, so the cached keys and values are read in place.
                 let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
@@ -598,8 +713,12 @@ impl Llama {
                         .view([kvh, group * t, total]),
                     None => scores,
                 };
-                let out = scores
-                    .softmax(-1, Kind::Float)
+                let probs = scores.softmax(-1, Kind::Float);
+                if let Some(acc) = ch.kv.attention.as_mut().and_then(|a| a.get_mut(li)) {
+                    let mut held = acc.narrow(1, 0, total);
+                    held += probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+                }
+                let out = probs
                     .bmm(&vals)
                     .view([h, t, hd])
                     .transpose(0, 1)

@@ -19,7 +19,9 @@ use kvmesh_filters::chain::{parse_hex, token_chain, Digest, Namespace};
 
 use crate::cache::BLOCK_TOKENS;
 use crate::engine::{Event, Job, SamplingParams, Stats};
+use crate::evict::{Eviction, EvictionReport, Policy};
 use crate::kvstore::RejectReason;
+use crate::segments;
 use crate::tokenizer::ModelTokenizer;
 
 /// Most bytes of one `stop` string.
@@ -144,6 +146,11 @@ pub struct App {
     pub kv_pool_tokens: usize,
     /// Changes on every start (reported as `kv_epoch`): the cache starts empty.
     pub kv_epoch: u64,
+    /// KV eviction for requests that do not choose (`kv_eviction`, `kv_budget_tokens`; no
+    /// segments).
+    pub eviction: Eviction,
+    /// Relevance kept per assistant turn since a segment's message (`segment_decay`).
+    pub segment_decay: f64,
 }
 
 fn full(b: impl Into<Bytes>) -> Body {
@@ -284,6 +291,20 @@ fn metrics(app: &App) -> String {
             c.as_str()
         ));
     }
+    for (name, counters) in [
+        ("engine_shim_kv_evictions_total", &s.kv_evictions),
+        ("engine_shim_kv_evicted_tokens_total", &s.kv_evicted_tokens),
+        (
+            "engine_shim_kv_over_budget_sequences_total",
+            &s.kv_over_budget_sequences,
+        ),
+    ] {
+        out.push_str(&format!("# TYPE {name} counter\n"));
+        for p in &Policy::ALL[1..] {
+            let n = counters[p.index()].load(Ordering::Relaxed);
+            out.push_str(&format!("{name}{{policy=\"{}\"}} {n}\n", p.as_str()));
+        }
+    }
     out.push_str("# TYPE engine_shim_kv_pagein_rejected_total counter\n");
     for r in RejectReason::ALL {
         let n = s
@@ -331,6 +352,18 @@ struct Parsed {
     stream: bool,
     include_usage: bool,
     params: SamplingParams,
+    eviction: EvictionPlan,
+}
+
+/// A request's eviction settings before its prompt is tokenised.
+struct EvictionPlan {
+    request: segments::Request,
+    policy: Policy,
+    budget_tokens: usize,
+    /// For the segment policy on a chat request: the messages, their units, and where each
+    /// content starts in the rendered prompt (`None`: the template does not copy contents
+    /// verbatim, so no segment can be placed).
+    chat: Option<(Vec<Value>, Vec<segments::Unit>, Option<Vec<usize>>)>,
 }
 
 fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
@@ -378,6 +411,27 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
         }
     }
     refuse_unsupported(obj)?;
+    let request = segments::Request::parse(obj.get("kv_eviction"), chat)?;
+    let mut eviction = EvictionPlan {
+        policy: request.policy.unwrap_or(app.eviction.policy),
+        budget_tokens: request.budget_tokens.unwrap_or(app.eviction.budget_tokens),
+        request,
+        chat: None,
+    };
+    if eviction.policy != Policy::None && eviction.budget_tokens == 0 {
+        return Err(bad(format!(
+            "`kv_eviction.budget_tokens` is required with policy {:?}: this engine has no default budget (kv_budget_tokens)",
+            eviction.policy.as_str()
+        ))
+        .with_param("kv_eviction.budget_tokens"));
+    }
+    if eviction.policy != Policy::Segment && !eviction.request.annotations.is_empty() {
+        return Err(bad(format!(
+            "`kv_eviction.segments` is for the segment policy; this request's policy is {:?}",
+            eviction.policy.as_str()
+        ))
+        .with_param("kv_eviction.segments"));
+    }
     let prompt_param = if chat { "messages" } else { "prompt" };
     let prompt = if chat {
         let pairs = kvmesh_tokenize::chat::turns(obj.get("messages"))
@@ -387,9 +441,28 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             .fold(0usize, |n, (_, c)| n.saturating_add(c.len()));
         // The rendered prompt holds every content: too long already, it is not rendered.
         check_prompt_bytes(app, content_bytes, max_tokens, prompt_param)?;
-        app.tokenizer
+        let rendered = app
+            .tokenizer
             .render_chat(&pairs)
-            .map_err(|e| bad(e.to_string()).with_param("messages"))?
+            .map_err(|e| bad(e.to_string()).with_param("messages"))?;
+        if eviction.policy == Policy::Segment {
+            let messages = obj
+                .get("messages")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            let units = segments::units(&messages, &eviction.request.annotations)?;
+            let starts =
+                segments::content_starts(&pairs, &rendered, |p| app.tokenizer.render_chat(p));
+            if starts.is_none() && !eviction.request.annotations.is_empty() {
+                return Err(bad(
+                    "`kv_eviction.segments` cannot be placed: this model's chat template changes message text, so their tokens cannot be found in the prompt",
+                )
+                .with_param("kv_eviction.segments"));
+            }
+            eviction.chat = Some((messages, units, starts));
+        }
+        rendered
     } else {
         match obj.get("prompt") {
             Some(Value::String(s)) if !s.is_empty() => s.clone(),
@@ -498,6 +571,7 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
             seed,
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         },
+        eviction,
     })
 }
 
@@ -602,12 +676,31 @@ async fn read_body(
 
 /// Parses, renders and tokenises a request body (CPU work: run off the HTTP runtime) and checks
 /// the prompt against the context.
-fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>), ApiError> {
+fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>, Eviction), ApiError> {
     let parsed = parse(app, body, chat)?;
-    let ids = app
-        .tokenizer
-        .encode(&parsed.prompt)
-        .map_err(|e| bad(e.to_string()))?;
+    let plan = &parsed.eviction;
+    let (ids, segments) = match &plan.chat {
+        Some((messages, units, Some(starts))) => {
+            let (ids, offsets) = app
+                .tokenizer
+                .encode_with_offsets(&parsed.prompt)
+                .map_err(|e| bad(e.to_string()))?;
+            let spans = segments::spans(messages, units, starts, &offsets, app.segment_decay);
+            (ids, spans)
+        }
+        _ => (
+            app.tokenizer
+                .encode(&parsed.prompt)
+                .map_err(|e| bad(e.to_string()))?,
+            Vec::new(),
+        ),
+    };
+    let eviction = Eviction {
+        policy: plan.policy,
+        budget_tokens: plan.budget_tokens,
+        segments,
+    };
+    check_budget(plan, &eviction, ids.len())?;
     if ids.is_empty() {
         return Err(bad("the prompt has no tokens").with_param("prompt"));
     }
@@ -623,7 +716,38 @@ fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>), Api
         ))
         .with_param(if chat { "messages" } else { "prompt" }));
     }
-    Ok((parsed, ids))
+    Ok((parsed, ids, eviction))
+}
+
+/// A budget the request chose must be one its policy can keep to: above what the segment
+/// policy may never drop (every prompt token outside segments), and at least the policy's
+/// minimum. The engine's default budget is not judged: it is kept where the policy can.
+fn check_budget(plan: &EvictionPlan, ev: &Eviction, prompt: usize) -> Result<(), ApiError> {
+    if plan.request.budget_tokens.is_none() || ev.policy == Policy::None {
+        return Ok(());
+    }
+    let param = "kv_eviction.budget_tokens";
+    if ev.budget_tokens < ev.policy.min_budget() {
+        return Err(bad(format!(
+            "`{param}` ({}) is below the {} policy's minimum of {}",
+            ev.budget_tokens,
+            ev.policy.as_str(),
+            ev.policy.min_budget()
+        ))
+        .with_param(param));
+    }
+    if ev.policy == Policy::Segment {
+        let droppable: usize = ev.segments.iter().map(|s| s.end - s.start).sum();
+        let reserved = prompt.saturating_sub(droppable);
+        if ev.budget_tokens < reserved {
+            return Err(bad(format!(
+                "`{param}` ({}) is smaller than the prompt's reserved part ({reserved} of its {prompt} tokens are outside segments and are never evicted)",
+                ev.budget_tokens
+            ))
+            .with_param(param));
+        }
+    }
+    Ok(())
 }
 
 async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response<Body> {
@@ -655,7 +779,7 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         let _body_permit = body_permit;
         let prepared = prepare(&job_app, &body, chat)?;
         if let Some(sent) = &digests {
-            let (parsed, ids) = &prepared;
+            let (parsed, ids, _) = &prepared;
             let ns = Namespace::new(&job_app.model_name, parsed.cache_salt.as_bytes());
             if let Some(c) = check_digests(sent.as_deref(), &ns, ids) {
                 job_app.stats.routing_digests[c.index()].fetch_add(1, Ordering::Relaxed);
@@ -664,7 +788,7 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         Ok(prepared)
     })
     .await;
-    let (parsed, ids) = match prepared {
+    let (parsed, ids, eviction) = match prepared {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return error_response(&e),
         Err(e) => {
@@ -689,6 +813,7 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         events: tx,
         stream: parsed.stream,
         cache_salt: parsed.cache_salt,
+        eviction,
     };
     if app.jobs.try_send(job).is_err() {
         app.stats.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -698,24 +823,47 @@ async fn complete(app: Arc<App>, req: Request<Incoming>, chat: bool) -> Response
         ));
     }
     let id = format!("cmpl-{:016x}", fastrand::u64(..));
+    let reply = Reply {
+        id,
+        chat,
+        policy: parsed.eviction.policy,
+        budget_tokens: parsed.eviction.budget_tokens,
+    };
     if parsed.stream {
-        stream(app, rx, id, chat, parsed.include_usage)
+        stream(app, rx, reply, parsed.include_usage)
     } else {
-        whole(app, rx, id, chat).await
+        whole(app, rx, reply).await
     }
 }
 
-fn usage(prompt: usize, cached: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-           "prompt_tokens_details": {"cached_tokens": cached}})
+/// What an answer's envelope says besides the events.
+struct Reply {
+    id: String,
+    chat: bool,
+    policy: Policy,
+    budget_tokens: usize,
+}
+
+impl Reply {
+    /// The `usage` object; with a KV budget, a `kv_eviction` extension says what eviction did.
+    fn usage(&self, prompt: usize, cached: usize, completion: usize, ev: &EvictionReport) -> Value {
+        let mut u = json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                           "prompt_tokens_details": {"cached_tokens": cached}});
+        if self.policy != Policy::None {
+            u["kv_eviction"] = json!({"policy": self.policy.as_str(), "budget_tokens": self.budget_tokens,
+                                      "evictions": ev.evictions, "evicted_tokens": ev.evicted_tokens,
+                                      "over_budget_tokens": ev.over_budget_tokens});
+        }
+        u
+    }
 }
 
 async fn whole(
     app: Arc<App>,
     mut rx: mpsc::UnboundedReceiver<Event>,
-    id: String,
-    chat: bool,
+    reply: Reply,
 ) -> Response<Body> {
+    let chat = reply.chat;
     let (mut text, mut prompt, mut cached) = (String::new(), 0, 0);
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -730,6 +878,7 @@ async fn whole(
             Event::Done {
                 finish_reason,
                 completion_tokens,
+                eviction,
             } => {
                 let choice = if chat {
                     json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason})
@@ -738,9 +887,9 @@ async fn whole(
                 };
                 return json_response(
                     200,
-                    &json!({"id": id, "object": if chat { "chat.completion" } else { "text_completion" },
+                    &json!({"id": reply.id, "object": if chat { "chat.completion" } else { "text_completion" },
                             "created": now_secs(), "model": app.model_name, "choices": [choice],
-                            "usage": usage(prompt, cached, completion_tokens)}),
+                            "usage": reply.usage(prompt, cached, completion_tokens, &eviction)}),
                 );
             }
             Event::Failed { message } => {
@@ -757,10 +906,10 @@ async fn whole(
 fn stream(
     app: Arc<App>,
     mut rx: mpsc::UnboundedReceiver<Event>,
-    id: String,
-    chat: bool,
+    reply: Reply,
     include_usage: bool,
 ) -> Response<Body> {
+    let (chat, id) = (reply.chat, reply.id.clone());
     let (mut tx, body) = http_body_util::channel::Channel::<Bytes, Infallible>::new(8);
     tokio::spawn(async move {
         let created = now_secs();
@@ -800,6 +949,7 @@ fn stream(
                 Event::Done {
                     finish_reason,
                     completion_tokens,
+                    eviction,
                 } => {
                     let last = chunk(if chat {
                         json!({"index": 0, "delta": {}, "finish_reason": finish_reason})
@@ -811,7 +961,7 @@ fn stream(
                     }
                     if include_usage {
                         let v = json!({"id": id, "object": object, "created": created, "model": app.model_name,
-                                       "choices": [], "usage": usage(prompt, cached, completion_tokens)});
+                                       "choices": [], "usage": reply.usage(prompt, cached, completion_tokens, &eviction)});
                         let _ = tx
                             .send(Frame::data(Bytes::from(format!("data: {v}\n\n"))))
                             .await;

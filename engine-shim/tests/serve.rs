@@ -1789,3 +1789,221 @@ mod batching {
         d
     }
 }
+
+/// KV budgets and eviction (docs/eviction.md) on the real model: what eviction keeps, that the
+/// prefix cache stays exact, and bad annotations.
+mod eviction {
+    use super::*;
+
+    const NEEDLE: &str = "The special magic number for Lisbon is 4821937.";
+    const QUESTION: &str = "What is the special magic number for Lisbon?";
+
+    /// A NIAH chat: a system prompt, eight filler passages (one message each) and the question;
+    /// the needle in its own passage (`in_segment`) or in the question's message.
+    fn niah(in_segment: bool) -> Vec<Value> {
+        let filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ".repeat(3);
+        let mut m = vec![
+            json!({"role": "system", "content": "You are a helpful assistant. Answer with the number only."}),
+        ];
+        for i in 0..8 {
+            m.push(json!({"role": "user", "content": format!("Passage {i}: {filler}")}));
+        }
+        if in_segment {
+            m.insert(
+                4,
+                json!({"role": "user", "content": format!("Passage X: {NEEDLE}")}),
+            );
+            m.push(json!({"role": "user", "content": QUESTION}));
+        } else {
+            m.push(json!({"role": "user", "content": format!("{NEEDLE} {QUESTION}")}));
+        }
+        m
+    }
+
+    fn ask(addr: SocketAddr, messages: &[Value], extra: Value) -> Value {
+        let mut body =
+            json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, b) = post(
+            addr,
+            "/v1/chat/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    fn report(v: &Value) -> (u64, u64, u64) {
+        let r = &v["usage"]["kv_eviction"];
+        let n = |k: &str| {
+            r[k].as_u64()
+                .unwrap_or_else(|| panic!("no usage.kv_eviction.{k}: {v}"))
+        };
+        (n("evictions"), n("evicted_tokens"), n("over_budget_tokens"))
+    }
+
+    fn prompt_tokens(v: &Value) -> u64 {
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    }
+
+    /// The segment policy at half the prompt answers a NIAH item exactly as full KV does when
+    /// the needle is in a reserved part or in the most relevant segment (by BM25 against the
+    /// question), while evicting; H2O and StreamingLLM evict to the same budget; the counters in
+    /// /metrics add up to what the answers report.
+    #[test]
+    fn segment_eviction_answers_as_full_kv_when_the_needle_is_kept() {
+        let e = engine(&[]);
+        let mut evicted = std::collections::HashMap::<&str, u64>::new();
+        for in_segment in [true, false] {
+            let m = niah(in_segment);
+            let full = ask(e.addr, &m, json!({}));
+            assert!(
+                full["usage"].get("kv_eviction").is_none(),
+                "no budget, no report"
+            );
+            let budget = prompt_tokens(&full) / 2;
+            for policy in ["segment", "h2o", "streaming"] {
+                let v = ask(
+                    e.addr,
+                    &m,
+                    json!({"kv_eviction": {"policy": policy, "budget_tokens": budget}}),
+                );
+                let (evictions, tokens, over) = report(&v);
+                assert!(evictions > 0, "{policy}: {v}");
+                assert!(
+                    tokens >= prompt_tokens(&v) - budget,
+                    "{policy} evicted down to the budget: {v}"
+                );
+                assert_eq!(over, 0, "{policy} kept to the budget: {v}");
+                *evicted.entry(policy).or_default() += tokens;
+                if policy == "segment" {
+                    assert_eq!(
+                        answer(&v),
+                        answer(&full),
+                        "needle in a segment: {in_segment}"
+                    );
+                }
+            }
+        }
+        for (policy, tokens) in evicted {
+            assert_eq!(
+                metric(
+                    e.addr,
+                    &format!("engine_shim_kv_evicted_tokens_total{{policy=\"{policy}\"}}")
+                ),
+                tokens as f64
+            );
+        }
+    }
+
+    /// The prompt's blocks go into the prefix cache before its KV is evicted, so they are exact:
+    /// the same prompt afterwards reuses them and answers as it does cold. Nothing computed after
+    /// the eviction is cached: a follow-up turn holding the evicted answer reuses no more than
+    /// the first prompt's blocks, and answers as it does cold.
+    #[test]
+    fn blocks_cached_before_eviction_are_exact_and_nothing_after_it_is_reused() {
+        let e = engine(&[]);
+        let m = niah(true);
+        let cold = |m: &[Value], salt: &str| ask(e.addr, m, json!({"cache_salt": salt}));
+        let reference = cold(&m, "cold-1");
+        let pt = prompt_tokens(&reference);
+        let evicting = ask(
+            e.addr,
+            &m,
+            json!({"kv_eviction": {"policy": "segment", "budget_tokens": pt / 2}}),
+        );
+        assert!(report(&evicting).0 > 0);
+        let again = ask(e.addr, &m, json!({}));
+        assert_eq!(
+            cached(&again),
+            (pt - 1) / 16 * 16,
+            "the prompt's blocks are reused"
+        );
+        assert_eq!(answer(&again), answer(&reference));
+        let mut follow = m.clone();
+        follow.push(json!({"role": "assistant", "content": answer(&evicting)}));
+        follow.push(json!({"role": "user", "content": "Say it again."}));
+        let warm = ask(e.addr, &follow, json!({}));
+        assert!(
+            cached(&warm) <= pt / 16 * 16,
+            "only the first prompt's blocks: {}",
+            warm["usage"]
+        );
+        assert_eq!(answer(&warm), answer(&cold(&follow, "cold-2")));
+    }
+
+    /// Bad `kv_eviction` values get 400 naming the field, and the engine goes on serving.
+    #[test]
+    fn bad_segment_annotations_get_400_naming_the_field() {
+        let e = engine(&[]);
+        let m = niah(true);
+        let cases = [
+            (
+                json!({"policy": "segment", "budget_tokens": 400, "segments": [{"message": 40}]}),
+                "kv_eviction.segments[0].message",
+            ),
+            (
+                json!({"policy": "segment", "budget_tokens": 400, "segments": [{"message": 1, "part": 3}]}),
+                "kv_eviction.segments[0].part",
+            ),
+            (
+                json!({"policy": "segment", "budget_tokens": 400, "segments": [{"message": 1, "relevance": "high"}]}),
+                "kv_eviction.segments[0].relevance",
+            ),
+            (
+                json!({"policy": "segment", "budget_tokens": 20}),
+                "kv_eviction.budget_tokens",
+            ),
+            (
+                json!({"policy": "streaming", "budget_tokens": 3}),
+                "kv_eviction.budget_tokens",
+            ),
+            (json!({"policy": "h2o"}), "kv_eviction.budget_tokens"),
+            (
+                json!({"policy": "lru", "budget_tokens": 100}),
+                "kv_eviction.policy",
+            ),
+            (
+                json!({"policy": "h2o", "budget_tokens": 100, "segments": [{"message": 1}]}),
+                "kv_eviction.segments",
+            ),
+            (json!("segment"), "kv_eviction"),
+        ];
+        for (ev, param) in cases {
+            let body = json!({"model": MODEL, "messages": m, "max_tokens": 4, "kv_eviction": ev});
+            let (status, b) = post(
+                e.addr,
+                "/v1/chat/completions",
+                &serde_json::to_vec(&body).unwrap(),
+            );
+            let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+            assert_eq!(
+                (
+                    status,
+                    v["error"]["param"].as_str(),
+                    v["error"]["code"].as_str()
+                ),
+                (400, Some(param), Some("invalid_request")),
+                "{ev}: {v}"
+            );
+        }
+        let body = json!({"model": MODEL, "prompt": "hi", "kv_eviction": {"segments": []}});
+        let (status, b) = post(
+            e.addr,
+            "/v1/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(&b));
+        // A budget the segment policy can keep to, with the needle's passage made reserved.
+        let v = ask(
+            e.addr,
+            &m,
+            json!({"kv_eviction": {"policy": "segment", "budget_tokens": 200,
+                                                       "segments": [{"message": 4, "reserved": true}]}}),
+        );
+        assert!(report(&v).0 > 0);
+        assert!(answer(&v).contains("4821937"), "{v}");
+    }
+}

@@ -66,6 +66,7 @@ fn run_job(
         events: tx,
         stream: false,
         cache_salt: String::new(),
+        eviction: Default::default(),
     })
     .unwrap();
     let mut events = Vec::new();

@@ -207,6 +207,27 @@ impl ModelTokenizer {
         Ok(ids)
     }
 
+    /// [`ModelTokenizer::encode`] and each token's byte range in `text` (BOS as `(0, 0)`;
+    /// tokens that split one character each get that character's range).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut offsets = Vec::with_capacity(enc.len() + 1);
+        if self.add_bos {
+            ids.push(self.bos);
+            offsets.push((0, 0));
+        }
+        ids.extend_from_slice(enc.get_ids());
+        offsets.extend_from_slice(enc.get_offsets());
+        Ok((ids, offsets))
+    }
+
     /// A prefix of [`ModelTokenizer::encode`]`(text)` at least `min_tokens` long when the text
     /// allows (see below), tokenizing only as much of the text as that takes, and the bytes of
     /// text that prefix covers.
