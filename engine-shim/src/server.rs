@@ -360,10 +360,17 @@ struct EvictionPlan {
     request: segments::Request,
     policy: Policy,
     budget_tokens: usize,
-    /// For the segment policy on a chat request: the messages, their units, and where each
-    /// content starts in the rendered prompt (`None`: the template does not copy contents
-    /// verbatim, so no segment can be placed).
-    chat: Option<(Vec<Value>, Vec<segments::Unit>, Option<Vec<usize>>)>,
+    /// For the segment policy on a chat request.
+    chat: Option<ChatSegments>,
+}
+
+/// A chat request's messages as the segment policy sees them.
+struct ChatSegments {
+    messages: Vec<Value>,
+    units: Vec<segments::Unit>,
+    /// Where each content starts in the rendered prompt (`None`: the template does not copy
+    /// contents verbatim, so no segment can be placed).
+    starts: Option<Vec<usize>>,
 }
 
 fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
@@ -460,7 +467,11 @@ fn parse(app: &App, body: &[u8], chat: bool) -> Result<Parsed, ApiError> {
                 )
                 .with_param("kv_eviction.segments"));
             }
-            eviction.chat = Some((messages, units, starts));
+            eviction.chat = Some(ChatSegments {
+                messages,
+                units,
+                starts,
+            });
         }
         rendered
     } else {
@@ -680,7 +691,11 @@ fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>, Evic
     let parsed = parse(app, body, chat)?;
     let plan = &parsed.eviction;
     let (ids, segments) = match &plan.chat {
-        Some((messages, units, Some(starts))) => {
+        Some(ChatSegments {
+            messages,
+            units,
+            starts: Some(starts),
+        }) => {
             let (ids, offsets) = app
                 .tokenizer
                 .encode_with_offsets(&parsed.prompt)

@@ -209,10 +209,7 @@ impl ModelTokenizer {
 
     /// [`ModelTokenizer::encode`] and each token's byte range in `text` (BOS as `(0, 0)`;
     /// tokens that split one character each get that character's range).
-    pub fn encode_with_offsets(
-        &self,
-        text: &str,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Offsets), TokenizerError> {
         let enc = self
             .tokenizer
             .encode(text, false)
@@ -344,6 +341,9 @@ impl ModelTokenizer {
             .map_err(|e| TokenizerError::Template(e.to_string()))
     }
 }
+
+/// Each token's byte range in the text it came from ([`ModelTokenizer::encode_with_offsets`]).
+pub type Offsets = Vec<(usize, usize)>;
 
 /// Most bytes [`ModelTokenizer::encode_prefix`] tokenizes whole when it cannot cut a text.
 pub const MAX_UNCUT_BYTES: usize = 256 << 10;

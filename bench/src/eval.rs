@@ -1,0 +1,630 @@
+//! `kvmesh-bench eval`: long-context quality under KV eviction (docs/eviction.md, "Evaluation").
+//!
+//! Tasks in the RULER style, generated from a seed: single-needle NIAH (a key-value needle among
+//! filler passages), multi-passage QA (one passage holds the answer among distractors written
+//! from the same template), and a two-turn variant of QA (the second question is about another
+//! passage, after the first answer). Every passage is one chat message, so the segment policy
+//! sees them as segments by default; nothing tells it which one matters but BM25 of the
+//! question. Each item runs with full KV, then every policy at every budget (a fraction of that
+//! item's prompt tokens), greedy, on one real `engine-shim`. Reported per task and length: match
+//! (the gold value appears in the answer, RULER's string match) and token F1 in percent,
+//! evictions per item, decode tokens/s; paired bootstrap of segment against each baseline (95%
+//! CI of the difference in match points, two-sided p, Bonferroni-corrected over every
+//! comparison made); then peak RSS and peak KV pool per configuration, from fresh engines
+//! serving several items at once.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use serde_json::{json, Value};
+
+use crate::load::{self, HttpClient};
+use crate::procs;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct EvalBench {
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// Tasks: `niah`, `qa`, `multiturn`.
+    pub tasks: Vec<String>,
+    /// Passages per item (the context length follows; the table reports prompt tokens).
+    pub passages: Vec<usize>,
+    /// Items per task and length.
+    pub items: usize,
+    /// Budgets as fractions of each item's prompt tokens.
+    pub budgets: Vec<f64>,
+    /// Baselines compared against `segment`.
+    pub policies: Vec<String>,
+    /// Bootstrap resamples.
+    pub resamples: usize,
+    /// Seed of the items and the bootstrap.
+    pub seed: u64,
+    /// Items served at once in the memory phase (0: skip it).
+    pub memory_concurrency: usize,
+    /// Where the per-item results go (JSON lines).
+    pub out: PathBuf,
+}
+
+const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+const MAX_TOKENS: u64 = 24;
+
+/// RULER's noise haystack sentence group.
+const NOISE: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+const TOWNS: &[&str] = &[
+    "Arlen", "Brisk", "Corvel", "Dunmore", "Elsby", "Fenwick", "Garrow", "Halden", "Ivel",
+    "Jarrow", "Kestle", "Lorne", "Marden", "Norby", "Oakham", "Pellam", "Quarry", "Rosket",
+    "Selby", "Tamsin", "Ulver", "Varne", "Wexley", "Yarrow", "Zennor", "Ashby", "Bexley", "Carew",
+    "Dorring", "Eskdale",
+];
+const NAMES: &[&str] = &[
+    "Alice Moreau",
+    "Bruno Silva",
+    "Clara Jensen",
+    "Diego Ramos",
+    "Elena Petrova",
+    "Felix Braun",
+    "Grace Okafor",
+    "Hugo Lambert",
+    "Irene Costa",
+    "Jonas Weber",
+    "Karin Holm",
+    "Luis Ortega",
+    "Maya Chen",
+    "Nils Berg",
+    "Olga Ivanova",
+    "Paulo Rocha",
+    "Rita Novak",
+    "Samir Haddad",
+    "Tara Quinn",
+    "Victor Hale",
+];
+const GOODS: &[&str] = &[
+    "cheese", "pottery", "wool", "glass", "cider", "lace", "honey", "salt", "timber", "copper",
+];
+
+/// One evaluation item.
+#[derive(Debug, Clone)]
+struct Item {
+    messages: Vec<Value>,
+    gold: String,
+}
+
+fn system() -> Value {
+    json!({"role": "system", "content": "You are a helpful assistant. Answer the question with the value only, using the passages."})
+}
+
+/// NIAH: `n` filler passages, the needle in a random one of them.
+fn niah(rng: &mut fastrand::Rng, n: usize) -> Item {
+    let key = format!("{}-{}", pick(rng, GOODS), pick(rng, TOWNS).to_lowercase());
+    let value = rng.u32(1_000_000..10_000_000).to_string();
+    let at = rng.usize(..n);
+    let mut m = vec![system()];
+    for i in 0..n {
+        let mut p = format!("Passage {}: {NOISE} {NOISE}", i + 1);
+        if i == at {
+            p = format!("Passage {}: {NOISE} One of the special magic numbers for {key} is: {value}. {NOISE}", i + 1);
+        }
+        m.push(json!({"role": "user", "content": p}));
+    }
+    m.push(json!({"role": "user", "content": format!("What is the special magic number for {key} mentioned in the passages?")}));
+    Item {
+        messages: m,
+        gold: value,
+    }
+}
+
+/// A QA passage about one town.
+fn town_passage(i: usize, town: &str, mayor: &str, good: &str, year: u32) -> String {
+    format!(
+        "Passage {}: {town} is a small town by the river. It was founded in {year} and is known for its {good}. The mayor of {town} is {mayor}. Every spring the town holds a market where farmers sell {good} and bread.",
+        i + 1
+    )
+}
+
+/// `n` town passages with distinct towns; returns (passages, towns, mayors).
+fn towns(rng: &mut fastrand::Rng, n: usize) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let mut ts: Vec<&str> = TOWNS.to_vec();
+    rng.shuffle(&mut ts);
+    let (mut ps, mut tn, mut ms) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n {
+        // More passages than towns: a numbered suffix keeps them distinct.
+        let town = match i / ts.len() {
+            0 => ts[i % ts.len()].to_string(),
+            k => format!("{} {}", ts[i % ts.len()], k + 1),
+        };
+        let mayor = pick(rng, NAMES).to_string();
+        ps.push(town_passage(
+            i,
+            &town,
+            &mayor,
+            pick(rng, GOODS),
+            rng.u32(1200..1900),
+        ));
+        tn.push(town);
+        ms.push(mayor);
+    }
+    (ps, tn, ms)
+}
+
+/// Multi-passage QA: `n` passages, the question about one of them.
+fn qa(rng: &mut fastrand::Rng, n: usize) -> Item {
+    let (ps, ts, ms) = towns(rng, n);
+    let at = rng.usize(..n);
+    let mut m = vec![system()];
+    m.extend(
+        ps.into_iter()
+            .map(|p| json!({"role": "user", "content": p})),
+    );
+    m.push(json!({"role": "user", "content": format!("Who is the mayor of {}?", ts[at])}));
+    Item {
+        messages: m,
+        gold: ms[at].clone(),
+    }
+}
+
+/// Two turns of QA: the first question answered (with its gold answer), then a question about
+/// another passage.
+fn multiturn(rng: &mut fastrand::Rng, n: usize) -> Item {
+    let (ps, ts, ms) = towns(rng, n.max(2));
+    let first = rng.usize(..ps.len());
+    let mut second = rng.usize(..ps.len() - 1);
+    if second >= first {
+        second += 1;
+    }
+    let mut m = vec![system()];
+    m.extend(
+        ps.into_iter()
+            .map(|p| json!({"role": "user", "content": p})),
+    );
+    m.push(json!({"role": "user", "content": format!("Who is the mayor of {}?", ts[first])}));
+    m.push(json!({"role": "assistant", "content": format!("The mayor of {} is {}.", ts[first], ms[first])}));
+    m.push(json!({"role": "user", "content": format!("And who is the mayor of {}?", ts[second])}));
+    Item {
+        messages: m,
+        gold: ms[second].clone(),
+    }
+}
+
+fn pick<'a>(rng: &mut fastrand::Rng, from: &[&'a str]) -> &'a str {
+    from[rng.usize(..from.len())]
+}
+
+fn items(task: &str, n: usize, count: usize, seed: u64) -> anyhow::Result<Vec<Item>> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    (0..count)
+        .map(|_| match task {
+            "niah" => Ok(niah(&mut rng, n)),
+            "qa" => Ok(qa(&mut rng, n)),
+            "multiturn" => Ok(multiturn(&mut rng, n)),
+            other => anyhow::bail!("unknown task {other:?}: use niah, qa or multiturn"),
+        })
+        .collect()
+}
+
+/// Lower-cased alphanumeric words.
+fn words(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect()
+}
+
+/// RULER's string match: the gold's words appear, in order and adjacent, in the answer.
+fn matches(answer: &str, gold: &str) -> bool {
+    let (a, g) = (words(answer), words(gold));
+    !g.is_empty() && a.windows(g.len()).any(|w| w == g.as_slice())
+}
+
+/// SQuAD's token F1 between answer and gold words.
+fn f1(answer: &str, gold: &str) -> f64 {
+    let (a, g) = (words(answer), words(gold));
+    let mut left = g.clone();
+    let mut common = 0usize;
+    for w in &a {
+        if let Some(i) = left.iter().position(|x| x == w) {
+            left.swap_remove(i);
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let (p, r) = (
+        common as f64 / a.len() as f64,
+        common as f64 / g.len() as f64,
+    );
+    2.0 * p * r / (p + r)
+}
+
+/// One answer and what the engine reported with it.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+struct Answer {
+    text: String,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    evictions: u64,
+    evicted_tokens: u64,
+    over_budget_tokens: u64,
+    /// Seconds from the first to the last streamed token.
+    decode_secs: f64,
+}
+
+/// One streamed chat request (greedy), its text and usage.
+async fn ask(client: &HttpClient, url: &str, body: &Value) -> anyhow::Result<Answer> {
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let mut body = resp.into_body();
+    let mut raw = Vec::new();
+    let (mut first, mut last) = (None, None);
+    let t0 = Instant::now();
+    let mut ans = Answer::default();
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        raw.extend_from_slice(data);
+        while let Some(end) = raw.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = raw.drain(..end + 2).collect();
+            let Some(payload) = event.strip_prefix(b"data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_slice::<Value>(payload) else {
+                continue;
+            };
+            if let Some(t) = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .filter(|t| !t.is_empty())
+            {
+                ans.text.push_str(t);
+                first.get_or_insert(t0.elapsed());
+                last = Some(t0.elapsed());
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                let n = |x: &Value| x.as_u64().unwrap_or(0);
+                ans.prompt_tokens = n(&u["prompt_tokens"]);
+                ans.completion_tokens = n(&u["completion_tokens"]);
+                ans.evictions = n(&u["kv_eviction"]["evictions"]);
+                ans.evicted_tokens = n(&u["kv_eviction"]["evicted_tokens"]);
+                ans.over_budget_tokens = n(&u["kv_eviction"]["over_budget_tokens"]);
+            }
+            if let Some(e) = v.get("error") {
+                anyhow::bail!("engine error: {e}");
+            }
+        }
+    }
+    anyhow::ensure!(
+        status == 200,
+        "engine answered {status}: {}",
+        String::from_utf8_lossy(&raw)
+    );
+    anyhow::ensure!(ans.prompt_tokens > 0, "no usage in the answer");
+    if let (Some(f), Some(l)) = (first, last) {
+        ans.decode_secs = (l - f).as_secs_f64();
+    }
+    Ok(ans)
+}
+
+fn body(item: &Item, eviction: Option<(&str, u64)>) -> Value {
+    let mut b = json!({"model": MODEL_NAME, "messages": item.messages, "temperature": 0,
+                       "max_tokens": MAX_TOKENS, "stream": true,
+                       "stream_options": {"include_usage": true}});
+    if let Some((policy, budget)) = eviction {
+        b["kv_eviction"] = json!({"policy": policy, "budget_tokens": budget});
+    }
+    b
+}
+
+/// A configuration: `full`, or a policy at a budget fraction.
+#[derive(Debug, Clone, PartialEq)]
+struct Config {
+    policy: String,
+    budget: f64,
+}
+
+impl Config {
+    fn label(&self) -> String {
+        if self.policy == "full" {
+            "full KV".into()
+        } else {
+            format!("{} @ {:.0}%", self.policy, self.budget * 100.0)
+        }
+    }
+}
+
+/// Paired bootstrap of mean(a - b): (mean, 95% CI low, high, two-sided p).
+fn paired_bootstrap(
+    a: &[f64],
+    b: &[f64],
+    resamples: usize,
+    rng: &mut fastrand::Rng,
+) -> (f64, f64, f64, f64) {
+    let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+    let n = d.len();
+    if n == 0 {
+        return (0.0, 0.0, 0.0, 1.0);
+    }
+    let mean = d.iter().sum::<f64>() / n as f64;
+    let mut means: Vec<f64> = (0..resamples)
+        .map(|_| (0..n).map(|_| d[rng.usize(..n)]).sum::<f64>() / n as f64)
+        .collect();
+    means.sort_by(f64::total_cmp);
+    let q = |p: f64| means[((means.len() - 1) as f64 * p).round() as usize];
+    // Shifted to the null (mean 0): how often a resample is at least as far from it.
+    let extreme = means
+        .iter()
+        .filter(|m| (*m - mean).abs() >= mean.abs())
+        .count();
+    let p = (extreme as f64 + 1.0) / (resamples as f64 + 1.0);
+    (mean, q(0.025), q(0.975), p)
+}
+
+/// Runs the evaluation; returns Markdown tables.
+pub async fn run(b: &EvalBench) -> anyhow::Result<String> {
+    let args = vec![
+        "--model".to_string(),
+        b.model.display().to_string(),
+        "--cache-blocks".into(),
+        "2048".into(),
+    ];
+    let engine = procs::engine_shim(&args)?;
+    let url = format!("http://{}/v1/chat/completions", engine.addr);
+    let client = load::client(b.memory_concurrency.max(1));
+    if let Some(dir) = b.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut jsonl = String::new();
+    let mut configs = vec![Config {
+        policy: "full".into(),
+        budget: 1.0,
+    }];
+    for &f in &b.budgets {
+        for p in std::iter::once("segment").chain(b.policies.iter().map(String::as_str)) {
+            configs.push(Config {
+                policy: p.to_string(),
+                budget: f,
+            });
+        }
+    }
+    let mut out = format!(
+        "\n### KV eviction: quality ({} items per row, greedy, {MAX_TOKENS} tokens max, seed {})\n\n| task | passages | prompt tokens (mean) | configuration | match % | F1 % | evictions per item (min / mean) | evicted tokens per item | decode tok/s |\n|---|---:|---:|---|---:|---:|---:|---:|---:|\n",
+        b.items, b.seed
+    );
+    // (task, passages, budget, baseline, diff, lo, hi, p)
+    let mut comparisons = Vec::new();
+    let mut boot_rng = fastrand::Rng::with_seed(b.seed ^ 0xB007);
+    for task in &b.tasks {
+        for (li, &n) in b.passages.iter().enumerate() {
+            let set = items(task, n, b.items, b.seed + 1000 * li as u64)?;
+            // scores[config][item]
+            let mut results: Vec<Vec<Answer>> = vec![Vec::new(); configs.len()];
+            for (k, item) in set.iter().enumerate() {
+                let full = ask(&client, &url, &body(item, None)).await?;
+                let pt = full.prompt_tokens;
+                results[0].push(full);
+                for (ci, c) in configs.iter().enumerate().skip(1) {
+                    let budget = ((pt as f64 * c.budget).floor() as u64).max(8);
+                    let a = ask(&client, &url, &body(item, Some((&c.policy, budget)))).await?;
+                    results[ci].push(a);
+                }
+                for (ci, c) in configs.iter().enumerate() {
+                    let a = &results[ci][k];
+                    jsonl += &format!(
+                        "{}\n",
+                        json!({"task": task, "passages": n, "item": k, "config": c.label(), "gold": item.gold, "answer": a})
+                    );
+                }
+                eprintln!(
+                    "eval: {task} / {n} passages: item {} of {} done",
+                    k + 1,
+                    set.len()
+                );
+            }
+            let score = |ci: usize, f: &dyn Fn(&Answer, &str) -> f64| -> Vec<f64> {
+                results[ci]
+                    .iter()
+                    .zip(&set)
+                    .map(|(a, it)| f(a, &it.gold))
+                    .collect()
+            };
+            let em = |a: &Answer, g: &str| if matches(&a.text, g) { 100.0 } else { 0.0 };
+            let tf1 = |a: &Answer, g: &str| 100.0 * f1(&a.text, g);
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+            let prompt_mean = mean(
+                &results[0]
+                    .iter()
+                    .map(|a| a.prompt_tokens as f64)
+                    .collect::<Vec<_>>(),
+            );
+            for (ci, c) in configs.iter().enumerate() {
+                let r = &results[ci];
+                let ev: Vec<f64> = r.iter().map(|a| a.evictions as f64).collect();
+                let min_ev = ev.iter().copied().fold(f64::INFINITY, f64::min);
+                let toks = mean(
+                    &r.iter()
+                        .map(|a| a.evicted_tokens as f64)
+                        .collect::<Vec<_>>(),
+                );
+                let (dt, ds) = r.iter().fold((0u64, 0f64), |(t, s), a| {
+                    (t + a.completion_tokens.saturating_sub(1), s + a.decode_secs)
+                });
+                out += &format!(
+                    "| {task} | {n} | {prompt_mean:.0} | {} | {:.1} | {:.1} | {} | {toks:.0} | {:.1} |\n",
+                    c.label(),
+                    mean(&score(ci, &em)),
+                    mean(&score(ci, &tf1)),
+                    if c.policy == "full" { "-".to_string() } else { format!("{min_ev:.0} / {:.1}", mean(&ev)) },
+                    dt as f64 / ds.max(1e-9),
+                );
+            }
+            for &f in &b.budgets {
+                let seg = configs
+                    .iter()
+                    .position(|c| c.policy == "segment" && c.budget == f);
+                for base in std::iter::once("full").chain(b.policies.iter().map(String::as_str)) {
+                    let other = configs
+                        .iter()
+                        .position(|c| c.policy == base && (base == "full" || c.budget == f));
+                    if let (Some(s), Some(o)) = (seg, other) {
+                        let (d, lo, hi, p) = paired_bootstrap(
+                            &score(s, &em),
+                            &score(o, &em),
+                            b.resamples,
+                            &mut boot_rng,
+                        );
+                        comparisons.push((task.clone(), n, f, base.to_string(), d, lo, hi, p));
+                    }
+                }
+            }
+        }
+    }
+    std::fs::write(&b.out, jsonl)?;
+    let m = comparisons.len().max(1) as f64;
+    out += &format!(
+        "\n### Segment against each baseline: paired bootstrap of the match difference ({} resamples; p two-sided, Bonferroni over {} comparisons)\n\n| task | passages | budget | segment minus | points | 95% CI | p (corrected) |\n|---|---:|---:|---|---:|---|---:|\n",
+        b.resamples, comparisons.len()
+    );
+    for (task, n, f, base, d, lo, hi, p) in &comparisons {
+        out += &format!(
+            "| {task} | {n} | {:.0}% | {} | {d:+.1} | [{lo:+.1}, {hi:+.1}] | {:.4} |\n",
+            f * 100.0,
+            if base == "full" { "full KV" } else { base },
+            (p * m).min(1.0)
+        );
+    }
+    drop(engine);
+    if b.memory_concurrency > 0 {
+        out += &memory(b, &configs).await?;
+    }
+    Ok(out)
+}
+
+/// Peak RSS and peak KV pool per configuration: a fresh engine each, serving
+/// `memory_concurrency` QA items at once (sequences that finished prefill hold their evicted KV
+/// while the next ones prefill).
+async fn memory(b: &EvalBench, configs: &[Config]) -> anyhow::Result<String> {
+    let n = *b.passages.iter().max().unwrap_or(&20);
+    let set = items("qa", n, b.memory_concurrency, b.seed ^ 0x4D45)?;
+    let mut out = format!(
+        "\n### Memory: {} QA items ({n} passages) at once, a fresh engine per configuration\n\n| configuration | peak RSS MiB | peak KV pool tokens | vs full KV (pool) |\n|---|---:|---:|---:|\n",
+        set.len()
+    );
+    let mut full_pool = 0.0;
+    for c in configs {
+        let args = vec!["--model".to_string(), b.model.display().to_string()];
+        let e = procs::engine_shim(&args)?;
+        let url = format!("http://{}/v1/chat/completions", e.addr);
+        let client = load::client(set.len());
+        // Budgets from the prompt sizes, measured on a warm-up run of the first item.
+        let warm = ask(&client, &url, &body(&set[0], None)).await?;
+        let budget = ((warm.prompt_tokens as f64 * c.budget).floor() as u64).max(8);
+        let mut tasks = Vec::new();
+        for item in &set {
+            let ev = (c.policy != "full").then_some((c.policy.as_str(), budget));
+            let (client, url, body) = (client.clone(), url.clone(), body(item, ev));
+            tasks.push(tokio::spawn(async move { ask(&client, &url, &body).await }));
+        }
+        let mut peak_pool = 0.0f64;
+        while !tasks.iter().all(|t| t.is_finished()) {
+            if let Ok(text) = procs::metrics_text(&client, e.addr).await {
+                if let Some(v) = text
+                    .lines()
+                    .find(|l| l.starts_with("engine_shim_kv_pool_used_tokens "))
+                    .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                {
+                    peak_pool = peak_pool.max(v);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let rss = std::fs::read_to_string(format!("/proc/{}/status", e.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            })
+            .unwrap_or(0.0)
+            / 1024.0;
+        if c.policy == "full" {
+            full_pool = peak_pool;
+        }
+        out += &format!(
+            "| {} | {rss:.0} | {peak_pool:.0} | {:.2} |\n",
+            c.label(),
+            peak_pool / full_pool.max(1.0)
+        );
+        eprintln!("eval: memory {}: done", c.label());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scoring_follows_ruler_and_squad() {
+        assert!(matches("The mayor of Arlen is Maya Chen.", "Maya Chen"));
+        assert!(!matches("The mayor is Maya.", "Maya Chen"));
+        assert!(matches("It is: 4821937", "4821937"));
+        assert!(!matches("48219370", "4821937"));
+        assert!((f1("Maya Chen", "Maya Chen") - 1.0).abs() < 1e-9);
+        assert!((f1("the mayor is Maya Chen", "Maya Chen") - 2.0 * 0.4 / 1.4).abs() < 1e-9);
+        assert_eq!(f1("nobody", "Maya Chen"), 0.0);
+    }
+
+    #[test]
+    fn items_are_seeded_and_hold_their_answer_once() {
+        let a = items("qa", 12, 5, 7).expect("qa");
+        let b = items("qa", 12, 5, 7).expect("qa");
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.messages, y.messages);
+            let text = serde_json::to_string(&x.messages).unwrap_or_default();
+            assert!(text.contains(&x.gold));
+        }
+        let n = items("niah", 6, 3, 1).expect("niah");
+        for it in &n {
+            // System, 6 passages, the question.
+            assert_eq!(it.messages.len(), 8);
+            assert_eq!(
+                serde_json::to_string(&it.messages)
+                    .unwrap_or_default()
+                    .matches(&it.gold)
+                    .count(),
+                1
+            );
+        }
+        let m = items("multiturn", 4, 3, 2).expect("multiturn");
+        assert!(m.iter().all(|it| it.messages.len() == 8));
+        assert!(items("lsat", 4, 1, 0).is_err());
+    }
+
+    #[test]
+    fn the_paired_bootstrap_separates_a_real_difference_from_none() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        let a: Vec<f64> = (0..60)
+            .map(|i| if i % 10 < 9 { 100.0 } else { 0.0 })
+            .collect();
+        let b: Vec<f64> = (0..60)
+            .map(|i| if i % 10 < 3 { 100.0 } else { 0.0 })
+            .collect();
+        let (d, lo, hi, p) = paired_bootstrap(&a, &b, 2000, &mut rng);
+        assert!(
+            (d - 60.0).abs() < 1e-9 && lo > 40.0 && hi <= 80.0 && p < 0.001,
+            "{d} {lo} {hi} {p}"
+        );
+        let (d, lo, hi, p) = paired_bootstrap(&a, &a, 2000, &mut rng);
+        assert!(d == 0.0 && lo == 0.0 && hi == 0.0 && p > 0.5);
+    }
+}
