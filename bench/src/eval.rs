@@ -251,6 +251,9 @@ struct Answer {
     over_budget_tokens: u64,
     /// Seconds from the first to the last streamed token.
     decode_secs: f64,
+    /// The engine's 400, when it refused the configuration for this item (for the segment
+    /// policy, a budget below the prompt's reserved part): scored as a miss.
+    refused: Option<String>,
 }
 
 /// One streamed chat request (greedy), its text and usage.
@@ -260,6 +263,13 @@ async fn ask(client: &HttpClient, url: &str, body: &Value) -> anyhow::Result<Ans
         .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
     let resp = client.request(req).await?;
     let status = resp.status();
+    if status == 400 {
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        return Ok(Answer {
+            refused: Some(String::from_utf8_lossy(&bytes).into_owned()),
+            ..Answer::default()
+        });
+    }
     let mut body = resp.into_body();
     let mut raw = Vec::new();
     let (mut first, mut last) = (None, None);
@@ -394,7 +404,7 @@ pub async fn run(b: &EvalBench) -> anyhow::Result<String> {
         }
     }
     let mut out = format!(
-        "\n### KV eviction: quality ({} items per row, greedy, {MAX_TOKENS} tokens max, seed {})\n\n| task | passages | prompt tokens (mean) | configuration | match % | F1 % | evictions per item (min / mean) | evicted tokens per item | decode tok/s |\n|---|---:|---:|---|---:|---:|---:|---:|---:|\n",
+        "\n### KV eviction: quality ({} items per row, greedy, {MAX_TOKENS} tokens max, seed {})\n\n| task | passages | prompt tokens (mean) | configuration | match % | F1 % | refused | evictions per item (min / mean) | evicted tokens per item | decode tok/s |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---:|\n",
         b.items, b.seed
     );
     // (task, passages, budget, baseline, diff, lo, hi, p)
@@ -455,8 +465,9 @@ pub async fn run(b: &EvalBench) -> anyhow::Result<String> {
                 let (dt, ds) = r.iter().fold((0u64, 0f64), |(t, s), a| {
                     (t + a.completion_tokens.saturating_sub(1), s + a.decode_secs)
                 });
+                let refused = r.iter().filter(|a| a.refused.is_some()).count();
                 out += &format!(
-                    "| {task} | {n} | {prompt_mean:.0} | {} | {:.1} | {:.1} | {} | {toks:.0} | {:.1} |\n",
+                    "| {task} | {n} | {prompt_mean:.0} | {} | {:.1} | {:.1} | {refused} | {} | {toks:.0} | {:.1} |\n",
                     c.label(),
                     mean(&score(ci, &em)),
                     mean(&score(ci, &tf1)),
@@ -488,7 +499,7 @@ pub async fn run(b: &EvalBench) -> anyhow::Result<String> {
     std::fs::write(&b.out, jsonl)?;
     let m = comparisons.len().max(1) as f64;
     out += &format!(
-        "\n### Segment against each baseline: paired bootstrap of the match difference ({} resamples; p two-sided, Bonferroni over {} comparisons)\n\n| task | passages | budget | segment minus | points | 95% CI | p (corrected) |\n|---|---:|---:|---|---:|---|---:|\n",
+        "\n### Segment against each baseline: paired bootstrap of the match difference ({} resamples; p two-sided, Bonferroni over {} comparisons; the CIs are not corrected)\n\n| task | passages | budget | segment minus | points | 95% CI | p (corrected) |\n|---|---:|---:|---|---:|---|---:|\n",
         b.resamples, comparisons.len()
     );
     for (task, n, f, base, d, lo, hi, p) in &comparisons {
@@ -516,17 +527,27 @@ async fn memory(b: &EvalBench, configs: &[Config]) -> anyhow::Result<String> {
         "\n### Memory: {} QA items ({n} passages) at once, a fresh engine per configuration\n\n| configuration | peak RSS MiB | peak KV pool tokens | vs full KV (pool) |\n|---|---:|---:|---:|\n",
         set.len()
     );
-    let mut full_pool = 0.0;
-    for c in configs {
-        let args = vec!["--model".to_string(), b.model.display().to_string()];
+    let args = vec!["--model".to_string(), b.model.display().to_string()];
+    let client = load::client(set.len());
+    // Each item's prompt size, from an engine of its own: a full-KV request on the measured
+    // engines would raise their peak before the measurement.
+    let mut prompts = Vec::new();
+    {
         let e = procs::engine_shim(&args)?;
         let url = format!("http://{}/v1/chat/completions", e.addr);
-        let client = load::client(set.len());
-        // Budgets from the prompt sizes, measured on a warm-up run of the first item.
-        let warm = ask(&client, &url, &body(&set[0], None)).await?;
-        let budget = ((warm.prompt_tokens as f64 * c.budget).floor() as u64).max(8);
-        let mut tasks = Vec::new();
         for item in &set {
+            let mut one = body(item, None);
+            one["max_tokens"] = json!(1);
+            prompts.push(ask(&client, &url, &one).await?.prompt_tokens);
+        }
+    }
+    let mut full_pool = 0.0;
+    for c in configs {
+        let e = procs::engine_shim(&args)?;
+        let url = format!("http://{}/v1/chat/completions", e.addr);
+        let mut tasks = Vec::new();
+        for (item, &pt) in set.iter().zip(&prompts) {
+            let budget = ((pt as f64 * c.budget).floor() as u64).max(8);
             let ev = (c.policy != "full").then_some((c.policy.as_str(), budget));
             let (client, url, body) = (client.clone(), url.clone(), body(item, ev));
             tasks.push(tokio::spawn(async move { ask(&client, &url, &body).await }));

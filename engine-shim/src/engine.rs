@@ -930,7 +930,8 @@ impl Worker {
     /// room for the tokens it may still generate (at most [`KV_GROWTH`]).
     fn evict_over_budget(&mut self) {
         let cfg = &self.model.cfg;
-        for s in &mut self.running {
+        let mut failed = Vec::new();
+        for (i, s) in self.running.iter_mut().enumerate() {
             let ev = &s.job.eviction;
             let decoding = s.prefilled && s.computed() + 1 == s.tokens.len();
             if !decoding || !ev.active() || s.held() <= ev.budget_tokens {
@@ -939,7 +940,17 @@ impl Worker {
             let max_len = s.max_len();
             let Some(kv) = s.kv.as_mut() else { continue };
             let headroom = max_len.saturating_sub(kv.pos).min(KV_GROWTH);
-            let dropped = evict::evict(cfg, kv, ev, headroom);
+            // libtorch raising here (say, an allocation) must fail this sequence, not the engine.
+            let dropped = match catch_unwind(AssertUnwindSafe(|| {
+                evict::evict(cfg, kv, ev, headroom)
+            })) {
+                Ok(n) => n,
+                Err(panic) => {
+                    tracing::error!(error = %panic_text(&panic), "KV eviction failed; failing that sequence");
+                    failed.push(i);
+                    continue;
+                }
+            };
             let p = ev.policy.index();
             if dropped > 0 {
                 s.evicted.evictions += 1;
@@ -958,6 +969,11 @@ impl Worker {
                 .evicted
                 .over_budget_tokens
                 .max(kv.len.saturating_sub(ev.budget_tokens));
+        }
+        for &i in failed.iter().rev() {
+            let event = self.fail(i);
+            let seq = self.running.remove(i);
+            let _ = seq.job.events.send(event);
         }
     }
 

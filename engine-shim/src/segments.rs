@@ -153,10 +153,13 @@ fn annotation(v: &Value, at: &str) -> Result<Annotation, ApiError> {
         match k.as_str() {
             "message" | "part" => {}
             "relevance" => {
+                // Not negative: decay shrinks a score towards 0, which must mean "less relevant".
                 a.relevance = Some(
                     v.as_f64()
-                        .filter(|x| x.is_finite())
-                        .ok_or_else(|| bad(&param, format!("`{param}` must be a finite number")))?,
+                        .filter(|x| x.is_finite() && *x >= 0.0)
+                        .ok_or_else(|| {
+                            bad(&param, format!("`{param}` must be a finite number >= 0"))
+                        })?,
                 )
             }
             "reserved" => {
@@ -301,28 +304,29 @@ pub fn content_starts<E>(
         starts.push(rebuilt.len());
         rebuilt.push_str(c);
         rest = &rest[at + m.len()..];
-        // A template that copied a content twice cannot be placed.
-        if rest.contains(&m) {
-            return None;
-        }
     }
     rebuilt.push_str(rest);
-    (rebuilt == rendered).then_some(starts)
+    // A marker left over (a template that copied a content twice) cannot be placed.
+    (rebuilt == rendered && !rebuilt.contains('\u{F8F0}')).then_some(starts)
 }
 
-/// The tokens (by their byte `offsets` in the text) lying wholly inside `from..to`, as a token
-/// range; `None` when no token does.
+/// The tokens (by their byte `offsets` in the text, in order) lying wholly inside `from..to`,
+/// as a token range; `None` when no token does.
 pub fn token_span(offsets: &[(usize, usize)], from: usize, to: usize) -> Option<(usize, usize)> {
     let inside = |&(s, e): &(usize, usize)| s >= from && e <= to && e > s;
-    let first = offsets.iter().position(inside)?;
+    // Offsets start in order: the first token at or after `from`, found by bisection.
+    let first = offsets.partition_point(|&(s, _)| s < from);
+    let first = first + offsets[first..].iter().take_while(|o| o.1 <= o.0).count();
     let len = offsets[first..].iter().take_while(|o| inside(o)).count();
-    Some((first, first + len))
+    (len > 0).then_some((first, first + len))
 }
 
 /// BM25 (k1 = 1.2, b = 0.75; Robertson and Zaragoza's IDF, floored at 0) of `query` against each
-/// of `docs`, over lower-cased alphanumeric words. Written here: the crates that offer it bring
-/// stemmers and language detection that passages of a prompt do not need.
+/// of `docs`, over lower-cased alphanumeric words, in one pass over each document. Written here:
+/// the crates that offer it bring stemmers and language detection that passages of a prompt do
+/// not need.
 pub fn bm25(query: &str, docs: &[&str]) -> Vec<f64> {
+    use std::collections::{HashMap, HashSet};
     const K1: f64 = 1.2;
     const B: f64 = 0.75;
     let words = |s: &str| -> Vec<String> {
@@ -331,25 +335,36 @@ pub fn bm25(query: &str, docs: &[&str]) -> Vec<f64> {
             .map(str::to_lowercase)
             .collect()
     };
-    let docs: Vec<Vec<String>> = docs.iter().map(|d| words(d)).collect();
-    let n = docs.len() as f64;
-    let avg = (docs.iter().map(Vec::len).sum::<usize>() as f64 / n.max(1.0)).max(1.0);
-    let mut terms = words(query);
-    terms.sort_unstable();
-    terms.dedup();
-    docs.iter()
+    let terms: HashSet<String> = words(query).into_iter().collect();
+    // Per document: its length in words and how often each query term occurs in it.
+    let docs: Vec<(usize, HashMap<&str, usize>)> = docs
+        .iter()
         .map(|d| {
-            let len = d.len() as f64;
-            terms
-                .iter()
-                .map(|t| {
-                    let tf = d.iter().filter(|w| *w == t).count() as f64;
-                    if tf == 0.0 {
-                        return 0.0;
-                    }
-                    let df = docs.iter().filter(|d| d.contains(t)).count() as f64;
+            let ws = words(d);
+            let mut tf = HashMap::new();
+            for w in &ws {
+                if let Some(t) = terms.get(w) {
+                    *tf.entry(t.as_str()).or_insert(0) += 1;
+                }
+            }
+            (ws.len(), tf)
+        })
+        .collect();
+    let mut df: HashMap<&str, usize> = HashMap::new();
+    for (_, tf) in &docs {
+        for t in tf.keys() {
+            *df.entry(t).or_insert(0) += 1;
+        }
+    }
+    let n = docs.len() as f64;
+    let avg = (docs.iter().map(|d| d.0).sum::<usize>() as f64 / n.max(1.0)).max(1.0);
+    docs.iter()
+        .map(|(len, tf)| {
+            tf.iter()
+                .map(|(t, &count)| {
+                    let (tf, df) = (count as f64, df.get(t).copied().unwrap_or(0) as f64);
                     let idf = ((n - df + 0.5) / (df + 0.5) + 1.0).ln().max(0.0);
-                    idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * len / avg))
+                    idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * *len as f64 / avg))
                 })
                 .sum()
         })
@@ -359,7 +374,8 @@ pub fn bm25(query: &str, docs: &[&str]) -> Vec<f64> {
 /// The segment policy's spans for a rendered chat prompt: each non-reserved unit's tokens
 /// (`offsets`: each token's byte range in `rendered`, BOS as an empty range), with its relevance
 /// (the client's, else BM25 of the question), times `decay` per assistant message after it;
-/// `starts` from [`content_starts`]. A unit no token lies wholly inside of is left out.
+/// `starts` from [`content_starts`]. A unit no token lies wholly inside of is left out. Linear
+/// in the request (plus a bisection per unit): every input here comes from the client.
 pub fn spans(
     messages: &[Value],
     units: &[Unit],
@@ -367,16 +383,25 @@ pub fn spans(
     offsets: &[(usize, usize)],
     decay: f64,
 ) -> Vec<Segment> {
-    let text_of = |u: &Unit| -> String {
-        let content = kvmesh_tokenize::chat::content_text(
-            messages
-                .get(u.message)
-                .and_then(|m| m.get("content"))
-                .unwrap_or(&Value::Null),
-            u.message,
-        )
-        .unwrap_or_default();
-        content.get(u.start..u.end).unwrap_or("").to_string()
+    let contents: Vec<String> = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            kvmesh_tokenize::chat::content_text(m.get("content").unwrap_or(&Value::Null), i)
+                .unwrap_or_default()
+        })
+        .collect();
+    // later_replies[i]: assistant messages from message i on.
+    let mut later_replies = vec![0usize; messages.len() + 1];
+    for (i, m) in messages.iter().enumerate().rev() {
+        let reply = m.get("role").and_then(Value::as_str) == Some("assistant");
+        later_replies[i] = later_replies[i + 1] + usize::from(reply);
+    }
+    let text_of = |u: &Unit| -> &str {
+        contents
+            .get(u.message)
+            .and_then(|c| c.get(u.start..u.end))
+            .unwrap_or("")
     };
     let last_user = messages
         .iter()
@@ -387,12 +412,12 @@ pub fn spans(
         .map(text_of)
         .collect::<Vec<_>>()
         .join(" ");
-    let segs: Vec<&Unit> = units.iter().filter(|u| !u.reserved).collect();
-    let texts: Vec<String> = segs.iter().map(|u| text_of(u)).collect();
-    let scores = bm25(
-        &question,
-        &texts.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    let segs: Vec<&Unit> = units
+        .iter()
+        .filter(|u| !u.reserved && u.end > u.start)
+        .collect();
+    let texts: Vec<&str> = segs.iter().map(|u| text_of(u)).collect();
+    let scores = bm25(&question, &texts);
     let mut out = Vec::new();
     for (u, score) in segs.iter().zip(scores) {
         let Some(&base) = starts.get(u.message) else {
@@ -401,11 +426,7 @@ pub fn spans(
         let Some((start, end)) = token_span(offsets, base + u.start, base + u.end) else {
             continue;
         };
-        let age = messages
-            .iter()
-            .skip(u.message + 1)
-            .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
-            .count();
+        let age = later_replies.get(u.message + 1).copied().unwrap_or(0);
         out.push(Segment {
             start,
             end,
@@ -531,6 +552,10 @@ mod tests {
             "kv_eviction.segments[1].message"
         );
         assert_eq!(
+            param(json!({"segments": [{"message": 1, "relevance": -1}]}), true),
+            "kv_eviction.segments[0].relevance"
+        );
+        assert_eq!(
             param(json!({"segments": [{"message": 1, "weight": 2}]}), true),
             "kv_eviction.segments[0].weight"
         );
@@ -541,7 +566,7 @@ mod tests {
         assert_eq!(param(json!({"window": 3}), true), "kv_eviction.window");
         assert_eq!(param(json!([1]), true), "kv_eviction");
         let ok = Request::parse(
-            Some(&json!({"policy": "h2o", "budget_tokens": 64, "segments": [{"message": 0, "part": 1, "relevance": -1.5, "reserved": false}]})),
+            Some(&json!({"policy": "h2o", "budget_tokens": 64, "segments": [{"message": 0, "part": 1, "relevance": 1.5, "reserved": false}]})),
             true,
         )
         .expect("valid");

@@ -700,7 +700,13 @@ fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>, Evic
                 .tokenizer
                 .encode_with_offsets(&parsed.prompt)
                 .map_err(|e| bad(e.to_string()))?;
-            let spans = segments::spans(messages, units, starts, &offsets, app.segment_decay);
+            // A prompt over the context is refused below, before any segment is placed.
+            let fits = ids.len().saturating_add(parsed.params.max_tokens) <= app.max_model_len;
+            let spans = if fits {
+                segments::spans(messages, units, starts, &offsets, app.segment_decay)
+            } else {
+                Vec::new()
+            };
             (ids, spans)
         }
         _ => (
@@ -734,14 +740,16 @@ fn prepare(app: &App, body: &[u8], chat: bool) -> Result<(Parsed, Vec<u32>, Evic
     Ok((parsed, ids, eviction))
 }
 
-/// A budget the request chose must be one its policy can keep to: above what the segment
-/// policy may never drop (every prompt token outside segments), and at least the policy's
-/// minimum. The engine's default budget is not judged: it is kept where the policy can.
+/// The budget must be at least the policy's minimum, wherever it came from; a budget the
+/// request chose must also be one the segment policy can keep to (at least every prompt token
+/// outside segments). The engine's default budget is not judged against the reserved part: it
+/// is kept where the policy can.
 fn check_budget(plan: &EvictionPlan, ev: &Eviction, prompt: usize) -> Result<(), ApiError> {
-    if plan.request.budget_tokens.is_none() || ev.policy == Policy::None {
+    if ev.policy == Policy::None {
         return Ok(());
     }
     let param = "kv_eviction.budget_tokens";
+    // Wherever the budget came from: the engine checks its default against its own policy only.
     if ev.budget_tokens < ev.policy.min_budget() {
         return Err(bad(format!(
             "`{param}` ({}) is below the {} policy's minimum of {}",
@@ -750,6 +758,9 @@ fn check_budget(plan: &EvictionPlan, ev: &Eviction, prompt: usize) -> Result<(),
             ev.policy.min_budget()
         ))
         .with_param(param));
+    }
+    if plan.request.budget_tokens.is_none() {
+        return Ok(());
     }
     if ev.policy == Policy::Segment {
         let droppable: usize = ev.segments.iter().map(|s| s.end - s.start).sum();

@@ -2005,5 +2005,28 @@ mod eviction {
         );
         assert!(report(&v).0 > 0);
         assert!(answer(&v).contains("4821937"), "{v}");
+        drop(e);
+        // The engine's default budget is checked against the policy a request chooses.
+        let cfg = temp_file(
+            "evict.toml",
+            "kv_eviction = \"segment\"\nkv_budget_tokens = 3\n",
+        );
+        let e = engine(&["--config", cfg.to_str().unwrap()]);
+        let body = json!({"model": MODEL, "messages": m, "max_tokens": 4, "kv_eviction": {"policy": "streaming"}});
+        let (status, b) = post(
+            e.addr,
+            "/v1/chat/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        assert_eq!(
+            (status, v["error"]["param"].as_str()),
+            (400, Some("kv_eviction.budget_tokens")),
+            "{v}"
+        );
+        // The segment default itself keeps the reserved part, over its budget, and says so.
+        let v = ask(e.addr, &m, json!({}));
+        let (evictions, _, over) = report(&v);
+        assert!(evictions > 0 && over > 0, "{v}");
     }
 }

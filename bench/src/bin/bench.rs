@@ -995,6 +995,17 @@ async fn main() -> anyhow::Result<()> {
                 items > 0 && resamples > 0,
                 "--items and --resamples must be > 0"
             );
+            anyhow::ensure!(
+                passages.iter().all(|&n| n >= 2),
+                "--passages: at least 2 per item (the two-turn task asks about two)"
+            );
+            let mut distinct = budgets.clone();
+            distinct.sort_by(f64::total_cmp);
+            distinct.dedup();
+            anyhow::ensure!(
+                distinct.len() == budgets.len(),
+                "--budgets: each fraction once"
+            );
             let b = kvmesh_bench::eval::EvalBench {
                 model,
                 tasks,
