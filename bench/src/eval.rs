@@ -1,11 +1,11 @@
 //! `kvmesh-bench eval`: long-context quality under KV eviction (docs/eviction.md, "Evaluation").
 //!
-//! Tasks in the RULER style, generated from a seed: single-needle NIAH (a key-value needle among
-//! filler passages), multi-passage QA (one passage holds the answer among distractors written
-//! from the same template), and a two-turn variant of QA (the second question is about another
-//! passage, after the first answer). Every passage is one chat message, so the segment policy
-//! sees them as segments by default; nothing tells it which one matters but BM25 of the
-//! question. Each item runs with full KV, then every policy at every budget (a fraction of that
+//! Tasks in the RULER style, generated from a seed: single-needle NIAH (a key-value needle in
+//! RULER's noise haystack), multi-passage QA (passages about distinct towns from one template;
+//! only the answer's passage names a mayor, the distractors give other facts), and a two-turn
+//! variant (two passages name a mayor; the first question is answered, the second asks for the
+//! other). The passages are the text parts of one user message, so the segment policy sees each
+//! as a segment by default, and nothing tells it which one matters but BM25 of the question. Each item runs with full KV, then every policy at every budget (a fraction of that
 //! item's prompt tokens), greedy, on one real `engine-shim`. Reported per task and length: match
 //! (the gold value appears in the answer, RULER's string match) and token F1 in percent,
 //! evictions per item, decode tokens/s; paired bootstrap of segment against each baseline (95%
@@ -97,36 +97,46 @@ fn system() -> Value {
     json!({"role": "system", "content": "You are a helpful assistant. Answer the question with the value only, using the passages."})
 }
 
+/// The passages as the text parts of one user message: every part is a segment by default,
+/// and the chat template adds its per-message tokens (reserved) once, not once a passage.
+fn passages(parts: Vec<String>) -> Value {
+    let parts: Vec<Value> = parts
+        .into_iter()
+        .map(|p| json!({"type": "text", "text": p}))
+        .collect();
+    json!({"role": "user", "content": parts})
+}
+
 /// NIAH: `n` filler passages, the needle in a random one of them.
 fn niah(rng: &mut fastrand::Rng, n: usize) -> Item {
     let key = format!("{}-{}", pick(rng, GOODS), pick(rng, TOWNS).to_lowercase());
     let value = rng.u32(1_000_000..10_000_000).to_string();
     let at = rng.usize(..n);
-    let mut m = vec![system()];
-    for i in 0..n {
-        let mut p = format!("Passage {}: {NOISE} {NOISE}", i + 1);
-        if i == at {
-            p = format!("Passage {}: {NOISE} One of the special magic numbers for {key} is: {value}. {NOISE}", i + 1);
-        }
-        m.push(json!({"role": "user", "content": p}));
-    }
-    m.push(json!({"role": "user", "content": format!("What is the special magic number for {key} mentioned in the passages?")}));
+    let parts = (0..n)
+        .map(|i| match i == at {
+            true => format!("Passage {}: {NOISE} One of the special magic numbers for {key} is: {value}. {NOISE}\n", i + 1),
+            false => format!("Passage {}: {NOISE} {NOISE}\n", i + 1),
+        })
+        .collect();
+    let question = format!("What is the special magic number for {key} mentioned in the passages?");
     Item {
-        messages: m,
+        messages: vec![
+            system(),
+            passages(parts),
+            json!({"role": "user", "content": question}),
+        ],
         gold: value,
     }
 }
 
-/// A QA passage about one town.
-fn town_passage(i: usize, town: &str, mayor: &str, good: &str, year: u32) -> String {
-    format!(
-        "Passage {}: {town} is a small town by the river. It was founded in {year} and is known for its {good}. The mayor of {town} is {mayor}. Every spring the town holds a market where farmers sell {good} and bread.",
-        i + 1
-    )
-}
-
-/// `n` town passages with distinct towns; returns (passages, towns, mayors).
-fn towns(rng: &mut fastrand::Rng, n: usize) -> (Vec<String>, Vec<String>, Vec<String>) {
+/// `n` passages about distinct towns, written from one template; only the towns in `mayors`
+/// (indices) have a passage naming their mayor, the others give other facts. Returns the
+/// passages, the towns and the mayors named.
+fn towns(
+    rng: &mut fastrand::Rng,
+    n: usize,
+    mayors: &[usize],
+) -> (Vec<String>, Vec<String>, Vec<String>) {
     let mut ts: Vec<&str> = TOWNS.to_vec();
     rng.shuffle(&mut ts);
     let (mut ps, mut tn, mut ms) = (Vec::new(), Vec::new(), Vec::new());
@@ -137,54 +147,55 @@ fn towns(rng: &mut fastrand::Rng, n: usize) -> (Vec<String>, Vec<String>, Vec<St
             k => format!("{} {}", ts[i % ts.len()], k + 1),
         };
         let mayor = pick(rng, NAMES).to_string();
-        ps.push(town_passage(
-            i,
-            &town,
-            &mayor,
-            pick(rng, GOODS),
-            rng.u32(1200..1900),
-        ));
+        let good = pick(rng, GOODS);
+        ps.push(if mayors.contains(&i) {
+            format!("Passage {}: {town} is a small town known for its {good}. The mayor of {town} is {mayor}.\n", i + 1)
+        } else {
+            format!(
+                "Passage {}: {town} is a small town known for its {good}. It was founded in {} and has {} thousand inhabitants.\n",
+                i + 1,
+                rng.u32(1200..1900),
+                rng.u32(2..90)
+            )
+        });
         tn.push(town);
         ms.push(mayor);
     }
     (ps, tn, ms)
 }
 
-/// Multi-passage QA: `n` passages, the question about one of them.
+/// Multi-passage QA: `n` town passages, one naming its town's mayor; the question asks for it.
 fn qa(rng: &mut fastrand::Rng, n: usize) -> Item {
-    let (ps, ts, ms) = towns(rng, n);
     let at = rng.usize(..n);
-    let mut m = vec![system()];
-    m.extend(
-        ps.into_iter()
-            .map(|p| json!({"role": "user", "content": p})),
-    );
-    m.push(json!({"role": "user", "content": format!("Who is the mayor of {}?", ts[at])}));
+    let (ps, ts, ms) = towns(rng, n, &[at]);
+    let question = format!("Who is the mayor of {}?", ts[at]);
     Item {
-        messages: m,
+        messages: vec![
+            system(),
+            passages(ps),
+            json!({"role": "user", "content": question}),
+        ],
         gold: ms[at].clone(),
     }
 }
 
-/// Two turns of QA: the first question answered (with its gold answer), then a question about
-/// another passage.
+/// Two turns of QA: two passages name a mayor; the first question is answered (with its gold
+/// answer), then the second asks for the other.
 fn multiturn(rng: &mut fastrand::Rng, n: usize) -> Item {
-    let (ps, ts, ms) = towns(rng, n.max(2));
-    let first = rng.usize(..ps.len());
-    let mut second = rng.usize(..ps.len() - 1);
+    let first = rng.usize(..n);
+    let mut second = rng.usize(..n - 1);
     if second >= first {
         second += 1;
     }
-    let mut m = vec![system()];
-    m.extend(
-        ps.into_iter()
-            .map(|p| json!({"role": "user", "content": p})),
-    );
-    m.push(json!({"role": "user", "content": format!("Who is the mayor of {}?", ts[first])}));
-    m.push(json!({"role": "assistant", "content": format!("The mayor of {} is {}.", ts[first], ms[first])}));
-    m.push(json!({"role": "user", "content": format!("And who is the mayor of {}?", ts[second])}));
+    let (ps, ts, ms) = towns(rng, n, &[first, second]);
     Item {
-        messages: m,
+        messages: vec![
+            system(),
+            passages(ps),
+            json!({"role": "user", "content": format!("Who is the mayor of {}?", ts[first])}),
+            json!({"role": "assistant", "content": format!("The mayor of {} is {}.", ts[first], ms[first])}),
+            json!({"role": "user", "content": format!("And who is the mayor of {}?", ts[second])}),
+        ],
         gold: ms[second].clone(),
     }
 }
@@ -612,12 +623,18 @@ mod tests {
         for (x, y) in a.iter().zip(&b) {
             assert_eq!(x.messages, y.messages);
             let text = serde_json::to_string(&x.messages).unwrap_or_default();
-            assert!(text.contains(&x.gold));
+            assert!(text.contains(&format!("is {}.", x.gold)));
+            assert_eq!(
+                text.matches("The mayor of").count(),
+                1,
+                "one passage names a mayor"
+            );
         }
         let n = items("niah", 6, 3, 1).expect("niah");
         for it in &n {
-            // System, 6 passages, the question.
-            assert_eq!(it.messages.len(), 8);
+            // System, the passages (6 parts), the question.
+            assert_eq!(it.messages.len(), 3);
+            assert_eq!(it.messages[1]["content"].as_array().map(Vec::len), Some(6));
             assert_eq!(
                 serde_json::to_string(&it.messages)
                     .unwrap_or_default()
@@ -627,7 +644,7 @@ mod tests {
             );
         }
         let m = items("multiturn", 4, 3, 2).expect("multiturn");
-        assert!(m.iter().all(|it| it.messages.len() == 8));
+        assert!(m.iter().all(|it| it.messages.len() == 5));
         assert!(items("lsat", 4, 1, 0).is_err());
     }
 

@@ -303,3 +303,65 @@ fn argmax(v: &[f32]) -> usize {
         .map(|(i, _)| i)
         .unwrap()
 }
+
+/// Segment spans on the real chat template and tokenizer: each passage's span is the tokens
+/// lying inside its text (multi-byte text included), in order and disjoint; what no span holds
+/// is the template, the system prompt and the question; and the offsets belong to the very
+/// tokens the engine computes.
+#[test]
+fn segment_spans_on_the_real_template_hold_each_passage_and_nothing_else() {
+    use engine_shim::segments;
+    let passages = [
+        "Passage 1: café crème, naïve façade, 3 €.\n",
+        "Passage 2: 東京は日本の首都です。🙂\n",
+        "Passage 3: plain ascii words only.\n",
+    ];
+    let parts: Vec<serde_json::Value> = passages
+        .iter()
+        .map(|p| serde_json::json!({"type": "text", "text": p}))
+        .collect();
+    let messages = serde_json::json!([
+        {"role": "system", "content": "Answer from the passages."},
+        {"role": "user", "content": parts},
+        {"role": "user", "content": "Which passage mentions Tokyo?"}
+    ]);
+    let msgs = messages.as_array().unwrap();
+    let t = tok();
+    let pairs = engine_shim::tokenizer::chat::turns(Some(&messages)).unwrap();
+    let rendered = t.render_chat(&pairs).unwrap();
+    let starts = segments::content_starts(&pairs, &rendered, |p| t.render_chat(p))
+        .expect("SmolLM2's template copies contents verbatim");
+    let (ids, offsets) = t.encode_with_offsets(&rendered).unwrap();
+    assert_eq!(ids, t.encode(&rendered).unwrap());
+    assert_eq!(ids.len(), offsets.len());
+    let units = segments::units(msgs, &[]).unwrap();
+    let spans = segments::spans(msgs, &units, &starts, &offsets, 0.5);
+    assert_eq!(spans.len(), 3);
+    assert!(
+        spans.windows(2).all(|w| w[0].end <= w[1].start),
+        "ordered and disjoint"
+    );
+    let mut outside: Vec<u32> = ids.clone();
+    for (s, p) in spans.iter().zip(passages) {
+        let text = t.decode(&ids[s.start..s.end]).unwrap();
+        assert!(p.contains(text.trim()), "{text:?} inside {p:?}");
+        // At most a token's worth at each boundary stays reserved.
+        assert!(
+            text.trim().len() + 8 >= p.trim().len(),
+            "{text:?} covers {p:?}"
+        );
+        for x in &mut outside[s.start..s.end] {
+            *x = u32::MAX;
+        }
+    }
+    let rest: Vec<u32> = outside.into_iter().filter(|&x| x != u32::MAX).collect();
+    let rest = t.decode(&rest).unwrap();
+    assert!(
+        rest.contains("Answer from the passages.")
+            && rest.contains("Which passage mentions Tokyo?")
+    );
+    assert!(
+        !rest.contains("東京") && !rest.contains("café") && !rest.contains("ascii"),
+        "{rest:?}"
+    );
+}
