@@ -23,29 +23,65 @@ use serde_json::{json, Value};
 use crate::load::{self, HttpClient};
 use crate::procs;
 
-/// What to run.
-#[derive(Debug, Clone)]
+/// What to run (the `kvmesh-bench eval` arguments).
+#[derive(Debug, Clone, clap::Args)]
 pub struct EvalBench {
     /// The GGUF model.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     pub model: PathBuf,
-    /// Tasks: `niah`, `qa`, `multiturn`.
+    /// Tasks, comma-separated (niah, qa, multiturn).
+    #[arg(long, value_delimiter = ',', default_value = "niah,qa,multiturn")]
     pub tasks: Vec<String>,
-    /// Passages per item (the context length follows; the table reports prompt tokens).
+    /// Passages per item, comma-separated: one context length each.
+    #[arg(long, value_delimiter = ',', default_value = "10,20")]
     pub passages: Vec<usize>,
     /// Items per task and length.
+    #[arg(long, default_value_t = 60)]
     pub items: usize,
-    /// Budgets as fractions of each item's prompt tokens.
+    /// KV budgets as fractions of each item's prompt, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0.5,0.25")]
     pub budgets: Vec<f64>,
-    /// Baselines compared against `segment`.
+    /// Baselines segment is compared against, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "h2o,streaming")]
     pub policies: Vec<String>,
     /// Bootstrap resamples.
+    #[arg(long, default_value_t = 2000)]
     pub resamples: usize,
     /// Seed of the items and the bootstrap.
+    #[arg(long, default_value_t = 14)]
     pub seed: u64,
     /// Items served at once in the memory phase (0: skip it).
+    #[arg(long, default_value_t = 6)]
     pub memory_concurrency: usize,
-    /// Where the per-item results go (JSON lines).
+    /// Where the per-item answers go (JSON lines).
+    #[arg(long, default_value = "bench-out/eval.jsonl")]
     pub out: PathBuf,
+}
+
+impl EvalBench {
+    /// Refuses arguments the run cannot use.
+    pub fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.budgets.iter().all(|f| *f > 0.0 && *f < 1.0),
+            "--budgets are fractions in (0, 1)"
+        );
+        let mut distinct = self.budgets.clone();
+        distinct.sort_by(f64::total_cmp);
+        distinct.dedup();
+        anyhow::ensure!(
+            distinct.len() == self.budgets.len(),
+            "--budgets: each fraction once"
+        );
+        anyhow::ensure!(
+            self.items > 0 && self.resamples > 0,
+            "--items and --resamples must be > 0"
+        );
+        anyhow::ensure!(
+            self.passages.iter().all(|&n| n >= 2),
+            "--passages: at least 2 per item (the two-turn task asks about two)"
+        );
+        Ok(())
+    }
 }
 
 const MODEL_NAME: &str = "SmolLM2-135M-Instruct";

@@ -11,6 +11,10 @@
 //! the batch's growth, the newest sequence is preempted: its KV is dropped and it waits at the
 //! front of the queue, to be recomputed (its prompt mostly from the prefix cache) when admitted
 //! again; what it already streamed is not sent twice.
+//!
+//! At the end of each step, a sequence whose prompt is computed and that holds more KV than its
+//! budget evicts down to it ([`crate::evict`]); its prompt blocks were stored before that, so
+//! the prefix cache only ever holds KV computed with nothing evicted.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -825,6 +829,8 @@ impl Worker {
                         break;
                     }
                     if !self.cache.contains(d) {
+                        // Stored before any eviction: slot i still holds position i.
+                        debug_assert_eq!(kv.len, kv.pos);
                         let block = KvBlock::from_sequence(kv, b);
                         if self.store.is_some() {
                             fresh.push((*d, block.to_bytes()));

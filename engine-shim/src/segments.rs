@@ -15,8 +15,8 @@
 //! proves the template copies contents verbatim), and the whole rendered prompt is tokenized
 //! once; a segment is the tokens lying wholly inside its text, so a token that straddles a
 //! boundary stays reserved. Relevance is the client's score where given, else BM25 of the
-//! question (the last user message's reserved text) over the segments, times `decay` per
-//! assistant turn since the segment's message.
+//! question (the last user message's reserved text) over the segments, times `decay` per turn
+//! completed since the segment's message (assistant messages at or after it).
 
 use kvmesh_filters::error::{ApiError, ErrorKind};
 use serde_json::Value;
@@ -373,7 +373,8 @@ pub fn bm25(query: &str, docs: &[&str]) -> Vec<f64> {
 
 /// The segment policy's spans for a rendered chat prompt: each non-reserved unit's tokens
 /// (`offsets`: each token's byte range in `rendered`, BOS as an empty range), with its relevance
-/// (the client's, else BM25 of the question), times `decay` per assistant message after it;
+/// (the client's, else BM25 of the question), times `decay` per assistant message at or after
+/// its message (the turns completed since it);
 /// `starts` from [`content_starts`]. A unit no token lies wholly inside of is left out. Linear
 /// in the request (plus a bisection per unit): every input here comes from the client.
 pub fn spans(
@@ -426,7 +427,9 @@ pub fn spans(
         let Some((start, end)) = token_span(offsets, base + u.start, base + u.end) else {
             continue;
         };
-        let age = later_replies.get(u.message + 1).copied().unwrap_or(0);
+        // Turns completed since: an assistant message closes its own turn, so an earlier
+        // answer ages with the question and passages of its turn.
+        let age = later_replies.get(u.message).copied().unwrap_or(0);
         out.push(Segment {
             start,
             end,
@@ -588,6 +591,35 @@ mod tests {
             "half a character is not inside"
         );
         assert_eq!(token_span(&offsets, 2, 3), None);
+    }
+
+    #[test]
+    fn relevance_decays_per_turn_completed_an_answer_with_its_own_turn() {
+        let m = json!([
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "Lisbon passage"},
+            {"role": "assistant", "content": "Lisbon answer"},
+            {"role": "user", "content": "Porto passage"},
+            {"role": "user", "content": "What about Lisbon?"}
+        ]);
+        let msgs = m.as_array().expect("array");
+        let p = pairs(&m);
+        let rendered = render(&p).expect("renders");
+        let starts = content_starts(&p, &rendered, render).expect("verbatim");
+        // One token per byte.
+        let offsets: Vec<(usize, usize)> = (0..rendered.len()).map(|i| (i, i + 1)).collect();
+        let u = units(msgs, &[]).expect("ok");
+        let spans = spans(msgs, &u, &starts, &offsets, 0.5);
+        let texts = ["Lisbon passage", "Lisbon answer", "Porto passage"];
+        let scores = bm25("What about Lisbon?", &texts);
+        assert_eq!(spans.len(), 3);
+        for ((s, text), (score, age)) in spans.iter().zip(texts).zip(scores.iter().zip([1, 1, 0])) {
+            assert_eq!(&rendered[s.start..s.end], text);
+            assert!(
+                (s.relevance - score * 0.5f64.powi(age)).abs() < 1e-12,
+                "{text}: {spans:?}"
+            );
+        }
     }
 
     #[test]

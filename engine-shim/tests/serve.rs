@@ -151,8 +151,14 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 }
 
 fn chat(addr: SocketAddr, content: &str, extra: Value) -> Value {
-    let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": content}],
-                          "temperature": 0, "max_tokens": 24});
+    chat_messages(addr, &[json!({"role": "user", "content": content})], extra)
+}
+
+/// A greedy chat of `messages` (24 tokens at most; `extra` sets or overrides fields): 200 and
+/// its JSON.
+fn chat_messages(addr: SocketAddr, messages: &[Value], extra: Value) -> Value {
+    let mut body =
+        json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24});
     for (k, v) in extra.as_object().unwrap() {
         body[k] = v.clone();
     }
@@ -1820,20 +1826,7 @@ mod eviction {
         m
     }
 
-    fn ask(addr: SocketAddr, messages: &[Value], extra: Value) -> Value {
-        let mut body =
-            json!({"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16});
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let (status, b) = post(
-            addr,
-            "/v1/chat/completions",
-            &serde_json::to_vec(&body).unwrap(),
-        );
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
-        serde_json::from_slice(&b).unwrap()
-    }
+    use super::chat_messages as ask;
 
     fn report(v: &Value) -> (u64, u64, u64) {
         let r = &v["usage"]["kv_eviction"];

@@ -117,38 +117,7 @@ enum Cmd {
     /// Long-context quality under KV eviction on the real engine: NIAH, multi-passage QA and a
     /// two-turn QA, full KV against segment / H2O / StreamingLLM at each budget, with paired
     /// bootstrap CIs, then peak memory per configuration (docs/eviction.md).
-    Eval {
-        /// The GGUF model.
-        #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
-        model: std::path::PathBuf,
-        /// Tasks, comma-separated (niah, qa, multiturn).
-        #[arg(long, value_delimiter = ',', default_value = "niah,qa,multiturn")]
-        tasks: Vec<String>,
-        /// Passages per item, comma-separated: one context length each.
-        #[arg(long, value_delimiter = ',', default_value = "10,20")]
-        passages: Vec<usize>,
-        /// Items per task and length.
-        #[arg(long, default_value_t = 60)]
-        items: usize,
-        /// KV budgets as fractions of each item's prompt, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "0.5,0.25")]
-        budgets: Vec<f64>,
-        /// Baselines segment is compared against, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "h2o,streaming")]
-        policies: Vec<String>,
-        /// Bootstrap resamples.
-        #[arg(long, default_value_t = 2000)]
-        resamples: usize,
-        /// Seed of the items and the bootstrap.
-        #[arg(long, default_value_t = 14)]
-        seed: u64,
-        /// Items served at once in the memory phase (0: skip it).
-        #[arg(long, default_value_t = 6)]
-        memory_concurrency: usize,
-        /// Per-item answers (JSON lines).
-        #[arg(long, default_value = "bench-out/eval.jsonl")]
-        out: std::path::PathBuf,
-    },
+    Eval(kvmesh_bench::eval::EvalBench),
     /// kvagent's data path (GetBlocks, Lookup, spill, promote) against plain baselines.
     Kvagent {
         /// Directory for block files and the baseline file: put it on the disk to measure.
@@ -975,49 +944,8 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", kvmesh_bench::engine_shim::run(&b).await?);
             Ok(())
         }
-        Cmd::Eval {
-            model,
-            tasks,
-            passages,
-            items,
-            budgets,
-            policies,
-            resamples,
-            seed,
-            memory_concurrency,
-            out,
-        } => {
-            anyhow::ensure!(
-                budgets.iter().all(|f| *f > 0.0 && *f < 1.0),
-                "--budgets are fractions in (0, 1)"
-            );
-            anyhow::ensure!(
-                items > 0 && resamples > 0,
-                "--items and --resamples must be > 0"
-            );
-            anyhow::ensure!(
-                passages.iter().all(|&n| n >= 2),
-                "--passages: at least 2 per item (the two-turn task asks about two)"
-            );
-            let mut distinct = budgets.clone();
-            distinct.sort_by(f64::total_cmp);
-            distinct.dedup();
-            anyhow::ensure!(
-                distinct.len() == budgets.len(),
-                "--budgets: each fraction once"
-            );
-            let b = kvmesh_bench::eval::EvalBench {
-                model,
-                tasks,
-                passages,
-                items,
-                budgets,
-                policies,
-                resamples,
-                seed,
-                memory_concurrency,
-                out,
-            };
+        Cmd::Eval(b) => {
+            b.check()?;
             println!("{}", kvmesh_bench::eval::run(&b).await?);
             Ok(())
         }
