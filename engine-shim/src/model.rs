@@ -354,6 +354,19 @@ impl KvCache {
         self.capacity = capacity;
     }
 
+    /// Adds what layer `layer`'s slots received in a step (`received`: `[n_kv_head, len + new]`,
+    /// the step's new slots from `len` on, before [`KvCache::advance`]) to their accumulated
+    /// attention; nothing when attention is not tracked.
+    pub fn add_attention(&mut self, layer: usize, received: &Tensor) {
+        let n = received.size().get(1).copied().unwrap_or(0);
+        if let Some(acc) = self.attention.as_mut().and_then(|a| a.get_mut(layer)) {
+            // The new slots may hold what an evicted slot left there.
+            let _ = acc.narrow(1, self.len as i64, n - self.len as i64).zero_();
+            let mut held = acc.narrow(1, 0, n);
+            held += received;
+        }
+    }
+
     /// `n` tokens were written after the filled slots: they are held now.
     pub fn advance(&mut self, n: usize) {
         if let Some(p) = self.slot_pos.as_mut() {
@@ -594,7 +607,7 @@ impl Llama {
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, last_only: bool) -> Tensor {
         cache.reserve(&self.cfg, cache.len + tokens.len());
         let decode = tokens.len() == 1;
-        let x = self.layers_over(&mut [Chunk {
+        let (x, attention) = self.layers_over(&mut [Chunk {
             tokens,
             kv: cache,
             logits: true,
@@ -604,6 +617,9 @@ impl Llama {
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
         let rows = self.rows(std::iter::repeat_n(decode, x.size()[0] as usize));
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &rows);
+        for (layer, a) in attention.into_iter().flatten() {
+            cache.add_attention(layer, &a);
+        }
         cache.advance(tokens.len());
         logits
     }
@@ -620,12 +636,16 @@ impl Llama {
                 rows.push(at - 1);
             }
         }
-        let x = self.layers_over(chunks);
+        let (x, attention) = self.layers_over(chunks);
         let x = x.index_select(0, &Tensor::from_slice(&rows));
         let kinds = self.rows(chunks.iter().filter(|c| c.logits).map(|c| c.decode));
         let logits = self.output.apply(&self.norm(&x, &self.out_norm), &kinds);
-        // Only now: a step that failed anywhere above left every cache as it was.
-        for ch in chunks.iter_mut() {
+        // Only now: a step that failed anywhere above left every cache as it was (a retried
+        // chunk does not count its attention twice).
+        for (ch, attention) in chunks.iter_mut().zip(attention) {
+            for (layer, a) in attention {
+                ch.kv.add_attention(layer, &a);
+            }
             ch.kv.advance(ch.tokens.len());
         }
         logits
@@ -633,8 +653,9 @@ impl Llama {
 
     /// The transformer over every chunk's tokens (their K and V written after each cache's
     /// `len` filled slots, at positions from its `pos`; the caller advances both); returns the
-    /// final hidden states `[T, d]`.
-    fn layers_over(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
+    /// final hidden states `[T, d]` and, per chunk whose cache tracks attention, the attention
+    /// each of its slots received per layer (`[n_kv_head, len + T]`), for the caller to add.
+    fn layers_over(&self, chunks: &mut [Chunk<'_>]) -> (Tensor, Vec<Vec<(usize, Tensor)>>) {
         let c = &self.cfg;
         let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
         let (d, kvd) = (c.d_model as i64, kvh * hd);
@@ -669,6 +690,7 @@ impl Llama {
                 })
             })
             .collect();
+        let mut attention: Vec<Vec<(usize, Tensor)>> = chunks.iter().map(|_| Vec::new()).collect();
         for (li, l) in self.layers.iter().enumerate() {
             let hn = self.norm(&x, &l.attn_norm);
             let qkv = l.wqkv.apply(&hn, &rows);
@@ -683,7 +705,7 @@ impl Llama {
             let v = qkv.narrow(1, d + kvd, kvd).reshape([t_all, kvh, hd]);
             let mut outs = Vec::with_capacity(chunks.len());
             let mut off = 0i64;
-            for (ch, mask) in chunks.iter_mut().zip(&masks) {
+            for ((ch, mask), received) in chunks.iter_mut().zip(&masks).zip(&mut attention) {
                 let t = ch.tokens.len() as i64;
                 let start = ch.kv.len as i64;
                 let total = start + t;
@@ -693,9 +715,6 @@ impl Llama {
                 ch.kv.v[li]
                     .narrow(1, start, t)
                     .copy_(&v.narrow(0, off, t).transpose(0, 1));
-                if let Some(acc) = ch.kv.attention.as_mut().and_then(|a| a.get_mut(li)) {
-                    let _ = acc.narrow(1, start, t).zero_();
-                }
                 // Batched over kv heads, with each kv head's `group` query heads stacked as
                 // rows: no broadcast, so the cached keys and values are read in place.
                 let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
@@ -714,9 +733,11 @@ impl Llama {
                     None => scores,
                 };
                 let probs = scores.softmax(-1, Kind::Float);
-                if let Some(acc) = ch.kv.attention.as_mut().and_then(|a| a.get_mut(li)) {
-                    let mut held = acc.narrow(1, 0, total);
-                    held += probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float);
+                if ch.kv.attention.is_some() {
+                    received.push((
+                        li,
+                        probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float),
+                    ));
                 }
                 let out = probs
                     .bmm(&vals)
@@ -738,6 +759,6 @@ impl Llama {
             let ff = gu.narrow(1, 0, f).silu() * gu.narrow(1, f, f);
             x += l.w_down.apply(&ff, &rows);
         }
-        x
+        (x, attention)
     }
 }
