@@ -1927,6 +1927,18 @@ mod eviction {
         assert_eq!(answer(&warm), answer(&cold(&follow, "cold-2")));
     }
 
+    /// A chat of `messages` with `kv_eviction` set to `ev`: its status and JSON body.
+    fn refusal(addr: SocketAddr, messages: &[Value], ev: Value) -> (u16, Value) {
+        let body =
+            json!({"model": MODEL, "messages": messages, "max_tokens": 4, "kv_eviction": ev});
+        let (status, b) = post(
+            addr,
+            "/v1/chat/completions",
+            &serde_json::to_vec(&body).unwrap(),
+        );
+        (status, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
     /// Bad `kv_eviction` values get 400 naming the field, and the engine goes on serving.
     #[test]
     fn bad_segment_annotations_get_400_naming_the_field() {
@@ -1965,13 +1977,7 @@ mod eviction {
             (json!("segment"), "kv_eviction"),
         ];
         for (ev, param) in cases {
-            let body = json!({"model": MODEL, "messages": m, "max_tokens": 4, "kv_eviction": ev});
-            let (status, b) = post(
-                e.addr,
-                "/v1/chat/completions",
-                &serde_json::to_vec(&body).unwrap(),
-            );
-            let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+            let (status, v) = refusal(e.addr, &m, ev.clone());
             assert_eq!(
                 (
                     status,
@@ -2005,13 +2011,7 @@ mod eviction {
             "kv_eviction = \"segment\"\nkv_budget_tokens = 3\n",
         );
         let e = engine(&["--config", cfg.to_str().unwrap()]);
-        let body = json!({"model": MODEL, "messages": m, "max_tokens": 4, "kv_eviction": {"policy": "streaming"}});
-        let (status, b) = post(
-            e.addr,
-            "/v1/chat/completions",
-            &serde_json::to_vec(&body).unwrap(),
-        );
-        let v: Value = serde_json::from_slice(&b).unwrap_or(Value::Null);
+        let (status, v) = refusal(e.addr, &m, json!({"policy": "streaming"}));
         assert_eq!(
             (status, v["error"]["param"].as_str()),
             (400, Some("kv_eviction.budget_tokens")),
