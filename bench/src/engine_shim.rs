@@ -79,7 +79,7 @@ fn engine(b: &ShimBench, weights: &str, args: &[String]) -> anyhow::Result<Proc>
 }
 
 /// Peak resident memory of a process, MiB (VmHWM).
-fn peak_rss_mib(pid: u32) -> f64 {
+pub(crate) fn peak_rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {

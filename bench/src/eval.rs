@@ -615,15 +615,7 @@ async fn memory(b: &EvalBench, configs: &[Config]) -> anyhow::Result<String> {
         for t in tasks {
             t.await??;
         }
-        let rss = std::fs::read_to_string(format!("/proc/{}/status", e.pid()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmHWM:"))
-                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-            })
-            .unwrap_or(0.0)
-            / 1024.0;
+        let rss = crate::engine_shim::peak_rss_mib(e.pid());
         if c.policy == "full" {
             full_pool = peak_pool;
         }
