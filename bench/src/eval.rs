@@ -14,8 +14,9 @@
 //! serving several items at once.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use anyhow::Context;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use serde_json::{json, Value};
@@ -599,22 +600,15 @@ async fn memory(b: &EvalBench, configs: &[Config]) -> anyhow::Result<String> {
             let (client, url, body) = (client.clone(), url.clone(), body(item, ev));
             tasks.push(tokio::spawn(async move { ask(&client, &url, &body).await }));
         }
-        let mut peak_pool = 0.0f64;
-        while !tasks.iter().all(|t| t.is_finished()) {
-            if let Ok(text) = procs::metrics_text(&client, e.addr).await {
-                if let Some(v) = text
-                    .lines()
-                    .find(|l| l.starts_with("engine_shim_kv_pool_used_tokens "))
-                    .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                {
-                    peak_pool = peak_pool.max(v);
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
         for t in tasks {
             t.await??;
         }
+        let text = procs::metrics_text(&client, e.addr).await?;
+        let peak_pool = text
+            .lines()
+            .find_map(|l| l.strip_prefix("engine_shim_kv_pool_peak_tokens "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .context("engine-shim /metrics has no engine_shim_kv_pool_peak_tokens")?;
         let rss = crate::engine_shim::peak_rss_mib(e.pid());
         if c.policy == "full" {
             full_pool = peak_pool;

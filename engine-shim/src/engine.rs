@@ -235,6 +235,8 @@ pub struct Stats {
     pub preemptions: AtomicU64,
     /// Tokens of KV the running sequences hold (their buffers' capacity).
     pub kv_pool_used_tokens: AtomicU64,
+    /// The most `kv_pool_used_tokens` ever was (its high-water mark since the engine started).
+    pub kv_pool_peak_tokens: AtomicU64,
     /// KV evictions, by [`Policy::index`].
     pub kv_evictions: [AtomicU64; 4],
     /// Tokens of KV evicted, by [`Policy::index`].
@@ -523,9 +525,13 @@ impl Worker {
         self.stats
             .running
             .store(self.running.len() as u64, Ordering::Relaxed);
+        let used = self.pool_used() as u64;
         self.stats
             .kv_pool_used_tokens
-            .store(self.pool_used() as u64, Ordering::Relaxed);
+            .store(used, Ordering::Relaxed);
+        self.stats
+            .kv_pool_peak_tokens
+            .fetch_max(used, Ordering::Relaxed);
         self.stats
             .cache_blocks
             .store(self.cache.len() as u64, Ordering::Relaxed);
@@ -547,16 +553,26 @@ impl Worker {
                 return;
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            let mut kv = KvCache::new(&self.model.cfg, room);
-            let h2o = seq.job.eviction.active() && seq.job.eviction.policy == Policy::H2o;
-            let cached = if h2o {
-                // H2O ranks slots by the attention they received since they were written: a
-                // block copied from the cache would come without its own prompt's share of it.
-                kv.track_attention(&self.model.cfg);
-                0
+            let budgeted = seq.job.eviction.active();
+            let h2o = budgeted && seq.job.eviction.policy == Policy::H2o;
+            // H2O ranks slots by the attention they received since they were written: a block
+            // copied from the cache would come without its own prompt's share of it.
+            let blocks = if h2o { 0 } else { self.cached_prefix(&mut seq) };
+            let cached = blocks * BLOCK_TOKENS;
+            // A sequence at a KV budget holds its whole prompt only at the end of prefill, and
+            // its budget after that: its buffer grows chunk by chunk (make_room) instead of being
+            // reserved whole here, so the pool counts what it holds. Its admission is still
+            // checked against the whole prompt, which it must hold for one step.
+            let capacity = if budgeted {
+                (cached + KV_GROWTH).min(room)
             } else {
-                self.reuse_prefix(&mut seq, &mut kv)
+                room
             };
+            let mut kv = KvCache::new(&self.model.cfg, capacity);
+            if h2o {
+                kv.track_attention(&self.model.cfg);
+            }
+            self.cache.load(&seq.chain, blocks, &mut kv);
             seq.kv = Some(kv);
             if seq.cached.is_none() {
                 seq.cached = Some(cached);
@@ -572,10 +588,10 @@ impl Worker {
         self.publish_gauges();
     }
 
-    /// Copies the sequence's leading cached blocks into `kv` (paging missing ones in from the
-    /// store first); returns the tokens reused. At least one token is always left to compute:
-    /// its logits start (or resume) the answer.
-    fn reuse_prefix(&mut self, seq: &mut Seq, kv: &mut KvCache) -> usize {
+    /// How many of the sequence's leading blocks the prefix cache holds, after paging missing
+    /// ones in from the store. At least one token is always left to compute: its logits start
+    /// (or resume) the answer.
+    fn cached_prefix(&mut self, seq: &mut Seq) -> usize {
         let usable = ((seq.tokens.len() - 1) / BLOCK_TOKENS).min(seq.chain.len());
         let chain = &seq.chain[..usable];
         let mut local = self.cache.leading(chain);
@@ -600,8 +616,7 @@ impl Worker {
                 local = self.cache.leading(chain);
             }
         }
-        self.cache.load(chain, local, kv);
-        local * BLOCK_TOKENS
+        local
     }
 
     /// The step's plan: tokens to compute per running sequence (0: none this step). Every
@@ -688,6 +703,8 @@ impl Worker {
     fn step(&mut self) {
         let t0 = std::time::Instant::now();
         let plan = self.make_room();
+        // The pool's high-water mark is reached here, before eviction shrinks anything.
+        self.publish_gauges();
         let (logits, failed) = self.forward(&plan);
         let greedy: Vec<i64> = match &logits {
             Some(l) if l.size()[0] > 0 => Vec::try_from(l.argmax(-1, false)).unwrap_or_default(),

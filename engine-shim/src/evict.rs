@@ -12,7 +12,8 @@
 //! - [`Policy::Segment`]: drops the least relevant segment's tokens first (a segment is a
 //!   passage the client marked, or by default a message that is not the system prompt or the
 //!   last user message; relevance from the client or BM25, `crate::segments`); reserved tokens
-//!   (everything outside segments, and every generated token) are never dropped.
+//!   (everything outside segments, and every generated token) are never dropped. The segment
+//!   the budget cuts into loses its least relevant sentences first, each from its end.
 //! - [`Policy::H2o`]: Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023), from accumulated
 //!   attention, not the L2-norm proxy: per layer and kv head, the most recent half of the budget
 //!   plus the slots that received the most attention (summed over the head's queries and every
@@ -97,6 +98,10 @@ pub struct Segment {
     pub end: usize,
     /// Higher is kept longer.
     pub relevance: f64,
+    /// The segment's sentences (disjoint, inside it), in the order a partial eviction drops
+    /// them: least relevant first. Tokens of the segment in none of them go last. Empty: the
+    /// segment goes from its end.
+    pub sentences: Vec<(usize, usize)>,
 }
 
 /// A sequence's eviction settings.
@@ -190,16 +195,18 @@ fn segment_keep(positions: &[u32], segments: &[Segment], budget: usize) -> Vec<u
         if excess == 0 {
             break;
         }
-        // Slots are in position order: the segment's held slots are one run.
-        let from = positions.partition_point(|&p| (p as usize) < s.start);
-        let to = positions.partition_point(|&p| (p as usize) < s.end);
-        for d in dropped[from..to].iter_mut().rev() {
-            if excess == 0 {
-                break;
-            }
-            if !*d {
-                *d = true;
-                excess -= 1;
+        for &(start, end) in s.sentences.iter().chain([(s.start, s.end)].iter()) {
+            // Slots are in position order: a span's held slots are one run.
+            let from = positions.partition_point(|&p| (p as usize) < start);
+            let to = positions.partition_point(|&p| (p as usize) < end.min(s.end));
+            for d in dropped[from..to.max(from)].iter_mut().rev() {
+                if excess == 0 {
+                    break;
+                }
+                if !*d {
+                    *d = true;
+                    excess -= 1;
+                }
             }
         }
     }
@@ -283,6 +290,7 @@ mod tests {
             start,
             end,
             relevance,
+            sentences: Vec::new(),
         }
     }
 
@@ -312,6 +320,25 @@ mod tests {
             kv.positions(),
             Some(&want.iter().map(|&p| p as u32).collect::<Vec<_>>()[..])
         );
+    }
+
+    #[test]
+    fn a_partly_evicted_segment_loses_its_least_relevant_sentences_first() {
+        let c = cfg();
+        let mut kv = filled(16);
+        // Reserved 0..2 and 14..16; one segment 2..14 of three sentences, the middle one least
+        // relevant, then the last; token 13 is in no sentence (it straddled one's end).
+        let mut s = seg(2, 14, 0.5);
+        s.sentences = vec![(6, 9), (9, 13), (2, 6)];
+        let e = ev(Policy::Segment, 9, vec![s]);
+        assert_eq!(evict(&c, &mut kv, &e, 2), 7);
+        let want: Vec<usize> = (0..6).chain(13..16).collect();
+        assert_eq!(held(&kv, 0, 0), want);
+        // Then the first sentence, from its end; token 13 goes last.
+        kv.advance(2);
+        assert_eq!(evict(&c, &mut kv, &e, 0), 2);
+        let want: Vec<u32> = (0..4).chain(13..18).collect();
+        assert_eq!(kv.positions(), Some(&want[..]));
     }
 
     #[test]

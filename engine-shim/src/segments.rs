@@ -321,6 +321,56 @@ pub fn token_span(offsets: &[(usize, usize)], from: usize, to: usize) -> Option<
     (len > 0).then_some((first, first + len))
 }
 
+/// Byte ranges of `text`'s sentences, in order: one ends after a line break, after `.`, `!` or
+/// `?` followed by whitespace (or the end), or after `。`, `！` or `？`; the whitespace after it
+/// starts the next one (tokenizers attach a space to the word after it). Whitespace-only
+/// pieces are left out.
+pub fn sentences(text: &str) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut chars = text.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let end = i + c.len_utf8();
+        let spaced = chars.peek().is_none_or(|&(_, n)| n.is_whitespace());
+        let ends = c == '\n'
+            || matches!(c, '。' | '！' | '？')
+            || (matches!(c, '.' | '!' | '?') && spaced);
+        if ends {
+            if !text[start..end].trim().is_empty() {
+                out.push((start, end));
+            }
+            start = end;
+        }
+    }
+    if !text[start..].trim().is_empty() {
+        out.push((start, text.len()));
+    }
+    out
+}
+
+/// A segment's sentences as token spans (`span` maps a byte range of `text` to one), least
+/// relevant first: BM25 of `question` over them, ties broken later first (a segment otherwise
+/// goes from its end). Empty when the segment is one sentence.
+fn ranked_sentences(
+    question: &str,
+    text: &str,
+    span: impl Fn(usize, usize) -> Option<(usize, usize)>,
+) -> Vec<(usize, usize)> {
+    let ranges = sentences(text);
+    if ranges.len() < 2 {
+        return Vec::new();
+    }
+    let texts: Vec<&str> = ranges.iter().map(|&(a, b)| &text[a..b]).collect();
+    let scores = bm25(question, &texts);
+    let mut ranked: Vec<(f64, (usize, usize))> = ranges
+        .iter()
+        .zip(scores)
+        .filter_map(|(&(a, b), score)| Some((score, span(a, b)?)))
+        .collect();
+    ranked.sort_by(|x, y| x.0.total_cmp(&y.0).then(y.1 .0.cmp(&x.1 .0)));
+    ranked.into_iter().map(|(_, s)| s).collect()
+}
+
 /// BM25 (k1 = 1.2, b = 0.75; Robertson and Zaragoza's IDF, floored at 0) of `query` against each
 /// of `docs`, over lower-cased alphanumeric words, in one pass over each document. Written here:
 /// the crates that offer it bring stemmers and language detection that passages of a prompt do
@@ -434,6 +484,9 @@ pub fn spans(
             start,
             end,
             relevance: u.relevance.unwrap_or(score) * decay.powi(age.min(i32::MAX as usize) as i32),
+            sentences: ranked_sentences(&question, text_of(u), |a, b| {
+                token_span(offsets, base + u.start + a, base + u.start + b)
+            }),
         });
     }
     out
@@ -576,6 +629,36 @@ mod tests {
         assert_eq!(ok.policy, Some(Policy::H2o));
         assert_eq!(ok.budget_tokens, Some(64));
         assert_eq!(ok.annotations[0].part, Some(1));
+    }
+
+    #[test]
+    fn sentences_split_after_terminators_and_line_breaks_multi_byte_included() {
+        let t = "Grass is green. Pi is 3.14!  The end\nNext line。終わり？ tail";
+        let got: Vec<&str> = sentences(t).into_iter().map(|(a, b)| &t[a..b]).collect();
+        assert_eq!(
+            got,
+            [
+                "Grass is green.",
+                " Pi is 3.14!",
+                "  The end\n",
+                "Next line。",
+                "終わり？",
+                " tail"
+            ]
+        );
+        assert_eq!(sentences("one sentence"), [(0, 12)]);
+        assert!(sentences("  \n ").is_empty());
+    }
+
+    #[test]
+    fn a_segments_sentences_rank_by_the_question_least_relevant_first() {
+        let text = "The sky is blue. The magic number for Lisbon is 42. The sun is yellow.";
+        // One token per byte, starting at byte 100.
+        let span = |a: usize, b: usize| Some((100 + a, 100 + b));
+        let ranked = ranked_sentences("What is the magic number for Lisbon?", text, span);
+        // The two that share no rare word tie: the later one goes first.
+        assert_eq!(ranked, [(151, 170), (100, 116), (116, 151)]);
+        assert!(ranked_sentences("q", "One sentence only.", span).is_empty());
     }
 
     #[test]

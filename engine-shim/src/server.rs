@@ -264,6 +264,7 @@ fn metrics(app: &App) -> String {
          # TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{model_name=\"{m}\"}} {}\n\
          # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
          # TYPE engine_shim_kv_pool_used_tokens gauge\nengine_shim_kv_pool_used_tokens {}\n\
+         # TYPE engine_shim_kv_pool_peak_tokens gauge\nengine_shim_kv_pool_peak_tokens {}\n\
          # TYPE engine_shim_kv_pool_capacity_tokens gauge\nengine_shim_kv_pool_capacity_tokens {}\n\
          # TYPE engine_shim_routing_digests_total counter\n",
         s.running.load(Ordering::Relaxed),
@@ -282,6 +283,7 @@ fn metrics(app: &App) -> String {
         s.prompt_tokens.load(Ordering::Relaxed),
         s.cached_tokens.load(Ordering::Relaxed),
         s.kv_pool_used_tokens.load(Ordering::Relaxed),
+        s.kv_pool_peak_tokens.load(Ordering::Relaxed),
         app.kv_pool_tokens,
     );
     for c in DigestCheck::ALL {

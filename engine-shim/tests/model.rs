@@ -341,6 +341,17 @@ fn segment_spans_on_the_real_template_hold_each_passage_and_nothing_else() {
         spans.windows(2).all(|w| w[0].end <= w[1].start),
         "ordered and disjoint"
     );
+    // Only passage 2 has two sentences; each is a run of tokens inside its segment.
+    assert!(spans[0].sentences.is_empty() && spans[2].sentences.is_empty());
+    let two = &spans[1];
+    assert_eq!(two.sentences.len(), 2, "{two:?}");
+    let mut sentences: Vec<String> = Vec::new();
+    for &(a, b) in &two.sentences {
+        assert!(two.start <= a && a < b && b <= two.end, "{two:?}");
+        sentences.push(t.decode(&ids[a..b]).unwrap());
+    }
+    sentences.sort();
+    assert_eq!(sentences, ["Passage 2: 東京は日本の首都です。", "🙂\n"]);
     let mut outside: Vec<u32> = ids.clone();
     for (s, p) in spans.iter().zip(passages) {
         let text = t.decode(&ids[s.start..s.end]).unwrap();

@@ -1927,6 +1927,49 @@ mod eviction {
         assert_eq!(answer(&warm), answer(&cold(&follow, "cold-2")));
     }
 
+    /// A sequence at a KV budget takes its prompt's room in the pool only while it prefills:
+    /// two at once peak below their two prompts together (each is evicted to its budget before
+    /// the other one prefills), each holds its whole prompt for a step, and both answer as they
+    /// do alone.
+    #[test]
+    fn sequences_at_a_budget_hold_their_budget_not_their_prompt() {
+        let e = engine(&[]);
+        let chats = [niah(true), niah(false)];
+        let ev = |pt: u64, salt: String| json!({"cache_salt": salt, "kv_eviction": {"policy": "streaming", "budget_tokens": pt / 4}});
+        let prompts: Vec<u64> = chats
+            .iter()
+            .map(|m| prompt_tokens(&ask(e.addr, m, json!({"max_tokens": 1}))))
+            .collect();
+        let alone: Vec<String> = chats
+            .iter()
+            .zip(&prompts)
+            .enumerate()
+            .map(|(i, (m, &pt))| answer(&ask(e.addr, m, ev(pt, format!("alone-{i}")))))
+            .collect();
+        let together: Vec<Value> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chats
+                .iter()
+                .zip(&prompts)
+                .enumerate()
+                .map(|(i, (m, &pt))| {
+                    let body = ev(pt, format!("together-{i}"));
+                    scope.spawn(move || ask(e.addr, m, body))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (v, a) in together.iter().zip(&alone) {
+            assert!(report(v).0 > 0, "evicted: {v}");
+            assert_eq!(&answer(v), a, "answers as alone");
+        }
+        let peak = metric(e.addr, "engine_shim_kv_pool_peak_tokens") as u64;
+        let (a, b) = (prompts[0], prompts[1]);
+        assert!(
+            peak >= a.max(b) && peak < a + b,
+            "peak KV pool {peak} tokens, prompts {a} and {b}"
+        );
+    }
+
     /// A chat of `messages` with `kv_eviction` set to `ev`: its status and JSON body.
     fn refusal(addr: SocketAddr, messages: &[Value], ev: Value) -> (u16, Value) {
         let body =
