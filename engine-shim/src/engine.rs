@@ -357,6 +357,34 @@ impl Seq {
     fn max_len(&self) -> usize {
         self.job.prompt.len() + self.job.params.max_tokens
     }
+
+    /// Whether more than one token is left to compute (prefill, or recompute after a
+    /// preemption).
+    fn prefilling(&self) -> bool {
+        self.tokens.len() - self.computed() > 1
+    }
+
+    /// Whether its KV buffer grows with prefill instead of being reserved whole at admission:
+    /// it has a budget to shrink to once its prompt is computed.
+    fn grows_with_prefill(&self) -> bool {
+        self.job.eviction.active() && self.prefilling()
+    }
+
+    /// KV room a sequence needs at admission: its prompt (or what it computes again) plus some
+    /// growth.
+    fn admission_room(&self) -> usize {
+        (self.tokens.len() + KV_GROWTH).min(self.max_len())
+    }
+
+    /// Tokens of the pool the sequence is counted at for admitting others: what it holds, or,
+    /// while it grows with prefill, the room it was admitted with (it will hold that much).
+    fn committed(&self) -> usize {
+        if self.grows_with_prefill() {
+            self.capacity().max(self.admission_room())
+        } else {
+            self.capacity()
+        }
+    }
 }
 
 /// What a step does with one running sequence.
@@ -545,25 +573,26 @@ impl Worker {
             let Some(front) = self.waiting.front() else {
                 return;
             };
-            let room = (front.tokens.len() + KV_GROWTH).min(front.max_len());
-            if !self.running.is_empty() && self.pool_used() + room > self.schedule.kv_pool_tokens {
+            let room = front.admission_room();
+            let committed: usize = self.running.iter().map(Seq::committed).sum();
+            if !self.running.is_empty() && committed + room > self.schedule.kv_pool_tokens {
                 return;
             }
             let Some(mut seq) = self.waiting.pop_front() else {
                 return;
             };
             self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            let budgeted = seq.job.eviction.active();
-            let h2o = budgeted && seq.job.eviction.policy == Policy::H2o;
+            let h2o = seq.job.eviction.active() && seq.job.eviction.policy == Policy::H2o;
             // H2O ranks slots by the attention they received since they were written: a block
             // copied from the cache would come without its own prompt's share of it.
             let blocks = if h2o { 0 } else { self.cached_prefix(&mut seq) };
             let cached = blocks * BLOCK_TOKENS;
             // A sequence at a KV budget holds its whole prompt only at the end of prefill, and
             // its budget after that: its buffer grows chunk by chunk (make_room) instead of being
-            // reserved whole here, so the pool counts what it holds. Its admission is still
-            // checked against the whole prompt, which it must hold for one step.
-            let capacity = if budgeted {
+            // reserved whole here, so the pool counts what it holds. It is admitted, and counted
+            // for admitting others until its prompt is computed, at its whole prompt, which it
+            // holds for one step.
+            let capacity = if seq.grows_with_prefill() {
                 (cached + KV_GROWTH).min(room)
             } else {
                 room
@@ -684,7 +713,13 @@ impl Worker {
                 continue;
             }
             still_needed -= need - cap;
-            let roomy = need.max(cap + KV_GROWTH.max(cap / 2)).min(s.max_len());
+            // Growing with prefill: no further than what is left to compute.
+            let most = if s.grows_with_prefill() {
+                s.tokens.len()
+            } else {
+                s.max_len()
+            };
+            let roomy = need.max(cap + KV_GROWTH.max(cap / 2)).min(most);
             let target = if used + (roomy - cap) + still_needed <= pool {
                 roomy
             } else {

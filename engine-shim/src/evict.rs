@@ -180,8 +180,8 @@ fn streaming_keep(len: usize, budget: usize) -> Vec<usize> {
 
 /// Segment relevance: the slots to keep once the least relevant segments' tokens are dropped
 /// (ties: the earlier segment first), until `budget` slots are left or no segment token is;
-/// the last segment it takes from loses its latest tokens first, so that exactly the budget is
-/// kept whenever segments hold enough.
+/// the last segment it takes from loses its least relevant sentences first (each from its end),
+/// so that exactly the budget is kept whenever segments hold enough.
 fn segment_keep(positions: &[u32], segments: &[Segment], budget: usize) -> Vec<usize> {
     let mut order: Vec<&Segment> = segments.iter().collect();
     order.sort_by(|a, b| {
@@ -196,8 +196,12 @@ fn segment_keep(positions: &[u32], segments: &[Segment], budget: usize) -> Vec<u
             break;
         }
         for &(start, end) in s.sentences.iter().chain([(s.start, s.end)].iter()) {
-            // Slots are in position order: a span's held slots are one run.
-            let from = positions.partition_point(|&p| (p as usize) < start);
+            if excess == 0 {
+                break;
+            }
+            // Slots are in position order: a span's held slots are one run (a sentence is
+            // clamped to its segment: only segment tokens may go).
+            let from = positions.partition_point(|&p| (p as usize) < start.max(s.start));
             let to = positions.partition_point(|&p| (p as usize) < end.min(s.end));
             for d in dropped[from..to.max(from)].iter_mut().rev() {
                 if excess == 0 {

@@ -9,6 +9,8 @@
 //! The engine feed: blocks engine-shim writes through to its kvagent become the engine's
 //! `engine_feed` residency in a proxy that never saw the request, which then routes the prefix
 //! to it; a kvagent restart (a new `kv_epoch`, an empty store) withdraws them.
+//!
+//! engine-shim's `kv_eviction` request extension reaches it through the proxy unchanged.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -316,4 +318,47 @@ fn blocks_an_engine_wrote_to_kvagent_are_its_residency_until_kvagent_restarts() 
     assert_eq!(p.metric(feed), 0.0);
     assert!(p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"lost\"}") >= 1.0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The `kv_eviction` extension (docs/eviction.md) reaches the engine unchanged through a
+/// text-mode and a token-mode proxy: the segment budget is applied (evictions reported in
+/// `usage.kv_eviction`), and a bad annotation's 400, naming the field, comes back as the engine
+/// wrote it.
+#[test]
+fn kv_eviction_reaches_the_engine_through_the_proxy() {
+    let e = engine();
+    let mut messages = vec![json!({"role": "system", "content": "Answer from the passages."})];
+    for i in 0..6 {
+        messages.push(json!({"role": "user", "content": format!(
+            "Passage {i}: the harbour of town {i} was rebuilt in 18{i}2 after a storm that lasted three days."
+        )}));
+    }
+    messages.push(json!({"role": "user", "content": "When was the harbour of town 3 rebuilt?"}));
+    let ev = json!({"policy": "segment", "budget_tokens": 120, "segments": [{"message": 4, "relevance": 5.0}]});
+    for token_mode in [false, true] {
+        let p = proxy(&e, token_mode);
+        let body = chat(json!(messages), json!({"max_tokens": 4, "kv_eviction": ev}));
+        let r = post(p.addr, "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        let v = r.json();
+        let report = &v["usage"]["kv_eviction"];
+        assert_eq!(
+            (report["policy"].as_str(), report["budget_tokens"].as_u64()),
+            (Some("segment"), Some(120)),
+            "{v}"
+        );
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 120, "{v}");
+        assert!(report["evictions"].as_u64().unwrap() > 0, "{v}");
+        let bad = json!({"policy": "segment", "budget_tokens": 120, "segments": [{"message": 40}]});
+        let r = post(
+            p.addr,
+            "/v1/chat/completions",
+            &chat(json!(messages), json!({"kv_eviction": bad})),
+        );
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.json()["error"]["param"].as_str(),
+            Some("kv_eviction.segments[0].message")
+        );
+    }
 }
