@@ -665,7 +665,7 @@ impl Worker {
             .running
             .iter()
             .enumerate()
-            .find(|(_, s)| s.tokens.len() - s.computed() > 1)
+            .find(|(_, s)| s.prefilling())
         {
             plan[i] = (s.tokens.len() - s.computed())
                 .min(self.schedule.prefill_chunk)
