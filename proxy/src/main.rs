@@ -289,6 +289,12 @@ fn main() -> anyhow::Result<()> {
         overrides,
         set_log_filter,
     };
+    // With a configuration file, a reload can start, stop or restart feeds.
+    let feeds = if source.path.is_some() {
+        feeds.follow_reloads(gateway.live_handle())
+    } else {
+        feeds
+    };
     let reloader = Reloader::new(
         &gateway.live().cfg,
         listener_tls.clone(),
@@ -409,8 +415,6 @@ fn run_picker(
         let feeds = Feeds::new(&cfg, fleet.clone(), index.clone(), metrics.clone())
             .map_err(anyhow::Error::msg)
             .context("`[[engines]]` residency feed")?;
-        let rx = shutdown.clone();
-        tokio::spawn(async move { feeds.start(rx).await });
         let gossip_stats = Arc::new(kvmesh_cluster::GossipStats::default());
         if cfg.cluster.enabled {
             let gossip = cluster::ClusterService {
@@ -445,6 +449,14 @@ fn run_picker(
         gateway.otel = start_otel(&gateway)?;
         let otel = gateway.otel.clone();
         let gateway = Arc::new(gateway);
+        // With a configuration file, a reload can start, stop or restart feeds.
+        let feeds = if source.path.is_some() {
+            feeds.follow_reloads(gateway.live_handle())
+        } else {
+            feeds
+        };
+        let rx = shutdown.clone();
+        tokio::spawn(async move { feeds.start(rx).await });
         // Reloads the configuration file and the TLS files (and keeps SIGHUP from ending the
         // picker).
         let reloader = Reloader::new(

@@ -75,6 +75,16 @@ fn proxy(e: &Engine, token_mode: bool) -> Proxy {
 /// as its kvagent when given.
 fn proxy_with(engines: &[&Engine], token_mode: bool, feeds: &[Option<SocketAddr>]) -> Proxy {
     let port = free_port();
+    Proxy::start_with(&proxy_toml(port, engines, token_mode, feeds), port, true)
+}
+
+/// [`proxy_with`]'s configuration, listening on `port`.
+fn proxy_toml(
+    port: u16,
+    engines: &[&Engine],
+    token_mode: bool,
+    feeds: &[Option<SocketAddr>],
+) -> String {
     let tokenizer = if token_mode {
         format!(
             "[[tokenizers]]\nmodel = \"{MODEL}\"\ngguf = \"{}\"\n",
@@ -96,10 +106,9 @@ fn proxy_with(engines: &[&Engine], token_mode: bool, feeds: &[Option<SocketAddr>
         }
     }
     // 8 blocks hashed: the long prompt is tokenized only up to them.
-    let toml = format!(
+    format!(
         "listen = \"127.0.0.1:{port}\"\nthreads = 2\nlog = \"warn\"\n[routing]\nmax_prefix_blocks = 8\n[health]\ninterval_ms = 200\n{tokenizer}{engine_tables}"
-    );
-    Proxy::start_with(&toml, port, true)
+    )
 }
 
 fn chat(messages: Value, extra: Value) -> Vec<u8> {
@@ -318,6 +327,96 @@ fn blocks_an_engine_wrote_to_kvagent_are_its_residency_until_kvagent_restarts() 
     assert_eq!(p.metric(feed), 0.0);
     assert!(p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"lost\"}") >= 1.0);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Feeds follow configuration reloads: a reload that gives an engine a `kvagent` starts its
+/// feed (the blocks the engine wrote before become its residency), one that points it at
+/// another agent restarts the feed (what the old one recorded is withdrawn), and one that
+/// takes the key away stops it (withdrawn, not claimed again, its metric series dropped).
+#[test]
+fn a_reload_starts_restarts_and_stops_an_engines_feed() {
+    let pid = std::process::id();
+    let dirs = [0, 1].map(|i| std::env::temp_dir().join(format!("kvmesh-feed-reload-{pid}-{i}")));
+    let ports = [free_port(), free_port()];
+    let agents: Vec<SocketAddr> = ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}").parse().unwrap())
+        .collect();
+    let _a = kvagent(&dirs[0], ports[0]);
+    let _b = kvagent(&dirs[1], ports[1]);
+    let e0 = engine();
+    let e1 = engine_with(&["--kvagent", &format!("http://{}", agents[0])]);
+    let port = free_port();
+    let p = Proxy::start_with(&proxy_toml(port, &[&e0, &e1], true, &[]), port, true);
+    let feed = "kvmesh_residency_entries{source=\"engine_feed\"}";
+    let connected = "kvmesh_engine_feed_events_total{engine=\"shim1\",event=\"connected\"}";
+    // Agent a holds blocks of a prompt that engine 1 computed, never seen by the proxy.
+    let (path, body) = &requests()[4];
+    let r = post(e1.addr, path, body);
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let blocks = (r.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 16) as f64;
+    assert!(blocks >= 8.0);
+    let reload = |feeds: &[Option<SocketAddr>], applied: f64| {
+        // Replaced whole (the reload timer may read the file at any moment).
+        let tmp = p.config.with_extension("next");
+        std::fs::write(&tmp, proxy_toml(port, &[&e0, &e1], true, feeds)).unwrap();
+        std::fs::rename(&tmp, &p.config).unwrap();
+        p.sighup();
+        assert!(
+            eventually(Duration::from_secs(20), || {
+                p.metric("kvmesh_config_reloads_total{outcome=\"applied\"}") == applied
+            }),
+            "reload {applied} not applied"
+        );
+    };
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(p.metric(feed), 0.0, "no feed configured yet");
+    assert_eq!(p.metric(connected), 0.0);
+
+    // Started by a reload.
+    reload(&[None, Some(agents[0])], 1.0);
+    assert!(
+        eventually(Duration::from_secs(20), || p.metric(feed) == blocks),
+        "engine_feed entries {} of {blocks} after the reload that added the feed",
+        p.metric(feed)
+    );
+    assert_eq!(p.metric(connected), 1.0);
+
+    // Restarted on another (empty) agent: a's blocks are withdrawn.
+    reload(&[None, Some(agents[1])], 2.0);
+    assert!(
+        eventually(Duration::from_secs(20), || p.metric(connected) == 2.0),
+        "the feed did not reconnect to the new agent"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || p.metric(feed) == 0.0),
+        "{} engine_feed entries left by the replaced feed",
+        p.metric(feed)
+    );
+
+    // Back on a, then stopped: withdrawn, and nothing reconnects or claims them again.
+    reload(&[None, Some(agents[0])], 3.0);
+    assert!(
+        eventually(Duration::from_secs(20), || p.metric(feed) == blocks),
+        "engine_feed entries {} of {blocks} back on agent a",
+        p.metric(feed)
+    );
+    reload(&[], 4.0);
+    assert!(
+        eventually(Duration::from_secs(10), || p.metric(feed) == 0.0),
+        "{} engine_feed entries left by the stopped feed",
+        p.metric(feed)
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(p.metric(feed), 0.0);
+    // The stopped feed's series are gone with it.
+    assert_eq!(
+        p.metric("kvmesh_engine_feed_events_total{engine=\"shim1\""),
+        0.0
+    );
+    for d in &dirs {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 /// The `kv_eviction` extension (docs/eviction.md) reaches the engine unchanged through a

@@ -6,6 +6,10 @@
 //! - [`kv_events`]: vLLM's or SGLang's ZeroMQ KV events publisher (`[[engines]] kv_events`),
 //!   whose token ids are hashed into the proxy's own token-mode chain.
 //!
+//! Feeds follow configuration reloads: an engine whose `[[engines]]` entry gains a feed starts
+//! it, one that loses it, changes it (any key of its entry) or leaves the fleet stops it, and
+//! what the stopped feed recorded is withdrawn before a replacement starts.
+//!
 //! What a feed recorded is withdrawn from the index when its source starts over or can no
 //! longer be heard (a lost stream, a new kvagent epoch, a gap in the event sequence nothing can
 //! replay): residency the proxy cannot follow is not claimed. Feeds reconnect with backoff
@@ -25,9 +29,11 @@ pub mod kv_events;
 pub mod kvagent;
 pub mod zmtp;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
 use lru::LruCache;
@@ -37,11 +43,14 @@ use pingora::services::background::BackgroundService;
 use crate::config::ProxyConfig;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
+use crate::service::Live;
 
 /// First reconnect delay; doubles up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_millis(200);
 /// Longest reconnect delay.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How often the configuration in force is checked for a reload.
+const RELOAD_CHECK: Duration = Duration::from_secs(1);
 
 /// What happened on a feed, for `kvmesh_engine_feed_events_total{event}`.
 pub mod event {
@@ -99,9 +108,34 @@ pub mod event {
 
 /// The feeds of every engine with a `kvagent` or `kv_events`, as a Pingora background service.
 pub struct Feeds {
-    kvagent: Vec<kvagent::Feed>,
-    kv_events: Vec<kv_events::Feed>,
+    /// The feeds configured at start.
+    initial: Vec<FeedSpec>,
     shared: Shared,
+    /// Where a configuration reload puts the configuration in force, and what was in force
+    /// when the feeds were made ([`Feeds::follow_reloads`]).
+    live: Option<(Arc<ArcSwap<Live>>, Arc<Live>)>,
+}
+
+/// One engine's feed as configured.
+struct FeedSpec {
+    /// The engine and the kind of feed: at most one of each kind per engine.
+    id: (String, &'static str),
+    /// The engine's whole `[[engines]]` entry: a feed whose entry changed is restarted.
+    entry: String,
+    /// The feed, or why it cannot be made (a token file that cannot be read).
+    feed: Result<FeedKind, String>,
+}
+
+#[derive(Clone)]
+enum FeedKind {
+    Kvagent(kvagent::Feed),
+    KvEvents(kv_events::Feed),
+}
+
+/// A feed's task, and the entry it was made from.
+struct Running {
+    entry: String,
+    task: tokio::task::JoinHandle<()>,
 }
 
 /// What every feed shares.
@@ -125,6 +159,97 @@ impl Shared {
             node: None,
         }
     }
+
+    /// The feeds `cfg` configures; their events are exported from now on.
+    fn specs(&self, cfg: &ProxyConfig) -> Vec<FeedSpec> {
+        let mut specs = Vec::new();
+        for e in &cfg.engines {
+            let entry = serde_json::to_string(e).unwrap_or_default();
+            let mut add = |kind: &'static str, events: &[&str], feed: Result<FeedKind, String>| {
+                for ev in events {
+                    self.metrics
+                        .engine_feed
+                        .with_label_values(&[e.name.as_str(), ev]);
+                }
+                specs.push(FeedSpec {
+                    id: (e.name.clone(), kind),
+                    entry: entry.clone(),
+                    feed,
+                });
+            };
+            if !e.kvagent.is_empty() {
+                let feed = kvagent::Feed::new(e, &cfg.upstream).map(FeedKind::Kvagent);
+                add("kvagent", &event::KVAGENT, feed);
+            }
+            if !e.kv_events.is_empty() {
+                let feed = kv_events::Feed::new(e, &cfg.tokenizers).map(FeedKind::KvEvents);
+                add("kv_events", &event::KV_EVENTS, feed);
+            }
+        }
+        specs
+    }
+
+    /// Stops the feeds `desired` no longer lists as they run, withdrawing what they recorded,
+    /// then starts those it lists that do not run.
+    async fn reconcile(
+        &self,
+        desired: Vec<FeedSpec>,
+        running: &mut HashMap<(String, &'static str), Running>,
+    ) {
+        let stale: Vec<_> = running
+            .iter()
+            .filter(|(id, r)| !desired.iter().any(|d| &d.id == *id && d.entry == r.entry))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            if let Some(r) = running.remove(&id) {
+                r.task.abort();
+                // Returns once the task is dropped, its recorded digests withdrawn
+                // (`FedSet`'s drop): a replacement must not have its digests removed after it.
+                let _ = r.task.await;
+                if !desired.iter().any(|d| d.id == id) {
+                    let events: &[&str] = match id.1 {
+                        "kvagent" => &event::KVAGENT,
+                        _ => &event::KV_EVENTS,
+                    };
+                    for ev in events {
+                        let _ = self
+                            .metrics
+                            .engine_feed
+                            .remove_label_values(&[id.0.as_str(), ev]);
+                    }
+                }
+                tracing::info!(engine = %id.0, feed = id.1, "residency feed stopped by a configuration reload; its residency is withdrawn");
+            }
+        }
+        for d in desired {
+            if running.contains_key(&d.id) {
+                continue;
+            }
+            let follower: Box<dyn Follow> = match d.feed {
+                Ok(FeedKind::Kvagent(f)) => {
+                    let set = self.set(&f.engine);
+                    Box::new(kvagent::Follower::new(f, set))
+                }
+                Ok(FeedKind::KvEvents(f)) => {
+                    let set = self.set(&f.engine);
+                    Box::new(kv_events::Subscriber::new(f, set))
+                }
+                Err(why) => {
+                    tracing::error!(engine = %d.id.0, feed = d.id.1, error = %why, "residency feed not started (the next applied reload tries again)");
+                    continue;
+                }
+            };
+            let task = tokio::spawn(follow_forever(follower));
+            running.insert(
+                d.id,
+                Running {
+                    entry: d.entry,
+                    task,
+                },
+            );
+        }
+    }
 }
 
 impl Feeds {
@@ -136,68 +261,81 @@ impl Feeds {
         index: Arc<ResidencyIndex>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let mut kvagent = Vec::new();
-        let mut kv_events = Vec::new();
-        for e in &cfg.engines {
-            if !e.kvagent.is_empty() {
-                kvagent.push(kvagent::Feed::new(e, &cfg.upstream)?);
-                for ev in event::KVAGENT {
-                    metrics.engine_feed.with_label_values(&[&e.name, ev]);
-                }
-            }
-            if !e.kv_events.is_empty() {
-                kv_events.push(kv_events::Feed::new(e, &cfg.tokenizers)?);
-                for ev in event::KV_EVENTS {
-                    metrics.engine_feed.with_label_values(&[&e.name, ev]);
-                }
-            }
-        }
         let feed_ttl = cfg.residency_config().feed_ttl;
+        let shared = Shared {
+            fleet,
+            index,
+            metrics,
+            cap: (cfg.residency.capacity_per_node / 2).max(1),
+            refresh: feed_ttl / 4,
+        };
+        let initial = shared.specs(cfg);
+        if let Some(why) = initial.iter().find_map(|s| s.feed.as_ref().err()) {
+            return Err(why.clone());
+        }
         Ok(Feeds {
-            kvagent,
-            kv_events,
-            shared: Shared {
-                fleet,
-                index,
-                metrics,
-                cap: (cfg.residency.capacity_per_node / 2).max(1),
-                refresh: feed_ttl / 4,
-            },
+            initial,
+            shared,
+            live: None,
         })
     }
 
-    /// Whether any engine has a feed.
+    /// Follows the configuration a reload puts in `live` (checked every second): feeds start,
+    /// stop and restart with their engines' `[[engines]]` entries.
+    /// Call it before the reloader starts: a reload from then on is not missed.
+    pub fn follow_reloads(mut self, live: Arc<ArcSwap<Live>>) -> Self {
+        let in_force = live.load_full();
+        self.live = Some((live, in_force));
+        self
+    }
+
+    /// Whether there is nothing to run: no engine has a feed, and no reload can add one.
     pub fn is_empty(&self) -> bool {
-        self.kvagent.is_empty() && self.kv_events.is_empty()
+        self.initial.is_empty() && self.live.is_none()
+    }
+
+    /// Runs the feeds until `shutdown`.
+    async fn run(&self, mut shutdown: ShutdownWatch) {
+        let mut running = HashMap::new();
+        let initial = self
+            .initial
+            .iter()
+            .map(|s| FeedSpec {
+                id: s.id.clone(),
+                entry: s.entry.clone(),
+                feed: s.feed.clone(),
+            })
+            .collect();
+        self.shared.reconcile(initial, &mut running).await;
+        let mut in_force = self.live.as_ref().map(|(_, at_start)| at_start.clone());
+        let mut tick = tokio::time::interval(RELOAD_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.changed() => break,
+                _ = tick.tick(), if self.live.is_some() => {
+                    let (Some((live, _)), Some(old)) = (self.live.as_ref(), in_force.as_ref()) else {
+                        continue;
+                    };
+                    let now = live.load_full();
+                    if Arc::ptr_eq(&now, old) {
+                        continue;
+                    }
+                    self.shared.reconcile(self.shared.specs(&now.cfg), &mut running).await;
+                    in_force = Some(now);
+                }
+            }
+        }
+        // The tasks are left to end with the runtime, not aborted: residency stays claimed
+        // while the proxy drains (aborting would withdraw it as each `FedSet` drops).
+        drop(running);
     }
 }
 
 #[async_trait]
 impl BackgroundService for Feeds {
     async fn start(&self, shutdown: ShutdownWatch) {
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut spawn = |follower: Box<dyn Follow>| {
-            let mut shutdown = shutdown.clone();
-            tasks.spawn(async move {
-                tokio::select! {
-                    _ = follow_forever(follower) => {}
-                    _ = shutdown.changed() => {}
-                }
-            });
-        };
-        for f in &self.kvagent {
-            spawn(Box::new(kvagent::Follower::new(
-                f.clone(),
-                self.shared.set(&f.engine),
-            )));
-        }
-        for f in &self.kv_events {
-            spawn(Box::new(kv_events::Subscriber::new(
-                f.clone(),
-                self.shared.set(&f.engine),
-            )));
-        }
-        while tasks.join_next().await.is_some() {}
+        self.run(shutdown).await;
     }
 }
 
@@ -350,6 +488,13 @@ impl FedSet {
                 .remove_keys(node, self.held.iter().map(|(k, _)| *k));
         }
         self.held.clear();
+    }
+}
+
+impl Drop for FedSet {
+    /// A stopped feed (a reload, shutdown) claims nothing it can no longer follow.
+    fn drop(&mut self) {
+        self.withdraw();
     }
 }
 
