@@ -137,7 +137,8 @@ fn bf16_weights_still_match_the_f32_reference() {
 }
 
 /// Q8_0 matrices (used for decode tokens, so the prompt goes in one token a step, which
-/// `forward` counts as decode) stay correlated with the f32 reference and give its answer.
+/// `forward` counts as decode) stay correlated with the f32 reference and choose as it does up to
+/// near ties, on the prompt and along their own greedy answer.
 #[test]
 fn q8_0_weights_match_the_f32_reference_token_by_token() {
     check_against_reference(WeightType::Q8_0);
@@ -248,14 +249,58 @@ fn check_against_reference(weights: WeightType) {
             assert_eq!(argmax(a), argmax(b), "position {pos}: different top token");
         }
     }
-    if weights != WeightType::Bf16 {
-        let chunk = if weights == WeightType::Q8_0 { 1 } else { 256 };
-        let answer = greedy(&model, &ids, 12, chunk);
-        let text = tok().decode(&answer).unwrap();
-        assert!(
-            text.starts_with("The capital of France is Paris"),
-            "{text:?}"
-        );
+    match weights {
+        WeightType::F32 => {
+            let answer = greedy(&model, &ids, 12, 256);
+            let text = tok().decode(&answer).unwrap();
+            assert!(
+                text.starts_with("The capital of France is Paris"),
+                "{text:?}"
+            );
+        }
+        WeightType::Q8_0 => {
+            for pos in 0..ids.len() {
+                let b = &reference[pos * vocab..(pos + 1) * vocab];
+                let picked = argmax(&ours[pos * vocab..(pos + 1) * vocab]);
+                assert_near_top(b, picked, &format!("prompt position {pos}"));
+            }
+            q8_0_answer_is_near_top_under_f32(&model, &ids);
+        }
+        WeightType::Bf16 => {}
+    }
+}
+
+/// How far (in f32 logits) below f32's top token Q8_0's may rank. Q8_0 flips near ties: at the
+/// France prompt's last position f32 ranks "The" 0.08 above "L", and candle's AVX2 kernels pick
+/// "L" (then answer "L'Étoile, la Cité, ...") where its AVX-512 VNNI ones pick "The". Measured
+/// worst gaps: 0.25 with the AVX2 kernels, 0.80 with VNNI's coarser activation scales (prompt
+/// position 1). A broken kernel picks tokens ranked several logits lower.
+const Q8_0_NEAR_TIE: f32 = 1.5;
+
+fn assert_near_top(f32_logits: &[f32], picked: usize, at: &str) {
+    let gap = f32_logits[argmax(f32_logits)] - f32_logits[picked];
+    eprintln!("Q8_0 {at}: {gap:.3} below f32's top");
+    assert!(
+        gap <= Q8_0_NEAR_TIE,
+        "{at}: Q8_0 picked {:?}, {gap} below f32's top token {:?}",
+        tok().decode(&[picked as u32]).unwrap(),
+        tok().decode(&[argmax(f32_logits) as u32]).unwrap()
+    );
+}
+
+/// Q8_0's greedy answer, teacher-forced through the f32 model: every token it chose is one f32
+/// ranks within [`Q8_0_NEAR_TIE`] of its own choice in the same context.
+fn q8_0_answer_is_near_top_under_f32(q8: &Llama, prompt: &[u32]) {
+    let answer = greedy(q8, prompt, 12, 1);
+    eprintln!("Q8_0 answer: {:?}", tok().decode(&answer).unwrap());
+    let f32_model = Llama::load(gguf(), WeightType::F32).unwrap();
+    let _guard = tch::no_grad_guard();
+    let all: Vec<u32> = prompt.iter().chain(&answer).copied().collect();
+    let mut cache = KvCache::new(&f32_model.cfg, all.len());
+    let logits = f32_model.forward(&all, &mut cache, false);
+    for (i, &t) in answer.iter().enumerate() {
+        let row = Vec::<f32>::try_from(logits.get((prompt.len() - 1 + i) as i64)).unwrap();
+        assert_near_top(&row, t as usize, &format!("answer token {i}"));
     }
 }
 

@@ -117,6 +117,7 @@ pub struct Feeds {
 }
 
 /// One engine's feed as configured.
+#[derive(Clone)]
 struct FeedSpec {
     /// The engine and the kind of feed: at most one of each kind per engine.
     id: (String, &'static str),
@@ -282,6 +283,7 @@ impl Feeds {
 
     /// Follows the configuration a reload puts in `live` (checked every second): feeds start,
     /// stop and restart with their engines' `[[engines]]` entries.
+    ///
     /// Call it before the reloader starts: a reload from then on is not missed.
     pub fn follow_reloads(mut self, live: Arc<ArcSwap<Live>>) -> Self {
         let in_force = live.load_full();
@@ -297,16 +299,9 @@ impl Feeds {
     /// Runs the feeds until `shutdown`.
     async fn run(&self, mut shutdown: ShutdownWatch) {
         let mut running = HashMap::new();
-        let initial = self
-            .initial
-            .iter()
-            .map(|s| FeedSpec {
-                id: s.id.clone(),
-                entry: s.entry.clone(),
-                feed: s.feed.clone(),
-            })
-            .collect();
-        self.shared.reconcile(initial, &mut running).await;
+        self.shared
+            .reconcile(self.initial.clone(), &mut running)
+            .await;
         let mut in_force = self.live.as_ref().map(|(_, at_start)| at_start.clone());
         let mut tick = tokio::time::interval(RELOAD_CHECK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -492,7 +487,7 @@ impl FedSet {
 }
 
 impl Drop for FedSet {
-    /// A stopped feed (a reload, shutdown) claims nothing it can no longer follow.
+    /// A feed stopped by a reload claims nothing it can no longer follow.
     fn drop(&mut self) {
         self.withdraw();
     }
