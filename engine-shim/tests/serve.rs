@@ -889,7 +889,10 @@ fn running_is_clear_when_the_answer_arrives() {
     }
 }
 
-/// Test instrument: a "kvagent" that accepts TCP connections and never answers (holds them).
+/// Test instrument: a "kvagent" that speaks HTTP/2 but never answers a request (holds them).
+/// It answers the client's keep-alive pings, as a stalled agent's HTTP/2 stack would: a bare
+/// TCP holder let the client's ping timeout (15 s) close the connection, failing the held
+/// writes and freeing their permits, so on a slow machine nothing was dropped.
 struct HungKvagent {
     addr: SocketAddr,
 }
@@ -898,14 +901,31 @@ impl HungKvagent {
     fn start() -> Self {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
+        l.set_nonblocking(true).unwrap();
         std::thread::spawn(move || {
-            let mut held = Vec::new();
-            for s in l.incoming() {
-                match s {
-                    Ok(s) => held.push(s),
-                    Err(_) => return,
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(l).unwrap();
+                while let Ok((s, _)) = l.accept().await {
+                    let never = hyper::service::service_fn(|_req| {
+                        std::future::pending::<
+                            Result<
+                                hyper::Response<http_body_util::Empty<bytes::Bytes>>,
+                                std::io::Error,
+                            >,
+                        >()
+                    });
+                    tokio::spawn(
+                        hyper::server::conn::http2::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
+                        .serve_connection(hyper_util::rt::TokioIo::new(s), never),
+                    );
                 }
-            }
+            });
         });
         HungKvagent { addr }
     }
