@@ -129,6 +129,21 @@ fn the_dashboard_shows_live_numbers_in_a_real_browser() {
             }
         })
     };
+    // The rate counts complete seconds only, and a status document is served again for a
+    // second: on a fast machine everything above fits in the proxy's first second, and a
+    // browser polling at once would read a rate of 0 from that document. Wait for the first
+    // complete second to be counted.
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            get(p.addr, "/dashboard/status").is_ok_and(|r| {
+                r.status == 200
+                    && r.json()["requests"]["per_sec"]
+                        .as_f64()
+                        .is_some_and(|v| v > 0.0)
+            })
+        }),
+        "the status never showed a request rate"
+    );
     let profile = std::env::temp_dir().join(format!("kvmesh-chromium-{}", std::process::id()));
     let url = format!("http://{}/dashboard", p.addr);
     let dom = headless(&url, &["--dump-dom"], &profile);
