@@ -125,7 +125,8 @@ struct EngineConfig {
     /// Longest wait for a request's whole body, milliseconds; then 408 and the connection closes.
     body_read_timeout_ms: u64,
     /// libtorch intra-op threads, and candle's for `q8_0` unless `CANDLE_NUM_THREADS` is set
-    /// (0: one per CPU).
+    /// (0: one per CPU). With `q8_0`, a step of decode tokens only runs libtorch on one thread
+    /// and candle on these (docs/engine-shim.md, "Decode speed").
     threads: usize,
     /// Matrix weights: `f32` (default: the reference precision), `bf16` (near-tied tokens flip:
     /// it answers the France test prompt wrongly) or `q8_0` (decode tokens through GGML Q8_0
