@@ -149,12 +149,13 @@ impl Rows {
 /// In such a step libtorch runs only small ops (norms, RoPE, attention over one sequence's
 /// cache), whose OpenMP fan-out costs more than it gains, while candle's pool, which runs the
 /// matrix products, keeps a worker spinning on the other core between them. Measured with
-/// `decode_step` (256-token context, 2 cores): 12.5-12.7 ms a step against 13.5-13.7 with two
-/// threads, and 43.7 against 49.7 ms at 8 sequences. Steps with prompt rows keep every thread:
-/// their f32 GEMMs need them.
+/// `decode_step` (256-token context, 2 cores): 12.4-12.5 ms a step against 13.5-13.7 with two
+/// threads, and 43.1-43.4 against 47.6-49.7 ms at 8 sequences. Steps with prompt rows keep
+/// every thread: their f32 GEMMs need them.
 struct OneTorchThread(i32);
 
 impl OneTorchThread {
+    /// One thread for libtorch on this thread until the guard drops.
     fn hold() -> Self {
         let n = tch::get_num_threads();
         if n > 1 {

@@ -189,6 +189,23 @@ fn q8_0_decode_rows_do_not_depend_on_what_shares_the_step() {
         diff(&alone, &as_prompt) > 1e-3,
         "the f32 path gave the Q8_0 logits"
     );
+    // Such a step runs libtorch on one thread and gives the caller its count back, also when
+    // it fails (a token libtorch cannot embed) and the engine goes on.
+    tch::set_num_threads(2);
+    let unknown = [u32::MAX];
+    let mut kv = prefilled();
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.forward_batch(&mut [Chunk {
+            tokens: &unknown,
+            kv: &mut kv,
+            logits: true,
+            decode: true,
+        }])
+    }));
+    assert!(failed.is_err(), "an unknown token was embedded");
+    assert_eq!(tch::get_num_threads(), 2);
+    let _ = step(&mut kv, true, None);
+    assert_eq!(tch::get_num_threads(), 2);
 }
 
 fn check_against_reference(weights: WeightType) {
