@@ -125,8 +125,8 @@ async fn tables(b: &ShimBench, weights: &str) -> anyhow::Result<String> {
     let client = load::client(1);
     let model_name = "SmolLM2-135M-Instruct";
     let mut out = format!("\n### engine-shim, weights = {weights}\n\n");
-    out += &String::from(
-        "| prompt tokens | prefill | prefill tok/s | decode tok/s (median of 3) | peak RSS MiB | RSS over idle MiB |\n|---:|---|---:|---:|---:|---:|\n",
+    out += &format!(
+        "| prompt tokens | prefill | prefill tok/s | decode tok/s (median of {DECODE_RUNS}) | peak RSS MiB | RSS over idle MiB |\n|---:|---|---:|---:|---:|---:|\n",
     );
     for &n in &b.prompts {
         for (label, chunk) in [("chunked 256", 256usize), ("one step", 1 << 20)] {
@@ -135,24 +135,14 @@ async fn tables(b: &ShimBench, weights: &str) -> anyhow::Result<String> {
             // Warm-up (allocator, libtorch kernels), on a different prompt.
             one(&client, &url, body(model_name, &words(64, 999), 4)).await?;
             let idle = peak_rss_mib(e.pid());
-            let s = one(
-                &client,
-                &url,
-                body(model_name, &words(n, n as u64), b.max_tokens),
-            )
-            .await?;
+            let request = body(model_name, &words(n, n as u64), b.max_tokens);
+            let s = one(&client, &url, request.clone()).await?;
             let prefill = s.prompt_tokens as f64 / s.ttft.as_secs_f64();
             // Decode from the median of DECODE_RUNS requests: the same prompt again (its prefix
             // now cached) decodes at the same context, and one request swings by ~10%.
             let mut decode = vec![decode_rate(&s)];
             for _ in 1..DECODE_RUNS {
-                let again = one(
-                    &client,
-                    &url,
-                    body(model_name, &words(n, n as u64), b.max_tokens),
-                )
-                .await?;
-                decode.push(decode_rate(&again));
+                decode.push(decode_rate(&one(&client, &url, request.clone()).await?));
             }
             let decode = percentile(&mut decode, 0.5);
             let peak = peak_rss_mib(e.pid());
@@ -388,8 +378,8 @@ for n, text in zip(n_tokens, words):
         stdin.write_all(texts.join("\n").as_bytes())?;
     }
     let output = child.wait_with_output()?;
-    let mut out = String::from(
-        "\n| llama.cpp (llama-cpp-python, 2 threads) prompt tokens | prefill tok/s | decode tok/s (median of 3) |\n|---:|---:|---:|\n",
+    let mut out = format!(
+        "\n| llama.cpp (llama-cpp-python, 2 threads) prompt tokens | prefill tok/s | decode tok/s (median of {DECODE_RUNS}) |\n|---:|---:|---:|\n",
     );
     for line in String::from_utf8_lossy(&output.stdout).lines() {
         let v: serde_json::Value = serde_json::from_str(line)?;
