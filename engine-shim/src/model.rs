@@ -7,7 +7,9 @@
 //! Each sequence's KV lives in its own [`KvCache`], one buffer per layer that grows as the
 //! sequence does. [`Llama::forward_batch`] runs one step over several sequences at once: their
 //! new tokens (a decode token each, or a prefill chunk) are stacked into one matrix for every
-//! product, and only attention runs per sequence (each over its own cache).
+//! product, and only attention runs per sequence (each over its own cache). With Q8_0 weights a
+//! step's decode chunks are a pass of their own, whose norms, RoPE and SwiGLU run on plain f32
+//! rows between candle's products ([`Llama::forward_batch`]).
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::Module;
@@ -115,34 +117,6 @@ struct Linear {
     q8: Option<Q8Matrix>,
 }
 
-/// Which rows of a step are decode tokens (the Q8_0 path in `q8_0` mode).
-enum Rows {
-    /// Every row.
-    Decode,
-    /// None.
-    Prompt,
-    /// Some: the indices of each kind.
-    Mixed { decode: Tensor, prompt: Tensor },
-}
-
-impl Rows {
-    /// From one flag per row (`true`: a decode token).
-    fn from_flags(decode: impl Iterator<Item = bool>) -> Rows {
-        let (mut d, mut p) = (Vec::new(), Vec::new());
-        for (i, is_decode) in decode.enumerate() {
-            if is_decode { &mut d } else { &mut p }.push(i as i64);
-        }
-        match (d.is_empty(), p.is_empty()) {
-            (false, true) => Rows::Decode,
-            (true, _) => Rows::Prompt,
-            (false, false) => Rows::Mixed {
-                decode: Tensor::from_slice(&d),
-                prompt: Tensor::from_slice(&p),
-            },
-        }
-    }
-}
-
 /// Holds libtorch at one intra-op thread while it lives (a step of Q8_0 decode rows only), and
 /// gives back the count it found when dropped, unwinding included.
 ///
@@ -177,7 +151,6 @@ struct Q8Matrix {
     m: QMatMul,
     k: usize,
     k_pad: usize,
-    n: usize,
 }
 
 /// A failure inside candle's kernels is a broken invariant (shapes are fixed at load), so it
@@ -210,25 +183,27 @@ impl Q8Matrix {
         )
         .and_then(|x| q.forward(&x))
         .map_err(|e| ModelError::Shape(format!("Q8_0 product: {e}")))?;
-        Ok(Q8Matrix { m: q, k, k_pad, n })
+        Ok(Q8Matrix { m: q, k, k_pad })
     }
 
-    /// `x` (`[t, k]` f32) times `W^T`.
-    fn apply(&self, x: &Tensor) -> Tensor {
-        let t = x.size()[0] as usize;
-        let rows = Vec::<f32>::try_from(x.contiguous().view([-1]))
-            .unwrap_or_else(|e| panic!("Q8_0 input: {e}"));
+    /// Rows of `k` values, concatenated, times `W^T`: `n` values per row.
+    fn apply_rows(&self, rows: &[f32]) -> Vec<f32> {
+        let t = rows.len() / self.k;
         let mut buf = vec![0f32; t * self.k_pad];
         for (dst, src) in buf.chunks_mut(self.k_pad).zip(rows.chunks(self.k)) {
             dst[..self.k].copy_from_slice(src);
         }
-        let out = candle_core::Tensor::from_vec(buf, (t, self.k_pad), &candle_core::Device::Cpu)
+        candle_core::Tensor::from_vec(buf, (t, self.k_pad), &candle_core::Device::Cpu)
             .and_then(|xt| self.m.forward(&xt))
             .and_then(|y| y.flatten_all())
             .and_then(|y| y.to_vec1::<f32>())
-            .unwrap_or_else(|e| q8_failed(e));
-        Tensor::from_slice(&out).view([t as i64, self.n as i64])
+            .unwrap_or_else(|e| q8_failed(e))
     }
+}
+
+/// An f32 tensor's values in row-major order (a broken invariant panics, as libtorch's ops do).
+fn f32_values(x: &Tensor) -> Vec<f32> {
+    Vec::<f32>::try_from(x.contiguous().view([-1])).unwrap_or_else(|e| panic!("f32 rows: {e}"))
 }
 
 impl Linear {
@@ -248,21 +223,14 @@ impl Linear {
         })
     }
 
-    /// `x` (f32 rows) times this weight, in f32: decode rows through Q8_0 when held.
-    fn apply(&self, x: &Tensor, rows: &Rows) -> Tensor {
-        let Some(q8) = &self.q8 else {
-            return self.dense(x);
-        };
-        match rows {
-            Rows::Decode => q8.apply(x),
-            Rows::Prompt => self.dense(x),
-            Rows::Mixed { decode, prompt } => {
-                let d = q8.apply(&x.index_select(0, decode));
-                let p = self.dense(&x.index_select(0, prompt));
-                let mut out = Tensor::empty([x.size()[0], q8.n as i64], (Kind::Float, x.device()));
-                let _ = out.index_copy_(0, decode, &d);
-                let _ = out.index_copy_(0, prompt, &p);
-                out
+    /// Rows of `in` values, concatenated, times this weight: through Q8_0 when held (a step of
+    /// decode rows only), else through the dense matrix.
+    fn apply_rows(&self, rows: &[f32]) -> Vec<f32> {
+        match &self.q8 {
+            Some(q8) => q8.apply_rows(rows),
+            None => {
+                let k = self.wt.size()[0];
+                f32_values(&self.dense(&Tensor::from_slice(rows).view([-1, k])))
             }
         }
     }
@@ -299,6 +267,8 @@ pub struct Llama {
     /// element of its pair), `[context, head_dim]` ([`rope`]).
     rope_cos: Tensor,
     rope_sin: Tensor,
+    /// With Q8_0 weights: what a step of decode rows only reads outside libtorch.
+    decode_tables: Option<DecodeTables>,
 }
 
 /// The key/value cache of one sequence: per layer `[n_kv_head, capacity, head_dim]`, grown by
@@ -607,7 +577,7 @@ impl Llama {
         let pos = Tensor::arange(cfg.context as i64, (Kind::Float, tch::Device::Cpu));
         let angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);
         let (ctx, hd) = (cfg.context as i64, head_dim as i64);
-        Ok(Llama {
+        let mut m = Llama {
             out_norm: weight(g, "output_norm.weight", &[d])?,
             output,
             rope_cos: Tensor::stack(&[angles.cos(), angles.cos()], -1).view([ctx, hd]),
@@ -615,22 +585,12 @@ impl Llama {
             embd,
             layers,
             cfg,
-        })
-    }
-
-    /// The kinds of a step's rows, from one flag per row (`true`: a decode token); without
-    /// Q8_0 matrices every row takes the one path, and nothing is indexed.
-    fn rows(&self, decode: impl Iterator<Item = bool>) -> Rows {
-        if self.output.q8.is_none() {
-            return Rows::Prompt;
+            decode_tables: None,
+        };
+        if weights == WeightType::Q8_0 {
+            m.decode_tables = Some(DecodeTables::new(&m));
         }
-        Rows::from_flags(decode)
-    }
-
-    /// Whether a step of these chunks (one flag each: a decode token) runs only Q8_0 decode
-    /// rows, for [`OneTorchThread`].
-    fn q8_decode_only(&self, decode: impl IntoIterator<Item = bool>) -> bool {
-        self.output.q8.is_some() && decode.into_iter().all(|d| d)
+        Ok(m)
     }
 
     fn norm(&self, x: &Tensor, w: &Tensor) -> Tensor {
@@ -642,98 +602,108 @@ impl Llama {
     /// One token counts as a decode token ([`Chunk::decode`]), more as prompt.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, last_only: bool) -> Tensor {
         cache.reserve(&self.cfg, cache.len + tokens.len());
-        let decode = tokens.len() == 1;
-        let _threads = self.q8_decode_only([decode]).then(OneTorchThread::hold);
-        let (x, attention) = self.layers_over(&mut [Chunk {
+        let mut chunk = Chunk {
             tokens,
             kv: cache,
             logits: true,
-            decode,
-        }]);
+            decode: tokens.len() == 1,
+        };
+        if chunk.decode && self.decode_tables.is_some() {
+            return self.forward_batch(std::slice::from_mut(&mut chunk));
+        }
+        let (x, attention) = self.layers_over(&mut [&mut chunk]);
         let t = tokens.len() as i64;
         let x = if last_only { x.narrow(0, t - 1, 1) } else { x };
-        let rows = self.rows(std::iter::repeat_n(decode, x.size()[0] as usize));
-        let logits = self.output.apply(&self.norm(&x, &self.out_norm), &rows);
+        let logits = self.output.dense(&self.norm(&x, &self.out_norm));
         for (layer, a) in attention.into_iter().flatten() {
-            cache.add_attention(layer, &a);
+            chunk.kv.add_attention(layer, &a);
         }
-        cache.advance(tokens.len());
+        chunk.kv.advance(tokens.len());
         logits
     }
 
     /// One batched step: appends each chunk's tokens to its sequence, and returns the logits
     /// (`[n, vocab]`) of the last token of each chunk that wants them, in order. Every cache must
     /// have room ([`KvCache::reserve`]); caches are advanced only once the whole step is done.
+    ///
+    /// With Q8_0 weights the decode chunks and the others are two passes of one step: the
+    /// former through [`Llama::decode_layers`], the latter through f32 matrices. Chunks are
+    /// independent but for their matrix products, which take the two kinds of rows apart in
+    /// any case; so a decode token's numbers are the same whatever shares its step.
     pub fn forward_batch(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
-        let _threads = self
-            .q8_decode_only(chunks.iter().map(|c| c.decode))
-            .then(OneTorchThread::hold);
-        let mut rows = Vec::new();
-        let mut at = 0i64;
-        for c in chunks.iter() {
-            at += c.tokens.len() as i64;
-            if c.logits {
-                rows.push(at - 1);
-            }
+        let decode_pass = |c: &Chunk<'_>| c.decode && self.decode_tables.is_some();
+        let (mut decode, mut prompt): (Vec<&mut Chunk<'_>>, Vec<&mut Chunk<'_>>) =
+            chunks.iter_mut().partition(|c| decode_pass(c));
+        let n_decode = decode.iter().filter(|c| c.logits).count() as i64;
+        let mut logits = Vec::new();
+        let mut attention = Vec::new();
+        if let (Some(tables), false) = (&self.decode_tables, decode.is_empty()) {
+            // Such a step runs only small libtorch ops; prompt rows' GEMMs need every thread.
+            let _threads = prompt.is_empty().then(OneTorchThread::hold);
+            let (x, a) = self.decode_layers(&mut decode, tables);
+            logits.push(self.decode_logits(&x, &last_rows(&decode), tables));
+            attention.extend(a);
         }
-        let (x, attention) = self.layers_over(chunks);
-        let x = x.index_select(0, &Tensor::from_slice(&rows));
-        let kinds = self.rows(chunks.iter().filter(|c| c.logits).map(|c| c.decode));
-        let logits = self.output.apply(&self.norm(&x, &self.out_norm), &kinds);
+        if !prompt.is_empty() {
+            let (x, a) = self.layers_over(&mut prompt);
+            let x = x.index_select(0, &Tensor::from_slice(&last_rows(&prompt)));
+            logits.push(self.output.dense(&self.norm(&x, &self.out_norm)));
+            attention.extend(a);
+        }
         // Only now: a step that failed anywhere above left every cache as it was (a retried
         // chunk does not count its attention twice).
-        for (ch, attention) in chunks.iter_mut().zip(attention) {
+        for (ch, attention) in decode.iter_mut().chain(prompt.iter_mut()).zip(attention) {
             for (layer, a) in attention {
                 ch.kv.add_attention(layer, &a);
             }
             ch.kv.advance(ch.tokens.len());
         }
-        logits
+        let logits = match logits.len() {
+            0 => self.no_logits(),
+            1 => logits.remove(0),
+            _ => Tensor::cat(&logits, 0),
+        };
+        // Back to the chunks' order: the decode pass's rows come first.
+        let (mut next_decode, mut next_prompt) = (0, n_decode);
+        let order: Vec<i64> = chunks
+            .iter()
+            .filter(|c| c.logits)
+            .map(|c| {
+                let next = if decode_pass(c) {
+                    &mut next_decode
+                } else {
+                    &mut next_prompt
+                };
+                *next += 1;
+                *next - 1
+            })
+            .collect();
+        if order.iter().enumerate().all(|(i, &o)| i as i64 == o) {
+            logits
+        } else {
+            logits.index_select(0, &Tensor::from_slice(&order))
+        }
     }
 
     /// The transformer over every chunk's tokens (their K and V written after each cache's
     /// `len` filled slots, at positions from its `pos`; the caller advances both); returns the
     /// final hidden states `[T, d]` and, per chunk whose cache tracks attention, the attention
     /// each of its slots received per layer (`[n_kv_head, len + T]`), for the caller to add.
-    fn layers_over(&self, chunks: &mut [Chunk<'_>]) -> (Tensor, Vec<Vec<(usize, Tensor)>>) {
+    fn layers_over(&self, chunks: &mut [&mut Chunk<'_>]) -> (Tensor, Vec<Vec<(usize, Tensor)>>) {
         let c = &self.cfg;
         let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
         let (d, kvd) = (c.d_model as i64, kvh * hd);
-        let group = h / kvh;
-        let mut ids = Vec::new();
-        let mut pos = Vec::new();
-        for ch in chunks.iter() {
-            let start = ch.kv.pos as i64;
-            ids.extend(ch.tokens.iter().map(|&x| x as i64));
-            pos.extend(start..start + ch.tokens.len() as i64);
-        }
+        let (ids, pos) = tokens_and_positions(chunks);
         let t_all = ids.len() as i64;
-        let rows = self.rows(
-            chunks
-                .iter()
-                .flat_map(|ch| std::iter::repeat_n(ch.decode, ch.tokens.len())),
-        );
         let mut x = self.embd.index_select(0, &Tensor::from_slice(&ids));
         let pos = Tensor::from_slice(&pos);
         let cos = self.rope_cos.index_select(0, &pos).unsqueeze(1);
         let sin = self.rope_sin.index_select(0, &pos).unsqueeze(1);
-        // Prefill chunks attend causally: query i sees every held slot and the chunk's keys
-        // 0..=i (held slots are all earlier positions).
-        let masks: Vec<Option<Tensor>> = chunks
-            .iter()
-            .map(|ch| {
-                let (t, start) = (ch.tokens.len() as i64, ch.kv.len as i64);
-                (t > 1).then(|| {
-                    Tensor::ones([t, start + t], (Kind::Bool, tch::Device::Cpu))
-                        .triu(start + 1)
-                        .view([1, 1, t, start + t])
-                })
-            })
-            .collect();
+        let masks = causal_masks(chunks);
         let mut attention: Vec<Vec<(usize, Tensor)>> = chunks.iter().map(|_| Vec::new()).collect();
         for (li, l) in self.layers.iter().enumerate() {
             let hn = self.norm(&x, &l.attn_norm);
-            let qkv = l.wqkv.apply(&hn, &rows);
+            let qkv = l.wqkv.dense(&hn);
             // Q (already scaled by 1/sqrt(head_dim)) and K rotated together.
             let qk = rope(
                 &qkv.narrow(1, 0, d + kvd).reshape([t_all, h + kvh, hd]),
@@ -743,69 +713,324 @@ impl Llama {
             let q = qk.narrow(1, 0, h);
             let k = qk.narrow(1, h, kvh);
             let v = qkv.narrow(1, d + kvd, kvd).reshape([t_all, kvh, hd]);
-            let mut outs = Vec::with_capacity(chunks.len());
-            let mut off = 0i64;
-            for ((ch, mask), received) in chunks.iter_mut().zip(&masks).zip(&mut attention) {
-                let t = ch.tokens.len() as i64;
-                let start = ch.kv.len as i64;
-                let total = start + t;
-                ch.kv.k[li]
-                    .narrow(1, start, t)
-                    .copy_(&k.narrow(0, off, t).transpose(0, 1));
-                ch.kv.v[li]
-                    .narrow(1, start, t)
-                    .copy_(&v.narrow(0, off, t).transpose(0, 1));
-                // Batched over kv heads, with each kv head's `group` query heads stacked as
-                // rows: no broadcast, so the cached keys and values are read in place.
-                let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
-                let vals = ch.kv.v[li].narrow(1, 0, total);
-                let qg =
-                    q.narrow(0, off, t)
-                        .transpose(0, 1)
-                        .contiguous()
-                        .view([kvh, group * t, hd]);
-                let scores = qg.bmm(&keys.transpose(1, 2));
-                let scores = match mask {
-                    Some(m) => scores
-                        .view([kvh, group, t, total])
-                        .masked_fill(m, f64::NEG_INFINITY)
-                        .view([kvh, group * t, total]),
-                    None => scores,
-                };
-                let probs = scores.softmax(-1, Kind::Float);
-                if ch.kv.attention.is_some() {
-                    received.push((
-                        li,
-                        probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float),
-                    ));
-                }
-                let out = probs
-                    .bmm(&vals)
-                    .view([h, t, hd])
-                    .transpose(0, 1)
-                    .reshape([t, h * hd]);
-                outs.push(out);
-                off += t;
-            }
-            let attn = if outs.len() == 1 {
-                outs.remove(0)
-            } else {
-                Tensor::cat(&outs, 0)
-            };
-            x += l.wo.apply(&attn, &rows);
+            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention);
+            x += l.wo.dense(&attn);
             let hn = self.norm(&x, &l.ffn_norm);
-            let gu = l.w_gate_up.apply(&hn, &rows);
+            let gu = l.w_gate_up.dense(&hn);
             let f = c.ffn as i64;
             let ff = gu.narrow(1, 0, f).silu() * gu.narrow(1, f, f);
-            x += l.w_down.apply(&ff, &rows);
+            x += l.w_down.dense(&ff);
         }
         (x, attention)
+    }
+
+    /// [`Llama::layers_over`] for a step of Q8_0 decode rows only: between candle's products the
+    /// residual stream, norms, RoPE and SwiGLU run on plain f32 rows (`[T * d]`), and libtorch
+    /// only for attention. A decode row is ~60 values a matrix, so libtorch's per-op cost and
+    /// the copies in and out of candle's tensors were a third of such a step.
+    fn decode_layers(
+        &self,
+        chunks: &mut [&mut Chunk<'_>],
+        tables: &DecodeTables,
+    ) -> (Vec<f32>, Vec<Vec<(usize, Tensor)>>) {
+        let c = &self.cfg;
+        let (h, kvh, hd) = (c.n_head, c.n_kv_head, c.head_dim);
+        let (d, kvd) = (c.d_model, kvh * hd);
+        let width = d + 2 * kvd;
+        let (ids, pos) = tokens_and_positions(chunks);
+        let t = ids.len() as i64;
+        let mut x = f32_values(&self.embd.index_select(0, &Tensor::from_slice(&ids)));
+        let masks = causal_masks(chunks);
+        let mut attention: Vec<Vec<(usize, Tensor)>> = chunks.iter().map(|_| Vec::new()).collect();
+        for (li, (l, norms)) in self.layers.iter().zip(&tables.norms).enumerate() {
+            let mut qkv = l.wqkv.apply_rows(&rms_norm_rows(&x, &norms[0], c.eps));
+            for (row, &p) in qkv.chunks_exact_mut(width).zip(&pos) {
+                let (cos, sin) = tables.rope_row(p as usize);
+                rope_heads(&mut row[..d + kvd], cos, sin);
+            }
+            let qkv = Tensor::from_slice(&qkv).view([t, width as i64]);
+            let part = |from: usize, heads: usize| {
+                qkv.narrow(1, from as i64, (heads * hd) as i64).reshape([
+                    t,
+                    heads as i64,
+                    hd as i64,
+                ])
+            };
+            let (q, k, v) = (part(0, h), part(d, kvh), part(d + kvd, kvh));
+            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention);
+            add_rows(&mut x, &l.wo.apply_rows(&f32_values(&attn)));
+            let gu = l.w_gate_up.apply_rows(&rms_norm_rows(&x, &norms[1], c.eps));
+            add_rows(&mut x, &l.w_down.apply_rows(&swiglu_rows(&gu, c.ffn)));
+        }
+        (x, attention)
+    }
+
+    /// Logits for no rows: `[0, vocab]`.
+    fn no_logits(&self) -> Tensor {
+        Tensor::zeros([0, self.cfg.vocab as i64], (Kind::Float, tch::Device::Cpu))
+    }
+
+    /// The logits `[rows, vocab]` of the hidden states `x` (`[T * d]`) at `rows`.
+    fn decode_logits(&self, x: &[f32], rows: &[i64], tables: &DecodeTables) -> Tensor {
+        if rows.is_empty() {
+            return self.no_logits();
+        }
+        let d = self.cfg.d_model;
+        let mut picked = Vec::with_capacity(rows.len() * d);
+        for &r in rows {
+            picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
+        }
+        let normed = rms_norm_rows(&picked, &tables.out_norm, self.cfg.eps);
+        let logits = self.output.apply_rows(&normed);
+        Tensor::from_slice(&logits).view([rows.len() as i64, self.cfg.vocab as i64])
+    }
+
+    /// Layer `li`'s attention for every chunk from the step's `[q, k, v]` (`[T, heads,
+    /// head_dim]`; Q scaled, Q and K rotated): writes each chunk's keys and values after its
+    /// cache's filled slots and returns the outputs `[T, d]`. For each chunk whose cache tracks
+    /// attention, pushes what its slots received onto its entry of `received`.
+    fn attend(
+        &self,
+        li: usize,
+        [q, k, v]: [&Tensor; 3],
+        chunks: &mut [&mut Chunk<'_>],
+        masks: &[Option<Tensor>],
+        received: &mut [Vec<(usize, Tensor)>],
+    ) -> Tensor {
+        let c = &self.cfg;
+        let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
+        let group = h / kvh;
+        let mut outs = Vec::with_capacity(chunks.len());
+        let mut off = 0i64;
+        for ((ch, mask), received) in chunks.iter_mut().zip(masks).zip(received) {
+            let t = ch.tokens.len() as i64;
+            let start = ch.kv.len as i64;
+            let total = start + t;
+            ch.kv.k[li]
+                .narrow(1, start, t)
+                .copy_(&k.narrow(0, off, t).transpose(0, 1));
+            ch.kv.v[li]
+                .narrow(1, start, t)
+                .copy_(&v.narrow(0, off, t).transpose(0, 1));
+            // Batched over kv heads, with each kv head's `group` query heads stacked as
+            // rows: no broadcast, so the cached keys and values are read in place.
+            let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
+            let vals = ch.kv.v[li].narrow(1, 0, total);
+            let qg = q
+                .narrow(0, off, t)
+                .transpose(0, 1)
+                .contiguous()
+                .view([kvh, group * t, hd]);
+            let scores = qg.bmm(&keys.transpose(1, 2));
+            let scores = match mask {
+                Some(m) => scores
+                    .view([kvh, group, t, total])
+                    .masked_fill(m, f64::NEG_INFINITY)
+                    .view([kvh, group * t, total]),
+                None => scores,
+            };
+            let probs = scores.softmax(-1, Kind::Float);
+            if ch.kv.attention.is_some() {
+                received.push((
+                    li,
+                    probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float),
+                ));
+            }
+            let out = probs
+                .bmm(&vals)
+                .view([h, t, hd])
+                .transpose(0, 1)
+                .reshape([t, h * hd]);
+            outs.push(out);
+            off += t;
+        }
+        if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 0)
+        }
+    }
+}
+
+/// The row of each chunk's last token in a step of `chunks`, for those that want logits.
+fn last_rows(chunks: &[&mut Chunk<'_>]) -> Vec<i64> {
+    let mut rows = Vec::new();
+    let mut at = 0i64;
+    for c in chunks {
+        at += c.tokens.len() as i64;
+        if c.logits {
+            rows.push(at - 1);
+        }
+    }
+    rows
+}
+
+/// The step's token ids and their RoPE positions, chunk after chunk.
+fn tokens_and_positions(chunks: &[&mut Chunk<'_>]) -> (Vec<i64>, Vec<i64>) {
+    let mut ids = Vec::new();
+    let mut pos = Vec::new();
+    for ch in chunks {
+        let start = ch.kv.pos as i64;
+        ids.extend(ch.tokens.iter().map(|&x| x as i64));
+        pos.extend(start..start + ch.tokens.len() as i64);
+    }
+    (ids, pos)
+}
+
+/// Per chunk, what its queries must not see: prefill chunks attend causally (query i sees every
+/// held slot and the chunk's keys 0..=i; held slots are all earlier positions), one token sees
+/// everything.
+fn causal_masks(chunks: &[&mut Chunk<'_>]) -> Vec<Option<Tensor>> {
+    chunks
+        .iter()
+        .map(|ch| {
+            let (t, start) = (ch.tokens.len() as i64, ch.kv.len as i64);
+            (t > 1).then(|| {
+                Tensor::ones([t, start + t], (Kind::Bool, tch::Device::Cpu))
+                    .triu(start + 1)
+                    .view([1, 1, t, start + t])
+            })
+        })
+        .collect()
+}
+
+/// What [`Llama::decode_layers`] reads outside libtorch: the norms' weights and the RoPE tables
+/// as plain f32 (held with Q8_0 weights only).
+struct DecodeTables {
+    /// Per layer, the attention and feed-forward norms' weights.
+    norms: Vec<[Vec<f32>; 2]>,
+    out_norm: Vec<f32>,
+    /// `rope_cos` and `rope_sin` of [`Llama`], row-major.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    head_dim: usize,
+}
+
+impl DecodeTables {
+    fn new(m: &Llama) -> DecodeTables {
+        DecodeTables {
+            norms: m
+                .layers
+                .iter()
+                .map(|l| [f32_values(&l.attn_norm), f32_values(&l.ffn_norm)])
+                .collect(),
+            out_norm: f32_values(&m.out_norm),
+            rope_cos: f32_values(&m.rope_cos),
+            rope_sin: f32_values(&m.rope_sin),
+            head_dim: m.cfg.head_dim,
+        }
+    }
+
+    /// The RoPE cosines and signed sines of position `p`. Past the model's context it panics,
+    /// as libtorch's lookup in [`Llama::layers_over`] does (the engine never gets there: it
+    /// refuses sequences longer than the context).
+    fn rope_row(&self, p: usize) -> (&[f32], &[f32]) {
+        let at = p * self.head_dim..(p + 1) * self.head_dim;
+        match (self.rope_cos.get(at.clone()), self.rope_sin.get(at)) {
+            (Some(c), Some(s)) => (c, s),
+            _ => panic!("position {p} is past the model's context"),
+        }
+    }
+}
+
+/// RMSNorm of each `w.len()`-wide row of `x`, times `w`.
+fn rms_norm_rows(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(w.len()) {
+        let mean_sq = row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            / w.len() as f64;
+        let scale = (1.0 / (mean_sq + eps).sqrt()) as f32;
+        out.extend(row.iter().zip(w).map(|(&v, &w)| v * scale * w));
+    }
+    out
+}
+
+/// [`rope`] on one row of heads (`head_dim` values each) with that row's `cos` and `sin`.
+fn rope_heads(heads: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for head in heads.chunks_exact_mut(cos.len()) {
+        for ((pair, c), s) in head
+            .chunks_exact_mut(2)
+            .zip(cos.chunks_exact(2))
+            .zip(sin.chunks_exact(2))
+        {
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = a * c[0] + b * s[0];
+            pair[1] = b * c[1] + a * s[1];
+        }
+    }
+}
+
+/// SwiGLU of rows `[gate (ffn) | up (ffn)]`: `silu(gate) * up`, `ffn` values a row.
+fn swiglu_rows(gu: &[f32], ffn: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(gu.len() / 2);
+    for row in gu.chunks_exact(2 * ffn) {
+        let (gate, up) = row.split_at(ffn);
+        out.extend(
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u),
+        );
+    }
+    out
+}
+
+/// `x += y`, elementwise.
+fn add_rows(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::OneTorchThread;
+    use super::{f32_values, rms_norm_rows, rope, rope_heads, swiglu_rows, OneTorchThread};
+    use tch::{Kind, Tensor};
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// The plain-f32 RMSNorm, RoPE and SwiGLU of a Q8_0 decode step compute what the libtorch
+    /// ops of every other step do, row by row (a swapped pair or sign in RoPE, or a norm over
+    /// the wrong width, would be off by far more than rounding).
+    #[test]
+    fn f32_values_ops_match_libtorch_ops() {
+        let _guard = tch::no_grad_guard();
+        tch::manual_seed(7);
+        let f = (Kind::Float, tch::Device::Cpu);
+        let (t, d, hd, heads) = (3i64, 96i64, 8i64, 12i64);
+        let x = Tensor::randn([t, d], f) * 3.0;
+        let w = Tensor::randn([d], f);
+        let torch_norm = f32_values(&x.rms_norm([d], Some(&w), 1e-5));
+        let norm = rms_norm_rows(&f32_values(&x), &f32_values(&w), 1e-5);
+        assert!(max_diff(&norm, &torch_norm) < 1e-5);
+
+        let angles = Tensor::rand([t, hd / 2], f) * 6.0;
+        let cos = Tensor::stack(&[angles.cos(), angles.cos()], -1).view([t, hd]);
+        let sin = Tensor::stack(&[-angles.sin(), angles.sin()], -1).view([t, hd]);
+        let q = Tensor::randn([t, heads, hd], f);
+        let torch_rope = f32_values(&rope(&q, &cos.unsqueeze(1), &sin.unsqueeze(1)));
+        let mut ours = f32_values(&q);
+        let (cos, sin) = (f32_values(&cos), f32_values(&sin));
+        let hd = hd as usize;
+        for (i, row) in ours.chunks_exact_mut(heads as usize * hd).enumerate() {
+            rope_heads(row, &cos[i * hd..(i + 1) * hd], &sin[i * hd..(i + 1) * hd]);
+        }
+        assert!(max_diff(&ours, &torch_rope) < 1e-5);
+
+        let ffn = 40i64;
+        let gu = Tensor::randn([t, 2 * ffn], f) * 4.0;
+        let torch_swiglu = f32_values(&(gu.narrow(1, 0, ffn).silu() * gu.narrow(1, ffn, ffn)));
+        let swiglu = swiglu_rows(&f32_values(&gu), ffn as usize);
+        assert!(max_diff(&swiglu, &torch_swiglu) < 1e-5);
+    }
 
     /// The guard of a Q8_0 decode step holds libtorch at one thread and gives the count back
     /// when dropped, also when the step panics (the worker catches a failed step and goes on).
