@@ -1001,7 +1001,7 @@ mod tests {
     /// ops of every other step do, row by row (a swapped pair or sign in RoPE, or a norm over
     /// the wrong width, would be off by far more than rounding).
     #[test]
-    fn f32_values_ops_match_libtorch_ops() {
+    fn plain_row_ops_match_libtorch_ops() {
         let _guard = tch::no_grad_guard();
         tch::manual_seed(7);
         let f = (Kind::Float, tch::Device::Cpu);
