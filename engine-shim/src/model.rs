@@ -120,9 +120,10 @@ struct Linear {
 /// Holds libtorch at one intra-op thread while it lives (a step of Q8_0 decode rows only), and
 /// gives back the count it found when dropped, unwinding included.
 ///
-/// In such a step libtorch runs only small ops (norms, RoPE, attention over one sequence's
-/// cache), whose OpenMP fan-out costs more than it gains, while candle's pool, which runs the
-/// matrix products, keeps a worker spinning on the other core between them. Measured with
+/// In such a step libtorch runs only small ops (the embedding lookup, attention over each
+/// sequence's cache), whose OpenMP fan-out costs more than it gains, while candle's pool, which
+/// runs the matrix products, keeps a worker spinning on the other core between them. Measured
+/// (before those steps' norms and RoPE left libtorch) with
 /// `decode_step` (256-token context, 2 cores): 12.4-12.5 ms a step against 13.5-13.7 with two
 /// threads, and 43.1-43.4 against 47.6-49.7 ms at 8 sequences. Steps with prompt rows keep
 /// every thread: their f32 GEMMs need them.
