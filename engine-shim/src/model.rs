@@ -108,13 +108,11 @@ impl std::str::FromStr for WeightType {
 /// candle's repacked x86 kernels need the inner dimension in whole 256-value superblocks.
 const Q8_K_MULTIPLE: usize = 256;
 
-/// A weight matrix `W` (`[out, in]`) applied to f32 rows as `x W^T`.
+/// A weight matrix `W` (`[out, in]`) applied to f32 rows as `x W^T` by libtorch.
 struct Linear {
     /// `W^T` (`[in, out]`) in f32 or bf16, for libtorch's GEMM.
     wt: Tensor,
     kind: Kind,
-    /// `W` as Q8_0 with `in` zero-padded to `k_pad`, for decode rows.
-    q8: Option<Q8Matrix>,
 }
 
 /// Holds libtorch at one intra-op thread while it lives (a step of Q8_0 decode rows only), and
@@ -123,9 +121,8 @@ struct Linear {
 /// In such a step libtorch runs only small ops (the embedding lookup, attention over each
 /// sequence's cache), whose OpenMP fan-out costs more than it gains, while candle's pool, which
 /// runs the matrix products, keeps a worker spinning on the other core between them. Measured
-/// (before those steps' norms and RoPE left libtorch) with
-/// `decode_step` (256-token context, 2 cores): 12.4-12.5 ms a step against 13.5-13.7 with two
-/// threads, and 43.1-43.4 against 47.6-49.7 ms at 8 sequences. Steps with prompt rows keep
+/// with `decode_step` (256-token context, 2 cores): 11.0-11.3 ms a step against 11.6-11.9 with
+/// two threads, and 39.8-39.9 against 44.9-59.8 ms at 8 sequences. Steps with prompt rows keep
 /// every thread: their f32 GEMMs need them.
 struct OneTorchThread(i32);
 
@@ -148,6 +145,8 @@ impl Drop for OneTorchThread {
     }
 }
 
+/// A weight matrix `W` (`[out, in]`) as Q8_0 blocks for candle's kernels, with `in` (`k`)
+/// zero-padded to `k_pad`.
 struct Q8Matrix {
     m: QMatMul,
     k: usize,
@@ -187,8 +186,9 @@ impl Q8Matrix {
         Ok(Q8Matrix { m: q, k, k_pad })
     }
 
-    /// Rows of `k` values, concatenated, times `W^T`: `n` values per row.
+    /// Rows of `k` values, concatenated, times `W^T`: `out` values per row.
     fn apply_rows(&self, rows: &[f32]) -> Vec<f32> {
+        debug_assert_eq!(rows.len() % self.k, 0);
         let t = rows.len() / self.k;
         let mut buf = vec![0f32; t * self.k_pad];
         for (dst, src) in buf.chunks_mut(self.k_pad).zip(rows.chunks(self.k)) {
@@ -208,31 +208,11 @@ fn f32_values(x: &Tensor) -> Vec<f32> {
 }
 
 impl Linear {
-    fn new(w: Tensor, weights: WeightType) -> Result<Linear, ModelError> {
-        let kind = match weights {
-            WeightType::Bf16 => Kind::BFloat16,
-            WeightType::F32 | WeightType::Q8_0 => Kind::Float,
-        };
-        let q8 = match weights {
-            WeightType::Q8_0 => Some(Q8Matrix::new(&w)?),
-            _ => None,
-        };
-        Ok(Linear {
+    /// `w` (f32) held in `kind` (f32 or bf16).
+    fn new(w: &Tensor, kind: Kind) -> Linear {
+        Linear {
             wt: w.tr().contiguous().to_kind(kind),
             kind,
-            q8,
-        })
-    }
-
-    /// Rows of `in` values, concatenated, times this weight: through Q8_0 when held (a step of
-    /// decode rows only), else through the dense matrix.
-    fn apply_rows(&self, rows: &[f32]) -> Vec<f32> {
-        match &self.q8 {
-            Some(q8) => q8.apply_rows(rows),
-            None => {
-                let k = self.wt.size()[0];
-                f32_values(&self.dense(&Tensor::from_slice(rows).view([-1, k])))
-            }
         }
     }
 
@@ -268,8 +248,8 @@ pub struct Llama {
     /// element of its pair), `[context, head_dim]` ([`rope`]).
     rope_cos: Tensor,
     rope_sin: Tensor,
-    /// With Q8_0 weights: what a step of decode rows only reads outside libtorch.
-    decode_tables: Option<DecodeTables>,
+    /// With Q8_0 weights: what the decode pass of a step runs on.
+    q8: Option<Q8Decode>,
 }
 
 /// The key/value cache of one sequence: per layer `[n_kv_head, capacity, head_dim]`, grown by
@@ -465,22 +445,20 @@ fn weight(g: &Gguf, name: &str, want: &[i64]) -> Result<Tensor, ModelError> {
     Ok(Tensor::from_slice(&data).reshape(&shape))
 }
 
-/// The matrices `names` (each `[rows_i, cols]`, multiplied by `factors_i`) stacked by rows,
-/// held as `weights` says.
+/// The matrices `names` (each `[rows_i, cols]`, multiplied by `factors_i`) stacked by rows.
 fn stacked(
     g: &Gguf,
     names: &[String],
     rows: &[i64],
     factors: &[f64],
     cols: i64,
-    weights: WeightType,
-) -> Result<Linear, ModelError> {
+) -> Result<Tensor, ModelError> {
     let mut ws = Vec::with_capacity(names.len());
     for ((name, &r), &factor) in names.iter().zip(rows).zip(factors) {
         let w = weight(g, name, &[r, cols])?;
         ws.push(if factor == 1.0 { w } else { w * factor });
     }
-    Linear::new(Tensor::cat(&ws, 0), weights)
+    Ok(Tensor::cat(&ws, 0))
 }
 
 /// RoPE on `x` `[T, heads, head_dim]`, rotating adjacent pairs (2i, 2i+1) as GGML does for
@@ -541,33 +519,47 @@ impl Llama {
         } else {
             embd.shallow_clone()
         };
-        let output = Linear::new(out_w, weights)?;
+        let kind = match weights {
+            WeightType::Bf16 => Kind::BFloat16,
+            WeightType::F32 | WeightType::Q8_0 => Kind::Float,
+        };
+        let with_q8 = weights == WeightType::Q8_0;
         let mut layers = Vec::with_capacity(cfg.n_layer);
+        let mut q8_layers = Vec::new();
         for i in 0..cfg.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let wqkv = stacked(
+                g,
+                &[n("attn_q"), n("attn_k"), n("attn_v")],
+                &[d, kvd, kvd],
+                // Attention's 1/sqrt(head_dim) folded into Q (RoPE is linear): one op less per
+                // layer, and exact for power-of-two head widths.
+                &[1.0 / (head_dim as f64).sqrt(), 1.0, 1.0],
+                d,
+            )?;
+            let wo = stacked(g, &[n("attn_output")], &[d], &[1.0], d)?;
+            let w_gate_up = stacked(g, &[n("ffn_gate"), n("ffn_up")], &[f, f], &[1.0, 1.0], d)?;
+            let w_down = stacked(g, &[n("ffn_down")], &[d], &[1.0], f)?;
+            let (attn_norm, ffn_norm) = (
+                weight(g, &n("attn_norm"), &[d])?,
+                weight(g, &n("ffn_norm"), &[d])?,
+            );
+            if with_q8 {
+                q8_layers.push(Q8Layer {
+                    norms: [f32_values(&attn_norm), f32_values(&ffn_norm)],
+                    wqkv: Q8Matrix::new(&wqkv)?,
+                    wo: Q8Matrix::new(&wo)?,
+                    w_gate_up: Q8Matrix::new(&w_gate_up)?,
+                    w_down: Q8Matrix::new(&w_down)?,
+                });
+            }
             layers.push(Layer {
-                attn_norm: weight(g, &n("attn_norm"), &[d])?,
-                wqkv: stacked(
-                    g,
-                    &[n("attn_q"), n("attn_k"), n("attn_v")],
-                    &[d, kvd, kvd],
-                    // Attention's 1/sqrt(head_dim) folded into Q (RoPE is linear): one op
-                    // less per layer, and exact for power-of-two head widths.
-                    &[1.0 / (head_dim as f64).sqrt(), 1.0, 1.0],
-                    d,
-                    weights,
-                )?,
-                wo: stacked(g, &[n("attn_output")], &[d], &[1.0], d, weights)?,
-                ffn_norm: weight(g, &n("ffn_norm"), &[d])?,
-                w_gate_up: stacked(
-                    g,
-                    &[n("ffn_gate"), n("ffn_up")],
-                    &[f, f],
-                    &[1.0, 1.0],
-                    d,
-                    weights,
-                )?,
-                w_down: stacked(g, &[n("ffn_down")], &[d], &[1.0], f, weights)?,
+                attn_norm,
+                wqkv: Linear::new(&wqkv, kind),
+                wo: Linear::new(&wo, kind),
+                ffn_norm,
+                w_gate_up: Linear::new(&w_gate_up, kind),
+                w_down: Linear::new(&w_down, kind),
             });
         }
         let half = (head_dim / 2) as i64;
@@ -578,20 +570,30 @@ impl Llama {
         let pos = Tensor::arange(cfg.context as i64, (Kind::Float, tch::Device::Cpu));
         let angles = pos.unsqueeze(1) * inv_freq.unsqueeze(0);
         let (ctx, hd) = (cfg.context as i64, head_dim as i64);
-        let mut m = Llama {
-            out_norm: weight(g, "output_norm.weight", &[d])?,
-            output,
-            rope_cos: Tensor::stack(&[angles.cos(), angles.cos()], -1).view([ctx, hd]),
-            rope_sin: Tensor::stack(&[-angles.sin(), angles.sin()], -1).view([ctx, hd]),
+        let out_norm = weight(g, "output_norm.weight", &[d])?;
+        let rope_cos = Tensor::stack(&[angles.cos(), angles.cos()], -1).view([ctx, hd]);
+        let rope_sin = Tensor::stack(&[-angles.sin(), angles.sin()], -1).view([ctx, hd]);
+        let q8 = match with_q8 {
+            true => Some(Q8Decode {
+                layers: q8_layers,
+                output: Q8Matrix::new(&out_w)?,
+                out_norm: f32_values(&out_norm),
+                rope_cos: f32_values(&rope_cos),
+                rope_sin: f32_values(&rope_sin),
+                head_dim,
+            }),
+            false => None,
+        };
+        Ok(Llama {
+            output: Linear::new(&out_w, kind),
+            out_norm,
+            rope_cos,
+            rope_sin,
             embd,
             layers,
             cfg,
-            decode_tables: None,
-        };
-        if weights == WeightType::Q8_0 {
-            m.decode_tables = Some(DecodeTables::new(&m));
-        }
-        Ok(m)
+            q8,
+        })
     }
 
     fn norm(&self, x: &Tensor, w: &Tensor) -> Tensor {
@@ -609,7 +611,7 @@ impl Llama {
             logits: true,
             decode: tokens.len() == 1,
         };
-        if chunk.decode && self.decode_tables.is_some() {
+        if chunk.decode && self.q8.is_some() {
             return self.forward_batch(std::slice::from_mut(&mut chunk));
         }
         let (x, attention) = self.layers_over(&mut [&mut chunk]);
@@ -628,43 +630,14 @@ impl Llama {
     /// have room ([`KvCache::reserve`]); caches are advanced only once the whole step is done.
     ///
     /// With Q8_0 weights the decode chunks and the others are two passes of one step: the
-    /// former through [`Llama::decode_layers`], the latter through f32 matrices. Chunks are
-    /// independent but for their matrix products, which take the two kinds of rows apart in
-    /// any case; so a decode token's numbers are the same whatever shares its step.
+    /// former through [`Llama::decode_layers`], the latter through f32 matrices. Chunks share
+    /// nothing but their matrix products, which took the two kinds of rows apart in any case,
+    /// so a decode token's numbers do not depend on what shares its step (up to the rounding of
+    /// attention on one libtorch thread or several: [`OneTorchThread`]).
     pub fn forward_batch(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
-        let decode_pass = |c: &Chunk<'_>| c.decode && self.decode_tables.is_some();
-        let (mut decode, mut prompt): (Vec<&mut Chunk<'_>>, Vec<&mut Chunk<'_>>) =
-            chunks.iter_mut().partition(|c| decode_pass(c));
-        let n_decode = decode.iter().filter(|c| c.logits).count() as i64;
-        let mut logits = Vec::new();
-        let mut attention = Vec::new();
-        if let (Some(tables), false) = (&self.decode_tables, decode.is_empty()) {
-            // Such a step runs only small libtorch ops; prompt rows' GEMMs need every thread.
-            let _threads = prompt.is_empty().then(OneTorchThread::hold);
-            let (x, a) = self.decode_layers(&mut decode, tables);
-            logits.push(self.decode_logits(&x, &last_rows(&decode), tables));
-            attention.extend(a);
-        }
-        if !prompt.is_empty() {
-            let (x, a) = self.layers_over(&mut prompt);
-            let x = x.index_select(0, &Tensor::from_slice(&last_rows(&prompt)));
-            logits.push(self.output.dense(&self.norm(&x, &self.out_norm)));
-            attention.extend(a);
-        }
-        // Only now: a step that failed anywhere above left every cache as it was (a retried
-        // chunk does not count its attention twice).
-        for (ch, attention) in decode.iter_mut().chain(prompt.iter_mut()).zip(attention) {
-            for (layer, a) in attention {
-                ch.kv.add_attention(layer, &a);
-            }
-            ch.kv.advance(ch.tokens.len());
-        }
-        let logits = match logits.len() {
-            0 => self.no_logits(),
-            1 => logits.remove(0),
-            _ => Tensor::cat(&logits, 0),
-        };
-        // Back to the chunks' order: the decode pass's rows come first.
+        let decode_pass = |c: &Chunk<'_>| c.decode && self.q8.is_some();
+        // Where each wanted row lands: the decode pass's rows come first.
+        let n_decode = chunks.iter().filter(|c| c.logits && decode_pass(c)).count() as i64;
         let (mut next_decode, mut next_prompt) = (0, n_decode);
         let order: Vec<i64> = chunks
             .iter()
@@ -679,11 +652,42 @@ impl Llama {
                 *next - 1
             })
             .collect();
-        if order.iter().enumerate().all(|(i, &o)| i as i64 == o) {
+        let (mut decode, mut prompt): (Vec<&mut Chunk<'_>>, Vec<&mut Chunk<'_>>) =
+            chunks.iter_mut().partition(|c| decode_pass(c));
+        let mut logits = Vec::new();
+        let mut attention = Vec::new();
+        if let (Some(q8), false) = (&self.q8, decode.is_empty()) {
+            // Such a step runs only small libtorch ops; prompt rows' GEMMs need every thread.
+            let _threads = prompt.is_empty().then(OneTorchThread::hold);
+            let (x, a) = self.decode_layers(&mut decode, q8);
+            logits.push(self.decode_logits(&x, &last_rows(&decode), q8));
+            attention.extend(a);
+        }
+        if !prompt.is_empty() {
+            let (x, a) = self.layers_over(&mut prompt);
+            let x = x.index_select(0, &Tensor::from_slice(&last_rows(&prompt)));
+            logits.push(self.output.dense(&self.norm(&x, &self.out_norm)));
+            attention.extend(a);
+        }
+        let logits = match logits.len() {
+            0 => self.no_logits(),
+            1 => logits.remove(0),
+            _ => Tensor::cat(&logits, 0),
+        };
+        let logits = if order.iter().enumerate().all(|(i, &o)| i as i64 == o) {
             logits
         } else {
             logits.index_select(0, &Tensor::from_slice(&order))
+        };
+        // Only now: a step that failed anywhere above left every cache as it was (a retried
+        // chunk does not count its attention twice).
+        for (ch, attention) in decode.iter_mut().chain(prompt.iter_mut()).zip(attention) {
+            for (layer, a) in attention {
+                ch.kv.add_attention(layer, &a);
+            }
+            ch.kv.advance(ch.tokens.len());
         }
+        logits
     }
 
     /// The transformer over every chunk's tokens (their K and V written after each cache's
@@ -725,14 +729,16 @@ impl Llama {
         (x, attention)
     }
 
-    /// [`Llama::layers_over`] for a step of Q8_0 decode rows only: between candle's products the
-    /// residual stream, norms, RoPE and SwiGLU run on plain f32 rows (`[T * d]`), and libtorch
-    /// only for attention. A decode row is ~60 values a matrix, so libtorch's per-op cost and
-    /// the copies in and out of candle's tensors were a third of such a step.
+    /// [`Llama::layers_over`] for the decode pass of a step (Q8_0): between candle's products
+    /// the residual stream, norms, RoPE and SwiGLU run on plain f32 rows (`[T * d]`), and
+    /// libtorch only looks up the embeddings and runs attention. A pass of a few rows is a few
+    /// thousand values per op, so libtorch's fixed cost per op, and the copies in and out of
+    /// candle's tensors around each product, were about a sixth of a step (measured: 10.6-11.0
+    /// against 12.4-12.8 ms at one sequence).
     fn decode_layers(
         &self,
         chunks: &mut [&mut Chunk<'_>],
-        tables: &DecodeTables,
+        q8: &Q8Decode,
     ) -> (Vec<f32>, Vec<Vec<(usize, Tensor)>>) {
         let c = &self.cfg;
         let (h, kvh, hd) = (c.n_head, c.n_kv_head, c.head_dim);
@@ -743,10 +749,10 @@ impl Llama {
         let mut x = f32_values(&self.embd.index_select(0, &Tensor::from_slice(&ids)));
         let masks = causal_masks(chunks);
         let mut attention: Vec<Vec<(usize, Tensor)>> = chunks.iter().map(|_| Vec::new()).collect();
-        for (li, (l, norms)) in self.layers.iter().zip(&tables.norms).enumerate() {
-            let mut qkv = l.wqkv.apply_rows(&rms_norm_rows(&x, &norms[0], c.eps));
+        for (li, l) in q8.layers.iter().enumerate() {
+            let mut qkv = l.wqkv.apply_rows(&rms_norm_rows(&x, &l.norms[0], c.eps));
             for (row, &p) in qkv.chunks_exact_mut(width).zip(&pos) {
-                let (cos, sin) = tables.rope_row(p as usize);
+                let (cos, sin) = q8.rope_row(p as usize);
                 rope_heads(&mut row[..d + kvd], cos, sin);
             }
             let qkv = Tensor::from_slice(&qkv).view([t, width as i64]);
@@ -760,7 +766,9 @@ impl Llama {
             let (q, k, v) = (part(0, h), part(d, kvh), part(d + kvd, kvh));
             let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention);
             add_rows(&mut x, &l.wo.apply_rows(&f32_values(&attn)));
-            let gu = l.w_gate_up.apply_rows(&rms_norm_rows(&x, &norms[1], c.eps));
+            let gu = l
+                .w_gate_up
+                .apply_rows(&rms_norm_rows(&x, &l.norms[1], c.eps));
             add_rows(&mut x, &l.w_down.apply_rows(&swiglu_rows(&gu, c.ffn)));
         }
         (x, attention)
@@ -772,7 +780,7 @@ impl Llama {
     }
 
     /// The logits `[rows, vocab]` of the hidden states `x` (`[T * d]`) at `rows`.
-    fn decode_logits(&self, x: &[f32], rows: &[i64], tables: &DecodeTables) -> Tensor {
+    fn decode_logits(&self, x: &[f32], rows: &[i64], q8: &Q8Decode) -> Tensor {
         if rows.is_empty() {
             return self.no_logits();
         }
@@ -781,8 +789,8 @@ impl Llama {
         for &r in rows {
             picked.extend_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
         }
-        let normed = rms_norm_rows(&picked, &tables.out_norm, self.cfg.eps);
-        let logits = self.output.apply_rows(&normed);
+        let normed = rms_norm_rows(&picked, &q8.out_norm, self.cfg.eps);
+        let logits = q8.output.apply_rows(&normed);
         Tensor::from_slice(&logits).view([rows.len() as i64, self.cfg.vocab as i64])
     }
 
@@ -895,33 +903,31 @@ fn causal_masks(chunks: &[&mut Chunk<'_>]) -> Vec<Option<Tensor>> {
         .collect()
 }
 
-/// What [`Llama::decode_layers`] reads outside libtorch: the norms' weights and the RoPE tables
-/// as plain f32 (held with Q8_0 weights only).
-struct DecodeTables {
-    /// Per layer, the attention and feed-forward norms' weights.
-    norms: Vec<[Vec<f32>; 2]>,
+/// What the decode pass of a step ([`Llama::decode_layers`]) runs on, held with Q8_0 weights
+/// only: the matrices as Q8_0, and the norms' weights and RoPE tables as plain f32 (copies of
+/// [`Llama`]'s tensors: 2 x context x head_dim values for the tables, 4 MiB at 8k positions).
+struct Q8Decode {
+    layers: Vec<Q8Layer>,
+    output: Q8Matrix,
     out_norm: Vec<f32>,
-    /// `rope_cos` and `rope_sin` of [`Llama`], row-major.
+    /// [`Llama`]'s `rope_cos` and `rope_sin`, row-major `[context, head_dim]`.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
+    /// The tables' row width.
     head_dim: usize,
 }
 
-impl DecodeTables {
-    fn new(m: &Llama) -> DecodeTables {
-        DecodeTables {
-            norms: m
-                .layers
-                .iter()
-                .map(|l| [f32_values(&l.attn_norm), f32_values(&l.ffn_norm)])
-                .collect(),
-            out_norm: f32_values(&m.out_norm),
-            rope_cos: f32_values(&m.rope_cos),
-            rope_sin: f32_values(&m.rope_sin),
-            head_dim: m.cfg.head_dim,
-        }
-    }
+/// One layer of [`Q8Decode`].
+struct Q8Layer {
+    /// The attention and feed-forward norms' weights.
+    norms: [Vec<f32>; 2],
+    wqkv: Q8Matrix,
+    wo: Q8Matrix,
+    w_gate_up: Q8Matrix,
+    w_down: Q8Matrix,
+}
 
+impl Q8Decode {
     /// The RoPE cosines and signed sines of position `p`. Past the model's context it panics,
     /// as libtorch's lookup in [`Llama::layers_over`] does (the engine never gets there: it
     /// refuses sequences longer than the context).
@@ -980,6 +986,7 @@ fn swiglu_rows(gu: &[f32], ffn: usize) -> Vec<f32> {
 
 /// `x += y`, elementwise.
 fn add_rows(x: &mut [f32], y: &[f32]) {
+    debug_assert_eq!(x.len(), y.len());
     for (a, b) in x.iter_mut().zip(y) {
         *a += b;
     }

@@ -208,6 +208,96 @@ fn q8_0_decode_rows_do_not_depend_on_what_shares_the_step() {
     assert_eq!(tch::get_num_threads(), 2);
 }
 
+/// With q8_0 a step whose decode and prompt chunks interleave runs them as two passes and gives
+/// each chunk that wants logits its own row, in the chunks' order: the row it gets alone; a
+/// chunk that wants none gets no row; every cache advances by its tokens; and a decode chunk
+/// that tracks attention accumulates what it does alone.
+#[test]
+fn q8_0_interleaved_decode_and_prompt_chunks_keep_their_rows_and_caches() {
+    let model = Llama::load(gguf(), WeightType::Q8_0).unwrap();
+    let _guard = tch::no_grad_guard();
+    let ids = france();
+    let (short, next) = (&ids[..9], [42u32]);
+    // Two decode sequences with different prompts, so that their rows differ.
+    let prefilled = |prompt: &[u32], track: bool| {
+        let mut kv = KvCache::new(&model.cfg, ids.len() + 2);
+        if track {
+            kv.track_attention(&model.cfg);
+        }
+        let _ = model.forward(prompt, &mut kv, true);
+        kv
+    };
+    let fresh = || KvCache::new(&model.cfg, ids.len() + 2);
+    let alone = |tokens: &[u32], kv: &mut KvCache, decode: bool| {
+        model.forward_batch(&mut [Chunk {
+            tokens,
+            kv,
+            logits: true,
+            decode,
+        }])
+    };
+    let (mut d1, mut d2) = (prefilled(&ids, false), prefilled(short, true));
+    let (mut p1, mut p2) = (fresh(), fresh());
+    let logits = model.forward_batch(&mut [
+        Chunk {
+            tokens: &ids,
+            kv: &mut p1,
+            logits: true,
+            decode: false,
+        },
+        Chunk {
+            tokens: &next,
+            kv: &mut d1,
+            logits: true,
+            decode: true,
+        },
+        Chunk {
+            tokens: short,
+            kv: &mut p2,
+            logits: false,
+            decode: false,
+        },
+        Chunk {
+            tokens: &next,
+            kv: &mut d2,
+            logits: true,
+            decode: true,
+        },
+    ]);
+    assert_eq!(logits.size(), [3, model.cfg.vocab as i64]);
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    let expected = [
+        alone(&ids, &mut fresh(), false),
+        alone(&next, &mut prefilled(&ids, false), true),
+        alone(&next, &mut prefilled(short, true), true),
+    ];
+    for (row, want) in expected.iter().enumerate() {
+        let got = logits.narrow(0, row as i64, 1);
+        assert!(
+            diff(&got, want) < 1e-4,
+            "row {row} moved by {}",
+            diff(&got, want)
+        );
+    }
+    assert!(
+        diff(&expected[1], &expected[2]) > 1e-2,
+        "the decode rows cannot tell apart"
+    );
+    assert_eq!(
+        (p1.len, d1.len, p2.len, d2.len),
+        (ids.len(), ids.len() + 1, short.len(), short.len() + 1)
+    );
+    let mut d2_alone = prefilled(short, true);
+    let _ = alone(&next, &mut d2_alone, true);
+    let (got, want) = (d2.attention(0).unwrap(), d2_alone.attention(0).unwrap());
+    assert!(
+        diff(&got, &want) < 1e-4,
+        "tracked attention moved by {}",
+        diff(&got, &want)
+    );
+    assert!(d1.attention(0).is_none());
+}
+
 fn check_against_reference(weights: WeightType) {
     tch::set_num_threads(2);
     let model = Llama::load(gguf(), weights).unwrap();
