@@ -524,6 +524,9 @@ impl Llama {
             WeightType::F32 | WeightType::Q8_0 => Kind::Float,
         };
         let with_q8 = weights == WeightType::Q8_0;
+        // The output matrix first: quantising it takes ~300 MB of f32 copies for a moment,
+        // which then do not come on top of every layer's matrices (peak RSS).
+        let q8_output = with_q8.then(|| Q8Matrix::new(&out_w)).transpose()?;
         let mut layers = Vec::with_capacity(cfg.n_layer);
         let mut q8_layers = Vec::new();
         for i in 0..cfg.n_layer {
@@ -573,17 +576,14 @@ impl Llama {
         let out_norm = weight(g, "output_norm.weight", &[d])?;
         let rope_cos = Tensor::stack(&[angles.cos(), angles.cos()], -1).view([ctx, hd]);
         let rope_sin = Tensor::stack(&[-angles.sin(), angles.sin()], -1).view([ctx, hd]);
-        let q8 = match with_q8 {
-            true => Some(Q8Decode {
-                layers: q8_layers,
-                output: Q8Matrix::new(&out_w)?,
-                out_norm: f32_values(&out_norm),
-                rope_cos: f32_values(&rope_cos),
-                rope_sin: f32_values(&rope_sin),
-                head_dim,
-            }),
-            false => None,
-        };
+        let q8 = q8_output.map(|output| Q8Decode {
+            layers: q8_layers,
+            output,
+            out_norm: f32_values(&out_norm),
+            rope_cos: f32_values(&rope_cos),
+            rope_sin: f32_values(&rope_sin),
+            head_dim,
+        });
         Ok(Llama {
             output: Linear::new(&out_w, kind),
             out_norm,
