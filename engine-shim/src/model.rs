@@ -582,7 +582,6 @@ impl Llama {
             out_norm: f32_values(&out_norm),
             rope_cos: f32_values(&rope_cos),
             rope_sin: f32_values(&rope_sin),
-            head_dim,
         });
         Ok(Llama {
             output: Linear::new(&out_w, kind),
@@ -752,7 +751,7 @@ impl Llama {
         for (li, l) in q8.layers.iter().enumerate() {
             let mut qkv = l.wqkv.apply_rows(&rms_norm_rows(&x, &l.norms[0], c.eps));
             for (row, &p) in qkv.chunks_exact_mut(width).zip(&pos) {
-                let (cos, sin) = q8.rope_row(p as usize);
+                let (cos, sin) = q8.rope_row(p as usize, hd);
                 rope_heads(&mut row[..d + kvd], cos, sin);
             }
             let qkv = Tensor::from_slice(&qkv).view([t, width as i64]);
@@ -913,8 +912,6 @@ struct Q8Decode {
     /// [`Llama`]'s `rope_cos` and `rope_sin`, row-major `[context, head_dim]`.
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
-    /// The tables' row width.
-    head_dim: usize,
 }
 
 /// One layer of [`Q8Decode`].
@@ -928,11 +925,11 @@ struct Q8Layer {
 }
 
 impl Q8Decode {
-    /// The RoPE cosines and signed sines of position `p`. Past the model's context it panics,
-    /// as libtorch's lookup in [`Llama::layers_over`] does (the engine never gets there: it
-    /// refuses sequences longer than the context).
-    fn rope_row(&self, p: usize) -> (&[f32], &[f32]) {
-        let at = p * self.head_dim..(p + 1) * self.head_dim;
+    /// The RoPE cosines and signed sines of position `p` (`head_dim` each). Past the model's
+    /// context it panics, as libtorch's lookup in [`Llama::layers_over`] does (the engine never
+    /// gets there: it refuses sequences longer than the context).
+    fn rope_row(&self, p: usize, head_dim: usize) -> (&[f32], &[f32]) {
+        let at = p * head_dim..(p + 1) * head_dim;
         match (self.rope_cos.get(at.clone()), self.rope_sin.get(at)) {
             (Some(c), Some(s)) => (c, s),
             _ => panic!("position {p} is past the model's context"),
