@@ -239,6 +239,76 @@ async fn concurrent(
     Ok((samples, t0.elapsed()))
 }
 
+/// The decode steps of a concurrent run: the gaps between a stream's tokens that lie wholly
+/// after the last stream's first token (every prompt computed) and before the first end of a
+/// stream that ran to `max_tokens`. Each such gap is one step in which every stream still
+/// running decodes one token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct DecodeSteps {
+    /// Gaps counted, over all streams: the tokens decoded in the window.
+    gaps: usize,
+    /// The time those steps took, s: each gap divided by the streams running during it.
+    busy_secs: f64,
+    /// The window's length, s.
+    secs: f64,
+}
+
+impl DecodeSteps {
+    /// Tokens a second, over the streams running.
+    fn rate(&self) -> f64 {
+        self.gaps as f64 / self.busy_secs.max(1e-9)
+    }
+}
+
+/// The [`DecodeSteps`] of `samples` (sent together, each asking for `max_tokens`), `None` when
+/// no gap lies in the window (for example, a stream ended before another began). Prompt steps
+/// stall every decoding stream, so the mean gap over a whole run counts the other streams'
+/// prefill too; these gaps are decode steps only, which is what an aggregate decode rate
+/// measures. Gaps, not tokens, so that a step straddling the window's start is not counted. A
+/// stream that stopped early (end of text) counts as running only until its last token, so
+/// the steps after it count one stream fewer.
+fn decode_steps(samples: &[Sample], max_tokens: u64) -> Option<DecodeSteps> {
+    let times: Vec<Vec<f64>> = samples.iter().map(event_times).collect();
+    let last: Vec<f64> = times.iter().filter_map(|t| t.last().copied()).collect();
+    let from = samples.iter().map(|s| s.ttft).max()?.as_secs_f64();
+    let full = samples
+        .iter()
+        .zip(&last)
+        .filter(|(s, _)| s.output_events >= max_tokens)
+        .map(|(_, &t)| t);
+    let to = full
+        .min_by(f64::total_cmp)
+        .or_else(|| last.iter().copied().min_by(f64::total_cmp))?;
+    let (mut gaps, mut busy_secs) = (0usize, 0.0);
+    for t in &times {
+        for w in t.windows(2) {
+            if w[0] >= from && w[1] <= to {
+                // The streams that got a token after this step began (this one included).
+                let running = last.iter().filter(|&&l| l > w[0]).count().max(1);
+                gaps += 1;
+                busy_secs += (w[1] - w[0]) / running as f64;
+            }
+        }
+    }
+    (gaps > 0).then_some(DecodeSteps {
+        gaps,
+        busy_secs,
+        secs: to - from,
+    })
+}
+
+/// When each content event of `s` arrived, s since its request was sent (the requests of a
+/// concurrent run go out together).
+fn event_times(s: &Sample) -> Vec<f64> {
+    let mut at = s.ttft.as_secs_f64();
+    let mut times = vec![at];
+    for gap in &s.itl_ms {
+        at += f64::from(*gap) / 1e3;
+        times.push(at);
+    }
+    times
+}
+
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -259,7 +329,7 @@ async fn batching(
     let url = format!("http://{}/v1/completions", e.addr);
     one(client, &url, body(model_name, &words(64, 999), 4)).await?;
     let mut out = String::from(
-        "\n| concurrent streams (128-token prompts) | generated tokens | wall s | aggregate decode tok/s | vs 1 stream | mean ITL ms | peak RSS MiB |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+        "\n| concurrent streams (128-token prompts) | generated tokens | decode window s | steps timed (gaps) | aggregate decode tok/s | vs 1 stream | mean ITL ms (stalls included) | streams / mean ITL | peak RSS MiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut single = 0.0;
     for (round, n) in [1usize, 4, 8, 16].into_iter().enumerate() {
@@ -273,30 +343,32 @@ async fn batching(
             })
             .collect();
         let (samples, _) = concurrent(client, &url, bodies, None).await?;
-        // Decode only: from the last stream's first token (every prefill done) to the last
-        // answer, the tokens generated in that window are approximated by each stream's events
-        // after its own first one.
-        let first_all = samples.iter().map(|s| s.ttft).max().unwrap_or_default();
-        let end = samples.iter().map(|s| s.latency).max().unwrap_or_default();
-        let tokens: u64 = samples
-            .iter()
-            .map(|s| s.output_events.saturating_sub(1))
-            .sum();
+        let tokens: u64 = samples.iter().map(|s| s.output_events).sum();
         let itl: Vec<f64> = samples
             .iter()
             .flat_map(|s| s.itl_ms.iter().map(|&x| x as f64))
             .collect();
         let mean_itl = itl.iter().sum::<f64>() / itl.len().max(1) as f64;
-        // Aggregate rate = streams / mean gap between a stream's tokens (every stream decodes
-        // in every step while all run).
-        let rate = n as f64 * 1e3 / mean_itl.max(1e-9);
+        let steps = decode_steps(&samples, b.max_tokens);
+        let rate = steps.map_or(0.0, |w| w.rate());
         if n == 1 {
             single = rate;
         }
+        let (window_s, gaps, rate_s) = steps.map_or(("-".into(), "-".into(), "-".into()), |w| {
+            (
+                format!("{:.2}", w.secs),
+                w.gaps.to_string(),
+                format!("{rate:.1}"),
+            )
+        });
+        let vs_single = if single > 0.0 && rate > 0.0 {
+            format!("{:.2}", rate / single)
+        } else {
+            "-".into()
+        };
         out += &format!(
-            "| {n} | {tokens} | {:.2} | {rate:.1} | {:.2} | {mean_itl:.1} | {:.0} |\n",
-            (end - first_all.min(end)).as_secs_f64(),
-            rate / single.max(1e-9),
+            "| {n} | {tokens} | {window_s} | {gaps} | {rate_s} | {vs_single} | {mean_itl:.1} | {:.1} | {:.0} |\n",
+            n as f64 * 1e3 / mean_itl.max(1e-9),
             peak_rss_mib(e.pid()),
         );
         eprintln!("{weights}: batching: {n} streams done");
@@ -391,4 +463,60 @@ for n, text in zip(n_tokens, words):
         );
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(ttft_ms: u64, gaps_ms: &[f32], end_ms: u64) -> Sample {
+        Sample {
+            status: 200,
+            ttft: Duration::from_millis(ttft_ms),
+            itl_ms: gaps_ms.to_vec(),
+            output_events: gaps_ms.len() as u64 + 1,
+            latency: Duration::from_millis(end_ms),
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn decode_steps_are_the_gaps_inside_the_window_where_the_streams_decode() {
+        // Steps end at 600, 620, 640, 660 and 680 ms; every running stream gets a token in each.
+        // A: first token at 100 ms, the next at 600 (a 500 ms prefill stall), last at 660.
+        let a = stream(100, &[500.0, 20.0, 20.0, 20.0], 700);
+        // B: first token at 600 ms (every prompt computed: the window opens), last at 680.
+        let b = stream(600, &[20.0, 20.0, 20.0, 20.0], 690);
+        let w = decode_steps(&[a.clone(), b.clone()], 5).expect("both decode from 600 ms");
+        // A's end (660 ms) closes the window: three steps of both, A's stall left out.
+        assert_eq!(w.gaps, 6);
+        assert!((w.busy_secs - 0.060).abs() < 1e-9, "{}", w.busy_secs);
+        assert!((w.secs - 0.060).abs() < 1e-9, "{}", w.secs);
+        assert!((w.rate() - 100.0).abs() < 1e-6);
+        // One stream: every gap, the stall included.
+        let alone = decode_steps(std::slice::from_ref(&a), 5).expect("a window");
+        assert_eq!(alone.gaps, 4);
+        assert!(
+            (alone.rate() - 4.0 / 0.560).abs() < 1e-6,
+            "{}",
+            alone.rate()
+        );
+        // C stopped early, its last token at 620 ms (3 of 5). The window still runs to A's
+        // end; the step to 620 ms had three streams, the two after it two: 7 tokens in 60 ms.
+        let c = stream(580, &[20.0, 20.0], 625);
+        let w = decode_steps(&[a, b, c], 5).expect("a window");
+        assert_eq!(w.gaps, 7);
+        assert!((w.busy_secs - 0.060).abs() < 1e-9, "{}", w.busy_secs);
+        assert!((w.rate() - 7.0 / 0.060).abs() < 1e-6, "{}", w.rate());
+    }
+
+    #[test]
+    fn no_window_when_a_stream_ends_before_another_begins() {
+        let a = stream(100, &[10.0], 120);
+        let b = stream(300, &[10.0], 320);
+        assert_eq!(decode_steps(&[a, b], 2), None);
+        assert_eq!(decode_steps(&[], 2), None);
+        // One token only: no gap.
+        assert_eq!(decode_steps(&[stream(100, &[], 110)], 2), None);
+    }
 }

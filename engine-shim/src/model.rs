@@ -11,6 +11,9 @@
 //! step's decode chunks are a pass of their own, whose norms, RoPE and SwiGLU run on plain f32
 //! rows between candle's products ([`Llama::forward_batch`]).
 
+use std::panic::AssertUnwindSafe;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::Module;
 use tch::{Kind, Tensor};
@@ -115,15 +118,16 @@ struct Linear {
     kind: Kind,
 }
 
-/// Holds libtorch at one intra-op thread while it lives (a step of Q8_0 decode rows only), and
-/// gives back the count it found when dropped, unwinding included.
+/// Holds libtorch at one intra-op thread on this thread while it lives (the decode pass of a
+/// Q8_0 step), and gives back the count it found when dropped, unwinding included.
 ///
-/// In such a step libtorch runs only small ops (the embedding lookup, attention over each
+/// In that pass libtorch runs only small ops (the embedding lookup, attention over each
 /// sequence's cache), whose OpenMP fan-out costs more than it gains, while candle's pool, which
-/// runs the matrix products, keeps a worker spinning on the other core between them. Measured
+/// runs the matrix products, keeps a worker spinning on the other core between them (the
+/// pass's attention runs on that worker too: [`Llama::attend`]). Measured before it did,
 /// with `decode_step` (256-token context, 2 cores): 11.0-11.3 ms a step against 11.6-11.9 with
-/// two threads, and 39.8-39.9 against 44.9-59.8 ms at 8 sequences. Steps with prompt rows keep
-/// every thread: their f32 GEMMs need them.
+/// two threads, and 39.8-39.9 against 44.9-59.8 ms at 8 sequences. A step's prompt pass runs
+/// after the guard has dropped, with every thread: its f32 GEMMs need them.
 struct OneTorchThread(i32);
 
 impl OneTorchThread {
@@ -631,8 +635,8 @@ impl Llama {
     /// With Q8_0 weights the decode chunks and the others are two passes of one step: the
     /// former through [`Llama::decode_layers`], the latter through f32 matrices. Chunks share
     /// nothing but their matrix products, which took the two kinds of rows apart in any case,
-    /// so a decode token's numbers do not depend on what shares its step (up to the rounding of
-    /// attention on one libtorch thread or several: [`OneTorchThread`]).
+    /// so a decode token's logits do not depend on prompt chunks sharing its step (the decode
+    /// pass's attention always runs on one libtorch thread a chunk: [`OneTorchThread`]).
     pub fn forward_batch(&self, chunks: &mut [Chunk<'_>]) -> Tensor {
         let decode_pass = |c: &Chunk<'_>| c.decode && self.q8.is_some();
         // Where each wanted row lands: the decode pass's rows come first.
@@ -656,8 +660,9 @@ impl Llama {
         let mut logits = Vec::new();
         let mut attention = Vec::new();
         if let (Some(q8), false) = (&self.q8, decode.is_empty()) {
-            // Such a step runs only small libtorch ops; prompt rows' GEMMs need every thread.
-            let _threads = prompt.is_empty().then(OneTorchThread::hold);
+            // The pass runs only small libtorch ops, its chunks' attention spread over candle's
+            // threads; the prompt rows' GEMMs below get every thread back.
+            let _threads = OneTorchThread::hold();
             let (x, a) = self.decode_layers(&mut decode, q8);
             logits.push(self.decode_logits(&x, &last_rows(&decode), q8));
             attention.extend(a);
@@ -717,7 +722,7 @@ impl Llama {
             let q = qk.narrow(1, 0, h);
             let k = qk.narrow(1, h, kvh);
             let v = qkv.narrow(1, d + kvd, kvd).reshape([t_all, kvh, hd]);
-            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention);
+            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention, false);
             x += l.wo.dense(&attn);
             let hn = self.norm(&x, &l.ffn_norm);
             let gu = l.w_gate_up.dense(&hn);
@@ -763,7 +768,7 @@ impl Llama {
                 ])
             };
             let (q, k, v) = (part(0, h), part(d, kvh), part(d + kvd, kvh));
-            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention);
+            let attn = self.attend(li, [&q, &k, &v], chunks, &masks, &mut attention, true);
             add_rows(&mut x, &l.wo.apply_rows(&f32_values(&attn)));
             let gu = l
                 .w_gate_up
@@ -797,6 +802,12 @@ impl Llama {
     /// head_dim]`; Q scaled, Q and K rotated): writes each chunk's keys and values after its
     /// cache's filled slots and returns the outputs `[T, d]`. For each chunk whose cache tracks
     /// attention, pushes what its slots received onto its entry of `received`.
+    ///
+    /// With `spread`, the chunks are shared out over candle's pool threads (this one among
+    /// them), each chunk on one libtorch thread; the caller holds [`OneTorchThread`], so every
+    /// chunk's numbers are the same whichever thread runs it. Chunks only meet in the products,
+    /// so their attention is independent work, and a decode token's is a few small ops: on one
+    /// thread, 8 sequences' attention took 15.5 ms of a 39.6 ms step (256-token contexts).
     fn attend(
         &self,
         li: usize,
@@ -804,53 +815,58 @@ impl Llama {
         chunks: &mut [&mut Chunk<'_>],
         masks: &[Option<Tensor>],
         received: &mut [Vec<(usize, Tensor)>],
+        spread: bool,
     ) -> Tensor {
-        let c = &self.cfg;
-        let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
-        let group = h / kvh;
-        let mut outs = Vec::with_capacity(chunks.len());
+        // Each chunk's rows of Q, K and V.
         let mut off = 0i64;
-        for ((ch, mask), received) in chunks.iter_mut().zip(masks).zip(received) {
-            let t = ch.tokens.len() as i64;
-            let start = ch.kv.len as i64;
-            let total = start + t;
-            ch.kv.k[li]
-                .narrow(1, start, t)
-                .copy_(&k.narrow(0, off, t).transpose(0, 1));
-            ch.kv.v[li]
-                .narrow(1, start, t)
-                .copy_(&v.narrow(0, off, t).transpose(0, 1));
-            // Batched over kv heads, with each kv head's `group` query heads stacked as
-            // rows: no broadcast, so the cached keys and values are read in place.
-            let keys = ch.kv.k[li].narrow(1, 0, total); // [kvh, total, hd]
-            let vals = ch.kv.v[li].narrow(1, 0, total);
-            let qg = q
-                .narrow(0, off, t)
-                .transpose(0, 1)
-                .contiguous()
-                .view([kvh, group * t, hd]);
-            let scores = qg.bmm(&keys.transpose(1, 2));
-            let scores = match mask {
-                Some(m) => scores
-                    .view([kvh, group, t, total])
-                    .masked_fill(m, f64::NEG_INFINITY)
-                    .view([kvh, group * t, total]),
-                None => scores,
-            };
-            let probs = scores.softmax(-1, Kind::Float);
-            if ch.kv.attention.is_some() {
-                received.push((
-                    li,
-                    probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float),
-                ));
+        let rows: Vec<[Tensor; 3]> = chunks
+            .iter()
+            .map(|ch| {
+                let t = ch.tokens.len() as i64;
+                off += t;
+                [q, k, v].map(|x| x.narrow(0, off - t, t))
+            })
+            .collect();
+        let done = if spread && chunks.len() > 1 {
+            let jobs = chunks
+                .iter()
+                .zip(masks)
+                .zip(rows)
+                .map(|((ch, mask), qkv)| ChunkAttention {
+                    qkv,
+                    keys: ch.kv.k[li].shallow_clone(),
+                    vals: ch.kv.v[li].shallow_clone(),
+                    start: ch.kv.len as i64,
+                    mask: mask.as_ref().map(Tensor::shallow_clone),
+                    track: ch.kv.attention.is_some(),
+                })
+                .collect();
+            spread_over_pool(jobs, &self.cfg)
+        } else {
+            chunks
+                .iter()
+                .zip(masks)
+                .zip(&rows)
+                .map(|((ch, mask), qkv)| {
+                    let cache = [&ch.kv.k[li], &ch.kv.v[li]];
+                    let track = ch.kv.attention.is_some();
+                    attend_chunk(
+                        &self.cfg,
+                        qkv,
+                        cache,
+                        ch.kv.len as i64,
+                        mask.as_ref(),
+                        track,
+                    )
+                })
+                .collect()
+        };
+        let mut outs = Vec::with_capacity(done.len());
+        for ((out, got), received) in done.into_iter().zip(received) {
+            if let Some(got) = got {
+                received.push((li, got));
             }
-            let out = probs
-                .bmm(&vals)
-                .view([h, t, hd])
-                .transpose(0, 1)
-                .reshape([t, h * hd]);
             outs.push(out);
-            off += t;
         }
         if outs.len() == 1 {
             outs.remove(0)
@@ -858,6 +874,126 @@ impl Llama {
             Tensor::cat(&outs, 0)
         }
     }
+}
+
+/// One chunk's attention in one layer, holding its own handles on the tensors it reads and
+/// writes (a `Tensor` may move to another thread but not be shared), so that chunks can run
+/// on different threads: [`attend_chunk`]'s arguments.
+struct ChunkAttention {
+    /// The chunk's rows of the step's Q, K and V.
+    qkv: [Tensor; 3],
+    /// The layer's key and value buffers of the chunk's cache.
+    keys: Tensor,
+    vals: Tensor,
+    /// Slots filled before the chunk.
+    start: i64,
+    /// The causal mask of a chunk of several tokens.
+    mask: Option<Tensor>,
+    /// Whether to return the attention each slot received.
+    track: bool,
+}
+
+impl ChunkAttention {
+    fn run(self, c: &LlamaConfig) -> (Tensor, Option<Tensor>) {
+        let cache = [&self.keys, &self.vals];
+        attend_chunk(
+            c,
+            &self.qkv,
+            cache,
+            self.start,
+            self.mask.as_ref(),
+            self.track,
+        )
+    }
+}
+
+/// One chunk's attention in one layer: writes its keys and values (`[q, k, v]`, its rows of
+/// the step's, `[t, heads, head_dim]`) after the `start` filled slots of the layer's cache
+/// buffers (`[kv_heads, capacity, head_dim]`); returns its output `[t, heads * head_dim]` and,
+/// with `track`, the attention each slot received (`[kv_heads, start + t]`).
+fn attend_chunk(
+    c: &LlamaConfig,
+    [q, k, v]: &[Tensor; 3],
+    [keys, vals]: [&Tensor; 2],
+    start: i64,
+    mask: Option<&Tensor>,
+    track: bool,
+) -> (Tensor, Option<Tensor>) {
+    let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
+    let group = h / kvh;
+    let t = q.size()[0];
+    let total = start + t;
+    keys.narrow(1, start, t).copy_(&k.transpose(0, 1));
+    vals.narrow(1, start, t).copy_(&v.transpose(0, 1));
+    // Batched over kv heads, with each kv head's `group` query heads stacked as rows: no
+    // broadcast, so the cached keys and values are read in place.
+    let keys = keys.narrow(1, 0, total); // [kvh, total, hd]
+    let vals = vals.narrow(1, 0, total);
+    let qg = q.transpose(0, 1).contiguous().view([kvh, group * t, hd]);
+    let scores = qg.bmm(&keys.transpose(1, 2));
+    let scores = match mask {
+        Some(m) => scores
+            .view([kvh, group, t, total])
+            .masked_fill(m, f64::NEG_INFINITY)
+            .view([kvh, group * t, total]),
+        None => scores,
+    };
+    let probs = scores.softmax(-1, Kind::Float);
+    let received = track.then(|| probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float));
+    let out = probs
+        .bmm(&vals)
+        .view([h, t, hd])
+        .transpose(0, 1)
+        .reshape([t, h * hd]);
+    (out, received)
+}
+
+/// What one job of [`spread_over_pool`] gave: its result, or the payload of its panic.
+type JobResult = std::thread::Result<(Tensor, Option<Tensor>)>;
+
+/// Runs `jobs` on candle's pool threads and this one, each job on one libtorch thread (the
+/// caller holds [`OneTorchThread`]); returns their results in order. A panic in a job (a
+/// libtorch op failing) reaches the caller as if the job had run here, but only once the pool
+/// is done: a panic that unwound through candle's pool would poison the lock it takes for every
+/// product, and every later step would fail.
+fn spread_over_pool(jobs: Vec<ChunkAttention>, c: &LlamaConfig) -> Vec<(Tensor, Option<Tensor>)> {
+    let todo: Vec<Mutex<Option<ChunkAttention>>> =
+        jobs.into_iter().map(|j| Mutex::new(Some(j))).collect();
+    let done: Vec<Mutex<Option<JobResult>>> = todo.iter().map(|_| Mutex::new(None)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(todo.len(), |range| {
+        for i in range {
+            let job = lock(&todo[i]).take();
+            if let Some(job) = job {
+                let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    // Grad mode is per thread. So is libtorch's thread count once a thread has
+                    // used libtorch; a pool thread's first use takes the process-wide count,
+                    // which the caller's guard has set to 1 unless another thread has just
+                    // set it back. Setting it here sets that count as well, until a guard
+                    // gives its own back.
+                    let _no_grad = tch::no_grad_guard();
+                    if tch::get_num_threads() != 1 {
+                        tch::set_num_threads(1);
+                    }
+                    job.run(c)
+                }));
+                *lock(&done[i]) = Some(ran);
+            }
+        }
+    });
+    done.into_iter()
+        .map(
+            |d| match d.into_inner().unwrap_or_else(PoisonError::into_inner) {
+                Some(Ok(got)) => got,
+                Some(Err(panic)) => std::panic::resume_unwind(panic),
+                None => panic!("candle's pool left an attention job unrun"),
+            },
+        )
+        .collect()
+}
+
+/// A job slot's lock; a panic in another job does not make it unusable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The row of each chunk's last token in a step of `chunks`, for those that want logits.
