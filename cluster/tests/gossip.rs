@@ -500,6 +500,27 @@ fn peer_entries(n: &Node) -> usize {
         .sum()
 }
 
+/// Ticks every node until a pass of `nodes[i]` (`name`) takes nothing from a bulk transfer:
+/// its gossip holds everything its transfers gave it, and they are retired.
+async fn until_gossip_holds_its_transfers(nodes: &mut [Node], i: usize, name: &str) {
+    for _ in 0..200 {
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        let n = &mut nodes[i];
+        if n.sync
+            .sync(&n.cluster, &n.index, &n.members)
+            .await
+            .from_bulk
+            == 0
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{name}'s gossip never caught up with its transfers");
+}
+
 /// Two converged nodes holding `blocks` random digests each.
 async fn loaded_pair(blocks: usize) -> (Vec<Node>, u16) {
     let (pa, pb) = (udp_port(), udp_port());
@@ -524,6 +545,10 @@ async fn loaded_pair(blocks: usize) -> (Vec<Node>, u16) {
 async fn a_joining_node_indexes_its_peers_residency_from_one_bulk_transfer() {
     let blocks = 60_000;
     let (mut nodes, seed) = loaded_pair(blocks).await;
+    // a joined by pulling b's state too, and its index shows b's digests from that transfer
+    // while its gossip copy of b (the only thing a serves) may still lack b's last shards;
+    // c's one pass below can only have all of them once a's gossip does.
+    until_gossip_holds_its_transfers(&mut nodes, 0, "a").await;
     // The seed serves the peers its failure detector lists live; on busy cores it can briefly
     // list b dead, so join only once it lists b live.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -562,20 +587,7 @@ async fn a_joining_node_indexes_its_peers_residency_from_one_bulk_transfer() {
                 .all(|x| x.members.known.lock().unwrap().len() == 2)
     })
     .await;
-    let mut retired = false;
-    for _ in 0..200 {
-        for n in nodes.iter_mut() {
-            n.tick().await;
-        }
-        let c = &mut nodes[2];
-        let r = c.sync.sync(&c.cluster, &c.index, &c.members).await;
-        if r.from_bulk == 0 {
-            retired = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(retired, "gossip never caught up with the transfer");
+    until_gossip_holds_its_transfers(&mut nodes, 2, "c").await;
     // (On 2 busy cores chitchat may briefly list a peer dead, which drops its entries until
     // it is live again: wait, rather than assert at one instant.)
     until(
