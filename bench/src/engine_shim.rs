@@ -309,6 +309,47 @@ fn event_times(s: &Sample) -> Vec<f64> {
     times
 }
 
+/// Rounds of each concurrent-streams row: one round's decode window is a second or two, and
+/// the rate of one swung by ~15% between otherwise equal runs.
+const BATCH_ROUNDS: usize = 3;
+
+/// One round of a concurrent-streams row.
+struct BatchRound {
+    /// Content events over all streams.
+    tokens: u64,
+    /// Mean gap between a stream's tokens over the whole round (prefill stalls included), ms.
+    mean_itl_ms: f64,
+    /// Its decode steps, if any gap lay in the window.
+    steps: Option<DecodeSteps>,
+}
+
+impl BatchRound {
+    /// The round whose streams (sent together, each asking for `max_tokens`) gave `samples`.
+    fn of(samples: &[Sample], max_tokens: u64) -> BatchRound {
+        let itl: Vec<f64> = samples
+            .iter()
+            .flat_map(|s| s.itl_ms.iter().map(|&x| f64::from(x)))
+            .collect();
+        BatchRound {
+            tokens: samples.iter().map(|s| s.output_events).sum(),
+            mean_itl_ms: itl.iter().sum::<f64>() / itl.len().max(1) as f64,
+            steps: decode_steps(samples, max_tokens),
+        }
+    }
+
+    /// Aggregate decode tokens/s of its steps (0 without any).
+    fn rate(&self) -> f64 {
+        self.steps.map_or(0.0, |s| s.rate())
+    }
+}
+
+/// The round with the median aggregate decode rate (the lower middle of an even count).
+fn median_round<'a>(rounds: &[&'a BatchRound]) -> Option<&'a BatchRound> {
+    let mut sorted = rounds.to_vec();
+    sorted.sort_by(|a, b| a.rate().total_cmp(&b.rate()));
+    sorted.get(sorted.len().saturating_sub(1) / 2).copied()
+}
+
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -317,8 +358,9 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Continuous batching: aggregate decode tokens/s at 1/4/8/16 concurrent streams (one fresh
-/// engine, distinct prompts so nothing is cached), then TTFT and ITL under a Poisson load.
+/// Continuous batching: aggregate decode tokens/s at 1/4/8/16 concurrent streams, the median of
+/// [`BATCH_ROUNDS`] rounds each (one fresh engine, distinct prompts so nothing is cached), then
+/// TTFT and ITL under a Poisson load.
 async fn batching(
     b: &ShimBench,
     weights: &str,
@@ -329,48 +371,47 @@ async fn batching(
     let url = format!("http://{}/v1/completions", e.addr);
     one(client, &url, body(model_name, &words(64, 999), 4)).await?;
     let mut out = String::from(
-        "\n| concurrent streams (128-token prompts) | generated tokens | decode window s | steps timed (gaps) | aggregate decode tok/s | vs 1 stream | mean ITL ms (stalls included) | streams / mean ITL | peak RSS MiB |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "\n| concurrent streams (128-token prompts) | rounds | generated tokens | decode window s | steps timed (gaps) | aggregate decode tok/s (median) | rounds' range | vs 1 stream | mean ITL ms (stalls included) | streams / mean ITL | peak RSS MiB |\n|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|\n",
     );
-    let mut single = 0.0;
-    for (round, n) in [1usize, 4, 8, 16].into_iter().enumerate() {
-        let bodies = (0..n)
-            .map(|i| {
-                body(
-                    model_name,
-                    &words(128, 10_000 + 100 * round as u64 + i as u64),
-                    b.max_tokens,
-                )
-            })
-            .collect();
-        let (samples, _) = concurrent(client, &url, bodies, None).await?;
-        let tokens: u64 = samples.iter().map(|s| s.output_events).sum();
-        let itl: Vec<f64> = samples
-            .iter()
-            .flat_map(|s| s.itl_ms.iter().map(|&x| x as f64))
-            .collect();
-        let mean_itl = itl.iter().sum::<f64>() / itl.len().max(1) as f64;
-        let steps = decode_steps(&samples, b.max_tokens);
-        let rate = steps.map_or(0.0, |w| w.rate());
-        if n == 1 {
-            single = rate;
+    let mut single = None;
+    for (row, n) in [1usize, 4, 8, 16].into_iter().enumerate() {
+        // Each round sends its own prompts: nothing is cached from an earlier one.
+        let mut rounds = Vec::with_capacity(BATCH_ROUNDS);
+        for round in 0..BATCH_ROUNDS {
+            let bodies = (0..n)
+                .map(|i| {
+                    let seed = 10_000 + 1_000 * row as u64 + 100 * round as u64 + i as u64;
+                    body(model_name, &words(128, seed), b.max_tokens)
+                })
+                .collect();
+            let (samples, _) = concurrent(client, &url, bodies, None).await?;
+            rounds.push(BatchRound::of(&samples, b.max_tokens));
         }
-        let (window_s, gaps, rate_s) = steps.map_or(("-".into(), "-".into(), "-".into()), |w| {
-            (
-                format!("{:.2}", w.secs),
-                w.gaps.to_string(),
-                format!("{rate:.1}"),
-            )
-        });
-        let vs_single = if single > 0.0 && rate > 0.0 {
-            format!("{:.2}", rate / single)
-        } else {
-            "-".into()
+        let timed: Vec<&BatchRound> = rounds.iter().filter(|r| r.steps.is_some()).collect();
+        let median = median_round(&timed);
+        if n == 1 {
+            single = median.map(BatchRound::rate);
+        }
+        let cells = match median.and_then(|m| Some((m, m.steps?))) {
+            Some((m, steps)) => {
+                let rates: Vec<f64> = timed.iter().map(|r| r.rate()).collect();
+                let lo = rates.iter().copied().fold(f64::INFINITY, f64::min);
+                let hi = rates.iter().copied().fold(0.0, f64::max);
+                let vs = single.map_or("-".into(), |s| format!("{:.2}", m.rate() / s.max(1e-9)));
+                format!(
+                    "{} | {} | {:.2} | {} | {:.1} | {lo:.1}-{hi:.1} | {vs} | {:.1} | {:.1}",
+                    timed.len(),
+                    m.tokens,
+                    steps.secs,
+                    steps.gaps,
+                    m.rate(),
+                    m.mean_itl_ms,
+                    n as f64 * 1e3 / m.mean_itl_ms.max(1e-9),
+                )
+            }
+            None => "0 | - | - | - | - | - | - | - | -".into(),
         };
-        out += &format!(
-            "| {n} | {tokens} | {window_s} | {gaps} | {rate_s} | {vs_single} | {mean_itl:.1} | {:.1} | {:.0} |\n",
-            n as f64 * 1e3 / mean_itl.max(1e-9),
-            peak_rss_mib(e.pid()),
-        );
+        out += &format!("| {n} | {cells} | {:.0} |\n", peak_rss_mib(e.pid()));
         eprintln!("{weights}: batching: {n} streams done");
     }
     // Poisson arrivals at `rate` requests/s for a fixed count.
@@ -518,5 +559,24 @@ mod tests {
         assert_eq!(decode_steps(&[], 2), None);
         // One token only: no gap.
         assert_eq!(decode_steps(&[stream(100, &[], 110)], 2), None);
+    }
+
+    #[test]
+    fn a_row_reports_the_round_with_the_median_decode_rate() {
+        let round = |gaps: usize| BatchRound {
+            tokens: gaps as u64,
+            mean_itl_ms: 10.0,
+            steps: Some(DecodeSteps {
+                gaps,
+                busy_secs: 1.0,
+                secs: 1.0,
+            }),
+        };
+        let (slow, mid, fast) = (round(100), round(250), round(300));
+        let picked = median_round(&[&fast, &slow, &mid]).expect("three rounds");
+        assert_eq!(picked.tokens, 250);
+        // An even count takes the lower middle; none gives none.
+        assert_eq!(median_round(&[&fast, &slow]).map(|r| r.tokens), Some(100));
+        assert!(median_round(&[]).is_none());
     }
 }
