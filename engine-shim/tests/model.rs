@@ -147,31 +147,40 @@ fn q8_0_weights_match_the_f32_reference_token_by_token() {
 /// With q8_0 a decode token's numbers do not depend on what shares its step: decoding beside
 /// another sequence's prompt chunk (a mixed step, whose prompt rows go through f32) gives the
 /// logits it gets alone, while the same token taken through f32 differs.
+/// A chunk of `tokens` on `kv` that wants the logits of its last token; `decode` says whether
+/// they are generated tokens.
+fn wanting_logits<'a>(tokens: &'a [u32], kv: &'a mut KvCache, decode: bool) -> Chunk<'a> {
+    Chunk {
+        tokens,
+        kv,
+        logits: true,
+        decode,
+    }
+}
+
+/// A cache of `capacity` slots holding `prompt`, computed by `model`.
+fn prefilled_cache(model: &Llama, prompt: &[u32], capacity: usize) -> KvCache {
+    let mut kv = KvCache::new(&model.cfg, capacity);
+    let _ = model.forward(prompt, &mut kv, true);
+    kv
+}
+
+/// The largest difference between two tensors' values.
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
 #[test]
 fn q8_0_decode_rows_do_not_depend_on_what_shares_the_step() {
     let model = Llama::load(gguf(), WeightType::Q8_0).unwrap();
     let _guard = tch::no_grad_guard();
     let ids = france();
-    let prefilled = || {
-        let mut kv = KvCache::new(&model.cfg, ids.len() + 2);
-        let _ = model.forward(&ids, &mut kv, true);
-        kv
-    };
+    let prefilled = || prefilled_cache(&model, &ids, ids.len() + 2);
     let next = [42u32];
     let step = |kv: &mut KvCache, decode: bool, beside: Option<&mut KvCache>| {
-        let mut chunks = vec![Chunk {
-            tokens: &next,
-            kv,
-            logits: true,
-            decode,
-        }];
+        let mut chunks = vec![wanting_logits(&next, kv, decode)];
         if let Some(other) = beside {
-            chunks.push(Chunk {
-                tokens: &ids,
-                kv: other,
-                logits: true,
-                decode: false,
-            });
+            chunks.push(wanting_logits(&ids, other, false));
         }
         model.forward_batch(&mut chunks).narrow(0, 0, 1)
     };
@@ -179,14 +188,13 @@ fn q8_0_decode_rows_do_not_depend_on_what_shares_the_step() {
     let mut other = KvCache::new(&model.cfg, ids.len());
     let mixed = step(&mut prefilled(), true, Some(&mut other));
     let as_prompt = step(&mut prefilled(), false, None);
-    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
     assert!(
-        diff(&alone, &mixed) == 0.0,
+        max_diff(&alone, &mixed) == 0.0,
         "mixed step moved the logits by {}",
-        diff(&alone, &mixed)
+        max_diff(&alone, &mixed)
     );
     assert!(
-        diff(&alone, &as_prompt) > 1e-3,
+        max_diff(&alone, &as_prompt) > 1e-3,
         "the f32 path gave the Q8_0 logits"
     );
     // Such a step runs libtorch on one thread and gives the caller its count back, also when
@@ -195,12 +203,7 @@ fn q8_0_decode_rows_do_not_depend_on_what_shares_the_step() {
     let unknown = [u32::MAX];
     let mut kv = prefilled();
     let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        model.forward_batch(&mut [Chunk {
-            tokens: &unknown,
-            kv: &mut kv,
-            logits: true,
-            decode: true,
-        }])
+        model.forward_batch(&mut [wanting_logits(&unknown, &mut kv, true)])
     }));
     assert!(failed.is_err(), "an unknown token was embedded");
     assert_eq!(tch::get_num_threads(), 2);
@@ -218,34 +221,17 @@ fn q8_0_decode_rows_of_five_sequences_are_each_exactly_their_own() {
     let ids = france();
     let next = [42u32];
     let prompts: Vec<&[u32]> = (0..5).map(|i| &ids[..ids.len() - 4 * i]).collect();
-    let prefilled = |prompt: &[u32]| {
-        let mut kv = KvCache::new(&model.cfg, ids.len() + 2);
-        let _ = model.forward(prompt, &mut kv, true);
-        kv
-    };
+    let prefilled = |prompt: &[u32]| prefilled_cache(&model, prompt, ids.len() + 2);
     let mut caches: Vec<KvCache> = prompts.iter().map(|p| prefilled(p)).collect();
     let mut chunks: Vec<Chunk> = caches
         .iter_mut()
-        .map(|kv| Chunk {
-            tokens: &next,
-            kv,
-            logits: true,
-            decode: true,
-        })
+        .map(|kv| wanting_logits(&next, kv, true))
         .collect();
     let together = model.forward_batch(&mut chunks);
     assert_eq!(together.size(), [5, model.cfg.vocab as i64]);
     for (i, prompt) in prompts.iter().enumerate() {
-        let alone = model.forward_batch(&mut [Chunk {
-            tokens: &next,
-            kv: &mut prefilled(prompt),
-            logits: true,
-            decode: true,
-        }]);
-        let moved = (together.narrow(0, i as i64, 1) - alone)
-            .abs()
-            .max()
-            .double_value(&[]);
+        let alone = model.forward_batch(&mut [wanting_logits(&next, &mut prefilled(prompt), true)]);
+        let moved = max_diff(&together.narrow(0, i as i64, 1), &alone);
         assert_eq!(moved, 0.0, "sequence {i} moved by {moved}");
     }
 }
@@ -261,19 +247,12 @@ fn a_failing_attention_job_fails_its_step_and_the_pool_keeps_working() {
     let _guard = tch::no_grad_guard();
     let ids = france();
     let next = [42u32];
-    let prefilled = |capacity: usize| {
-        let mut kv = KvCache::new(&model.cfg, capacity);
-        let _ = model.forward(&ids, &mut kv, true);
-        kv
-    };
+    let prefilled = |capacity: usize| prefilled_cache(&model, &ids, capacity);
     let step = |a: &mut KvCache, b: &mut KvCache| {
-        let decode = |kv| Chunk {
-            tokens: &next,
-            kv,
-            logits: true,
-            decode: true,
-        };
-        model.forward_batch(&mut [decode(a), decode(b)])
+        model.forward_batch(&mut [
+            wanting_logits(&next, a, true),
+            wanting_logits(&next, b, true),
+        ])
     };
     let room = ids.len() + 1;
     let want = step(&mut prefilled(room), &mut prefilled(room));
@@ -284,7 +263,7 @@ fn a_failing_attention_job_fails_its_step_and_the_pool_keeps_working() {
         assert!(failed.is_err(), "a chunk without room was computed");
         assert_eq!((ok.len, full.len), (ids.len(), ids.len()));
         let got = step(&mut prefilled(room), &mut prefilled(room));
-        let moved = (&got - &want).abs().max().double_value(&[]);
+        let moved = max_diff(&got, &want);
         assert_eq!(moved, 0.0, "the step after a failure moved by {moved}");
     }
 }
@@ -310,43 +289,22 @@ fn q8_0_interleaved_decode_and_prompt_chunks_keep_their_rows_and_caches() {
     };
     let fresh = || KvCache::new(&model.cfg, ids.len() + 2);
     let alone = |tokens: &[u32], kv: &mut KvCache, decode: bool| {
-        model.forward_batch(&mut [Chunk {
-            tokens,
-            kv,
-            logits: true,
-            decode,
-        }])
+        model.forward_batch(&mut [wanting_logits(tokens, kv, decode)])
     };
     let (mut d1, mut d2) = (prefilled(&ids, false), prefilled(short, true));
     let (mut p1, mut p2) = (fresh(), fresh());
     let logits = model.forward_batch(&mut [
-        Chunk {
-            tokens: &ids,
-            kv: &mut p1,
-            logits: true,
-            decode: false,
-        },
-        Chunk {
-            tokens: &next,
-            kv: &mut d1,
-            logits: true,
-            decode: true,
-        },
+        wanting_logits(&ids, &mut p1, false),
+        wanting_logits(&next, &mut d1, true),
         Chunk {
             tokens: short,
             kv: &mut p2,
             logits: false,
             decode: false,
         },
-        Chunk {
-            tokens: &next,
-            kv: &mut d2,
-            logits: true,
-            decode: true,
-        },
+        wanting_logits(&next, &mut d2, true),
     ]);
     assert_eq!(logits.size(), [3, model.cfg.vocab as i64]);
-    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
     let expected = [
         alone(&ids, &mut fresh(), false),
         alone(&next, &mut prefilled(&ids, false), true),
@@ -358,13 +316,13 @@ fn q8_0_interleaved_decode_and_prompt_chunks_keep_their_rows_and_caches() {
         let got = logits.narrow(0, row as i64, 1);
         let bound = if row == 0 { 1e-4 } else { 0.0 };
         assert!(
-            diff(&got, want) <= bound,
+            max_diff(&got, want) <= bound,
             "row {row} moved by {}",
-            diff(&got, want)
+            max_diff(&got, want)
         );
     }
     assert!(
-        diff(&expected[1], &expected[2]) > 1e-2,
+        max_diff(&expected[1], &expected[2]) > 1e-2,
         "the decode rows cannot tell apart"
     );
     assert_eq!(
@@ -375,9 +333,9 @@ fn q8_0_interleaved_decode_and_prompt_chunks_keep_their_rows_and_caches() {
     let _ = alone(&next, &mut d2_alone, true);
     let (got, want) = (d2.attention(0).unwrap(), d2_alone.attention(0).unwrap());
     assert!(
-        diff(&got, &want) == 0.0,
+        max_diff(&got, &want) == 0.0,
         "tracked attention moved by {}",
-        diff(&got, &want)
+        max_diff(&got, &want)
     );
     assert!(d1.attention(0).is_none());
 }
