@@ -817,49 +817,27 @@ impl Llama {
         received: &mut [Vec<(usize, Tensor)>],
         spread: bool,
     ) -> Tensor {
-        // Each chunk's rows of Q, K and V.
         let mut off = 0i64;
-        let rows: Vec<[Tensor; 3]> = chunks
+        let jobs: Vec<ChunkAttention> = chunks
             .iter()
-            .map(|ch| {
+            .zip(masks)
+            .map(|(ch, mask)| {
                 let t = ch.tokens.len() as i64;
                 off += t;
-                [q, k, v].map(|x| x.narrow(0, off - t, t))
-            })
-            .collect();
-        let done = if spread && chunks.len() > 1 {
-            let jobs = chunks
-                .iter()
-                .zip(masks)
-                .zip(rows)
-                .map(|((ch, mask), qkv)| ChunkAttention {
-                    qkv,
+                ChunkAttention {
+                    qkv: [q, k, v].map(|x| x.narrow(0, off - t, t)),
                     keys: ch.kv.k[li].shallow_clone(),
                     vals: ch.kv.v[li].shallow_clone(),
                     start: ch.kv.len as i64,
                     mask: mask.as_ref().map(Tensor::shallow_clone),
                     track: ch.kv.attention.is_some(),
-                })
-                .collect();
+                }
+            })
+            .collect();
+        let done = if spread && jobs.len() > 1 {
             spread_over_pool(jobs, &self.cfg)
         } else {
-            chunks
-                .iter()
-                .zip(masks)
-                .zip(&rows)
-                .map(|((ch, mask), qkv)| {
-                    let cache = [&ch.kv.k[li], &ch.kv.v[li]];
-                    let track = ch.kv.attention.is_some();
-                    attend_chunk(
-                        &self.cfg,
-                        qkv,
-                        cache,
-                        ch.kv.len as i64,
-                        mask.as_ref(),
-                        track,
-                    )
-                })
-                .collect()
+            jobs.into_iter().map(|j| j.run(&self.cfg)).collect()
         };
         let mut outs = Vec::with_capacity(done.len());
         for ((out, got), received) in done.into_iter().zip(received) {
@@ -878,7 +856,7 @@ impl Llama {
 
 /// One chunk's attention in one layer, holding its own handles on the tensors it reads and
 /// writes (a `Tensor` may move to another thread but not be shared), so that chunks can run
-/// on different threads: [`attend_chunk`]'s arguments.
+/// on different threads.
 struct ChunkAttention {
     /// The chunk's rows of the step's Q, K and V.
     qkv: [Tensor; 3],
@@ -894,58 +872,42 @@ struct ChunkAttention {
 }
 
 impl ChunkAttention {
+    /// Writes the chunk's keys and values (its rows of the step's, `[t, heads, head_dim]`)
+    /// after the `start` filled slots of the layer's cache buffers (`[kv_heads, capacity,
+    /// head_dim]`); returns its output `[t, heads * head_dim]` and, with `track`, the attention
+    /// each slot received (`[kv_heads, start + t]`).
     fn run(self, c: &LlamaConfig) -> (Tensor, Option<Tensor>) {
-        let cache = [&self.keys, &self.vals];
-        attend_chunk(
-            c,
-            &self.qkv,
-            cache,
-            self.start,
-            self.mask.as_ref(),
-            self.track,
-        )
+        let [q, k, v] = &self.qkv;
+        let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
+        let group = h / kvh;
+        let t = q.size()[0];
+        let total = self.start + t;
+        self.keys.narrow(1, self.start, t).copy_(&k.transpose(0, 1));
+        self.vals.narrow(1, self.start, t).copy_(&v.transpose(0, 1));
+        // Batched over kv heads, with each kv head's `group` query heads stacked as rows: no
+        // broadcast, so the cached keys and values are read in place.
+        let keys = self.keys.narrow(1, 0, total); // [kvh, total, hd]
+        let vals = self.vals.narrow(1, 0, total);
+        let qg = q.transpose(0, 1).contiguous().view([kvh, group * t, hd]);
+        let scores = qg.bmm(&keys.transpose(1, 2));
+        let scores = match &self.mask {
+            Some(m) => scores
+                .view([kvh, group, t, total])
+                .masked_fill(m, f64::NEG_INFINITY)
+                .view([kvh, group * t, total]),
+            None => scores,
+        };
+        let probs = scores.softmax(-1, Kind::Float);
+        let received = self
+            .track
+            .then(|| probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float));
+        let out = probs
+            .bmm(&vals)
+            .view([h, t, hd])
+            .transpose(0, 1)
+            .reshape([t, h * hd]);
+        (out, received)
     }
-}
-
-/// One chunk's attention in one layer: writes its keys and values (`[q, k, v]`, its rows of
-/// the step's, `[t, heads, head_dim]`) after the `start` filled slots of the layer's cache
-/// buffers (`[kv_heads, capacity, head_dim]`); returns its output `[t, heads * head_dim]` and,
-/// with `track`, the attention each slot received (`[kv_heads, start + t]`).
-fn attend_chunk(
-    c: &LlamaConfig,
-    [q, k, v]: &[Tensor; 3],
-    [keys, vals]: [&Tensor; 2],
-    start: i64,
-    mask: Option<&Tensor>,
-    track: bool,
-) -> (Tensor, Option<Tensor>) {
-    let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
-    let group = h / kvh;
-    let t = q.size()[0];
-    let total = start + t;
-    keys.narrow(1, start, t).copy_(&k.transpose(0, 1));
-    vals.narrow(1, start, t).copy_(&v.transpose(0, 1));
-    // Batched over kv heads, with each kv head's `group` query heads stacked as rows: no
-    // broadcast, so the cached keys and values are read in place.
-    let keys = keys.narrow(1, 0, total); // [kvh, total, hd]
-    let vals = vals.narrow(1, 0, total);
-    let qg = q.transpose(0, 1).contiguous().view([kvh, group * t, hd]);
-    let scores = qg.bmm(&keys.transpose(1, 2));
-    let scores = match mask {
-        Some(m) => scores
-            .view([kvh, group, t, total])
-            .masked_fill(m, f64::NEG_INFINITY)
-            .view([kvh, group * t, total]),
-        None => scores,
-    };
-    let probs = scores.softmax(-1, Kind::Float);
-    let received = track.then(|| probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float));
-    let out = probs
-        .bmm(&vals)
-        .view([h, t, hd])
-        .transpose(0, 1)
-        .reshape([t, h * hd]);
-    (out, received)
 }
 
 /// What one job of [`spread_over_pool`] gave: its result, or the payload of its panic.
