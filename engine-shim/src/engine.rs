@@ -245,7 +245,7 @@ pub struct Stats {
     /// policy may not drop), by [`Policy::index`].
     pub kv_over_budget_sequences: [AtomicU64; 4],
     /// Requests whose `x-kvmesh-prefix-digests` were checked against this engine's own chain,
-    /// by [`crate::server::DigestCheck::index`].
+    /// by [`kvmesh_filters::chain::DigestCheck::index`].
     pub routing_digests: [AtomicU64; 3],
     /// Per-step distributions.
     pub steps: StepMetrics,

@@ -141,11 +141,88 @@ pub fn token_chain_from(
     out
 }
 
-/// Parses a hex digest (64 characters) as sent in `x-kvmesh-prefix-digests`.
+/// Parses a hex digest (64 characters) as sent in [`DIGESTS_HEADER`].
 pub fn parse_hex(s: &str) -> Option<Digest> {
     blake3::Hash::from_hex(s.trim())
         .ok()
         .map(|h| Digest(*h.as_bytes()))
+}
+
+/// The header in which a kvmesh proxy sends the engine it routes a request to the leading
+/// digests it routed by: hex, comma-separated.
+pub const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
+
+/// Most digests [`parse_digests`] reads from a [`DIGESTS_HEADER`] value (a proxy sends 32 by
+/// default); more is malformed.
+pub const MAX_HEADER_DIGESTS: usize = 256;
+
+/// How the digests a proxy routed a request by compare with the receiving engine's own chain
+/// for it. They match only when the proxy is in token mode with the engine's tokenizer and
+/// block size (text-mode digests never do), so a mismatch in token mode names a misconfigured
+/// proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DigestCheck {
+    /// Every digest sent equals the engine's digest of the same block.
+    Match,
+    /// Some digest differs, or more were sent than the prompt has full blocks.
+    Mismatch,
+    /// The header is not comma-separated hex digests, or holds more than
+    /// [`MAX_HEADER_DIGESTS`].
+    Malformed,
+}
+
+impl DigestCheck {
+    /// Every outcome, in [`DigestCheck::index`] order.
+    pub const ALL: [DigestCheck; 3] = [
+        DigestCheck::Match,
+        DigestCheck::Mismatch,
+        DigestCheck::Malformed,
+    ];
+
+    /// Position in [`DigestCheck::ALL`] (for an array of counters).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DigestCheck::Match => "match",
+            DigestCheck::Mismatch => "mismatch",
+            DigestCheck::Malformed => "malformed",
+        }
+    }
+}
+
+/// The digests of a [`DIGESTS_HEADER`] value, or `None` when it is malformed.
+pub fn parse_digests(value: &[u8]) -> Option<Vec<Digest>> {
+    let text = std::str::from_utf8(value).ok()?;
+    if text.trim().is_empty() {
+        return Some(Vec::new());
+    }
+    let digests: Option<Vec<Digest>> = text
+        .split(',')
+        .take(MAX_HEADER_DIGESTS + 1)
+        .map(parse_hex)
+        .collect();
+    digests.filter(|d| d.len() <= MAX_HEADER_DIGESTS)
+}
+
+/// Compares `sent` ([`parse_digests`] of the header; `None`: malformed) with `own`, the
+/// engine's chain of the same prompt from its first block (at least `sent.len()` digests
+/// where the prompt has that many full blocks); `None` when nothing was sent.
+pub fn check_digests(sent: Option<&[Digest]>, own: &[Digest]) -> Option<DigestCheck> {
+    let Some(sent) = sent else {
+        return Some(DigestCheck::Malformed);
+    };
+    if sent.is_empty() {
+        return None;
+    }
+    Some(if own.get(..sent.len()) == Some(sent) {
+        DigestCheck::Match
+    } else {
+        DigestCheck::Mismatch
+    })
 }
 
 #[cfg(test)]
@@ -222,6 +299,34 @@ mod tests {
             let rest = token_chain_from(&ns, parent.as_ref(), &tokens[cut * 4..], 4);
             assert_eq!(rest[..], whole[cut..], "cut after {cut} blocks");
         }
+    }
+
+    #[test]
+    fn routing_digests_match_only_the_leading_digests_of_the_engines_chain() {
+        let ns = Namespace::new("m", b"");
+        let own = token_chain(&ns, &(0..100).collect::<Vec<u32>>(), 16);
+        assert_eq!(own.len(), 6);
+        let hex = |d: &[Digest]| d.iter().map(Digest::to_hex).collect::<Vec<_>>().join(",");
+        let check = |v: &str| check_digests(parse_digests(v.as_bytes()).as_deref(), &own);
+        assert_eq!(check(&hex(&own[..2])), Some(DigestCheck::Match));
+        assert_eq!(check(&hex(&own)), Some(DigestCheck::Match));
+        assert_eq!(check(" "), None);
+        // Not from the first block, a block past the prompt's end, a wrong order.
+        assert_eq!(check(&hex(&own[1..3])), Some(DigestCheck::Mismatch));
+        let longer = [&own[..], &own[..1]].concat();
+        assert_eq!(check(&hex(&longer)), Some(DigestCheck::Mismatch));
+        assert_eq!(check(&hex(&[own[1], own[0]])), Some(DigestCheck::Mismatch));
+        // Not hex digests, an empty item, too many, not UTF-8.
+        assert_eq!(check("zz"), Some(DigestCheck::Malformed));
+        assert_eq!(
+            check(&format!("{},", hex(&own[..1]))),
+            Some(DigestCheck::Malformed)
+        );
+        let at_most = vec![own[0]; MAX_HEADER_DIGESTS];
+        assert_eq!(parse_digests(hex(&at_most).as_bytes()), Some(at_most));
+        let many = vec![own[0]; MAX_HEADER_DIGESTS + 1];
+        assert_eq!(check(&hex(&many)), Some(DigestCheck::Malformed));
+        assert_eq!(parse_digests(&[0xff, 0xfe]), None);
     }
 
     #[test]

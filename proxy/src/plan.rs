@@ -18,7 +18,7 @@ use crate::fleet::NoRoute;
 use crate::service::{Ctx, Gateway};
 
 /// The request header carrying the leading digests to the engine.
-pub(crate) const DIGESTS_HEADER: &str = "x-kvmesh-prefix-digests";
+pub(crate) use kvmesh_filters::chain::DIGESTS_HEADER;
 
 /// The facts about one request that the routing decision needs, free of any transport.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
