@@ -743,9 +743,29 @@ pub fn sum_by_label(texts: &[String], metric: &str, label: &str) -> Vec<(String,
     sums.into_iter().collect()
 }
 
+/// The sum of the unlabelled series `metric` over `texts` (e.g. a histogram's `_sum` or
+/// `_count`); 0 where none has it.
+pub fn sum_unlabelled(texts: &[String], metric: &str) -> f64 {
+    texts
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|line| line.strip_prefix(metric)?.strip_prefix(' '))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unlabelled_series_sum_over_processes() {
+        let a = "# TYPE t histogram\nt_sum 1.5\nt_sum_other 100\nt_count 3\n".to_string();
+        let b = "t_sum 0.25\nt_count{x=\"y\"} 9\n".to_string();
+        assert_eq!(sum_unlabelled(&[a.clone(), b.clone()], "t_sum"), 1.75);
+        assert_eq!(sum_unlabelled(&[a, b], "t_count"), 3.0);
+        assert_eq!(sum_unlabelled(&[], "t_sum"), 0.0);
+    }
 
     #[test]
     fn series_sum_by_one_label_over_processes() {

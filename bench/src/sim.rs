@@ -4,15 +4,22 @@
 //! It has a real per-replica prefix cache and a step-based latency model, so that queueing and
 //! cache hits behave like a real engine's, repeatably and without a GPU.
 //!
-//! **Tokenizer.** One token per 4 bytes of the rendered prompt (the bytes as a little-endian
-//! u32; the last token zero-padded). Chat messages are rendered ChatML-style:
-//! `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`.
-//! Token-id prompts are used as given.
+//! **Tokenizer.** By default one token per 4 bytes of the rendered prompt (the bytes as a
+//! little-endian u32; the last token zero-padded), chat messages rendered ChatML-style:
+//! `<|im_start|>{role}\n{text}<|im_end|>\n` per message, then `<|im_start|>assistant\n`. With
+//! `--tokenizer-gguf`, a real model's chat template and vocabulary instead (`kvmesh-tokenize`,
+//! the code engine-shim and the proxy's token mode use), so that a token-mode proxy's digests
+//! are the simulator's. Token-id prompts are used as given.
 //!
 //! **Prefix cache.** Token blocks of `block_tokens`, named by the kvmesh token-mode digest chain,
 //! in an LRU of `cache_blocks` blocks. A request's leading resident blocks are its
 //! `cached_tokens`; at least one token is always computed. Its blocks enter the cache when its
 //! prefill completes.
+//!
+//! **Routing digests.** A request's `x-kvmesh-prefix-digests` header (the leading digests a
+//! kvmesh proxy routed it by) is compared with the simulator's own chain of the prompt and
+//! counted in `kvmesh_sim_routing_digests_total{result="match|mismatch|malformed"}`: a
+//! token-mode proxy in front of engines that tokenize as it does matches every time.
 //!
 //! **Latency model.** One scheduler runs steps. In each step it admits prefill work from the
 //! FIFO waiting queue up to `max_batch_tokens` prompt tokens (chunked prefill; a long prompt
@@ -25,6 +32,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -36,7 +44,10 @@ use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use kvmesh_filters::chain::{token_chain, Digest, Namespace};
+use kvmesh_filters::chain::{
+    check_digests, parse_digests, token_chain, Digest, DigestCheck, Namespace, DIGESTS_HEADER,
+};
+use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
 use lru::LruCache;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
@@ -97,6 +108,10 @@ pub struct SimConfig {
     /// The engine's `kv_epoch`, reported in /server_info and /metrics (0: seconds since the epoch at start).
     #[arg(long, default_value_t = 0)]
     pub kv_epoch: u64,
+    /// Tokenize as the model in this GGUF file does (its chat template and vocabulary) instead
+    /// of 4 bytes a token. Default: none (4 bytes a token).
+    #[arg(long)]
+    pub tokenizer_gguf: Option<PathBuf>,
 }
 
 enum Event {
@@ -121,6 +136,7 @@ struct Sched {
 /// The simulator's shared state.
 pub struct Engine {
     cfg: SimConfig,
+    tokenizer: Arc<SimTokenizer>,
     ns: Namespace,
     cache: Mutex<LruCache<Digest, ()>>,
     sched: Mutex<Sched>,
@@ -131,6 +147,8 @@ pub struct Engine {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     next_id: AtomicU64,
+    /// Requests whose routing digests matched, did not, or could not be read.
+    routing_digests: [AtomicU64; 3],
 }
 
 fn now_secs() -> u64 {
@@ -146,7 +164,8 @@ fn cached_tokens(hit_blocks: usize, block_tokens: usize, prompt_len: usize) -> u
     ((hit_blocks * block_tokens) as u64).min((prompt_len as u64).saturating_sub(1))
 }
 
-/// The simulator's tokenizer: one token per 4 bytes, little-endian, last one zero-padded.
+/// The simulator's default tokenizer: one token per 4 bytes, little-endian, last one
+/// zero-padded.
 pub fn tokenize(text: &[u8]) -> Vec<u32> {
     text.chunks(4)
         .map(|c| {
@@ -169,51 +188,118 @@ fn text_of(content: &Value) -> String {
     }
 }
 
-/// Renders a request body to the token ids the simulator would process.
-pub fn prompt_tokens(body: &Value, chat: bool) -> Result<Vec<u32>, String> {
-    if chat {
-        let msgs = body
-            .get("messages")
-            .and_then(Value::as_array)
-            .ok_or("`messages` must be an array")?;
-        let mut s = String::new();
-        for m in msgs {
-            let role = m
-                .get("role")
-                .and_then(Value::as_str)
-                .ok_or("each message needs a string `role`")?;
-            s.push_str("<|im_start|>");
-            s.push_str(role);
-            s.push('\n');
-            s.push_str(&m.get("content").map(text_of).unwrap_or_default());
-            s.push_str("<|im_end|>\n");
-        }
-        s.push_str("<|im_start|>assistant\n");
-        return Ok(tokenize(s.as_bytes()));
+/// Bytes of text per cached chunk of a model tokenizer's ids (as the proxy's token mode).
+const CHUNK_BYTES: usize = 1024;
+/// Most token ids a model tokenizer's chunk cache holds (64 MiB of ids).
+const MAX_CACHED_IDS: usize = 16 << 20;
+
+/// How the simulator turns a request into token ids.
+pub enum SimTokenizer {
+    /// One token per 4 bytes of ChatML-rendered text (see the module docs).
+    Bytes,
+    /// A model's chat template and vocabulary, with a cache of the ids of text chunks seen
+    /// before (prompts sharing a prefix are not tokenized again).
+    Model {
+        /// The model's tokenizer (boxed: it is large, and `Bytes` holds nothing).
+        tokenizer: Box<ModelTokenizer>,
+        /// Ids of chunks already tokenized.
+        cache: PrefixCache,
+    },
+}
+
+impl SimTokenizer {
+    /// The tokenizer `--tokenizer-gguf` names: the model's in `gguf`, or 4 bytes a token.
+    pub fn new(gguf: Option<&Path>) -> anyhow::Result<Self> {
+        let Some(path) = gguf else {
+            return Ok(SimTokenizer::Bytes);
+        };
+        let g = kvmesh_tokenize::gguf::Gguf::open(path)
+            .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+        let tokenizer = ModelTokenizer::from_gguf(&g)
+            .map_err(|e| anyhow::anyhow!("the tokenizer of {}: {e}", path.display()))?;
+        Ok(SimTokenizer::Model {
+            tokenizer: Box::new(tokenizer),
+            cache: PrefixCache::new(CHUNK_BYTES, MAX_CACHED_IDS),
+        })
     }
-    match body.get("prompt").or_else(|| body.get("input")) {
-        Some(Value::String(s)) => Ok(tokenize(s.as_bytes())),
-        Some(Value::Array(items)) => {
-            let mut out = Vec::new();
-            for it in items {
-                match it {
-                    Value::String(s) => out.extend(tokenize(s.as_bytes())),
-                    Value::Number(n) => out.push(n.as_u64().unwrap_or(0) as u32),
-                    Value::Array(inner) => {
-                        out.extend(inner.iter().map(|t| t.as_u64().unwrap_or(0) as u32))
-                    }
-                    _ => return Err("unsupported prompt element".into()),
+
+    /// Token ids of a text.
+    fn text(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            SimTokenizer::Bytes => Ok(tokenize(text.as_bytes())),
+            SimTokenizer::Model { tokenizer, cache } => {
+                let (ids, covered) = tokenizer
+                    .encode_prefix(text, usize::MAX, cache, b"")
+                    .map_err(|e| e.to_string())?;
+                if covered == text.len() {
+                    return Ok(ids);
                 }
+                // A text with no place to cut it into chunks: tokenized whole.
+                tokenizer.encode(text).map_err(|e| e.to_string())
             }
-            Ok(out)
         }
-        _ => Err("`prompt` must be a string or an array".into()),
+    }
+
+    /// Renders a request body to the token ids the simulator would process.
+    pub fn prompt_tokens(&self, body: &Value, chat: bool) -> Result<Vec<u32>, String> {
+        if chat {
+            return match self {
+                SimTokenizer::Bytes => self.text(&chat_ml(body)?),
+                SimTokenizer::Model { tokenizer, .. } => {
+                    let turns = kvmesh_tokenize::chat::turns(body.get("messages"))
+                        .map_err(|e| e.to_string())?;
+                    let text = tokenizer.render_chat(&turns).map_err(|e| e.to_string())?;
+                    self.text(&text)
+                }
+            };
+        }
+        match body.get("prompt").or_else(|| body.get("input")) {
+            Some(Value::String(s)) => self.text(s),
+            Some(Value::Array(items)) => {
+                let mut out = Vec::new();
+                for it in items {
+                    match it {
+                        Value::String(s) => out.extend(self.text(s)?),
+                        Value::Number(n) => out.push(n.as_u64().unwrap_or(0) as u32),
+                        Value::Array(inner) => {
+                            out.extend(inner.iter().map(|t| t.as_u64().unwrap_or(0) as u32))
+                        }
+                        _ => return Err("unsupported prompt element".into()),
+                    }
+                }
+                Ok(out)
+            }
+            _ => Err("`prompt` must be a string or an array".into()),
+        }
     }
 }
 
+/// A chat body's messages rendered ChatML-style (the default tokenizer's template).
+fn chat_ml(body: &Value) -> Result<String, String> {
+    let msgs = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("`messages` must be an array")?;
+    let mut s = String::new();
+    for m in msgs {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or("each message needs a string `role`")?;
+        s.push_str("<|im_start|>");
+        s.push_str(role);
+        s.push('\n');
+        s.push_str(&m.get("content").map(text_of).unwrap_or_default());
+        s.push_str("<|im_end|>\n");
+    }
+    s.push_str("<|im_start|>assistant\n");
+    Ok(s)
+}
+
 impl Engine {
-    /// A fresh engine with an empty cache.
-    pub fn new(cfg: SimConfig) -> Arc<Self> {
+    /// A fresh engine with an empty cache; fails when `--tokenizer-gguf` cannot be read.
+    pub fn new(cfg: SimConfig) -> anyhow::Result<Arc<Self>> {
+        let tokenizer = Arc::new(SimTokenizer::new(cfg.tokenizer_gguf.as_deref())?);
         let kv_epoch = if cfg.kv_epoch == 0 {
             now_secs()
         } else {
@@ -221,7 +307,8 @@ impl Engine {
         };
         let cap = std::num::NonZeroUsize::new(cfg.cache_blocks.max(1))
             .unwrap_or(std::num::NonZeroUsize::MIN);
-        Arc::new(Engine {
+        Ok(Arc::new(Engine {
+            tokenizer,
             ns: Namespace::new(&cfg.model, b""),
             cache: Mutex::new(LruCache::new(cap)),
             sched: Mutex::new(Sched::default()),
@@ -232,8 +319,25 @@ impl Engine {
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
+            routing_digests: Default::default(),
             cfg,
+        }))
+    }
+
+    /// Token ids of a request body; a model's tokenizer runs off the async threads, as it
+    /// takes milliseconds on a long prompt and the scheduler's clock shares those threads.
+    async fn prompt_tokens(&self, body: Value, chat: bool) -> (Value, Result<Vec<u32>, String>) {
+        if matches!(*self.tokenizer, SimTokenizer::Bytes) {
+            let tokens = self.tokenizer.prompt_tokens(&body, chat);
+            return (body, tokens);
+        }
+        let tokenizer = self.tokenizer.clone();
+        tokio::task::spawn_blocking(move || {
+            let tokens = tokenizer.prompt_tokens(&body, chat);
+            (body, tokens)
         })
+        .await
+        .unwrap_or_else(|e| (Value::Null, Err(format!("tokenizing failed: {e}"))))
     }
 
     fn instant(&self) -> bool {
@@ -392,13 +496,23 @@ impl Engine {
              # TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name=\"{m}\"}} {}\n\
              # TYPE kvmesh_sim_requests_total counter\nkvmesh_sim_requests_total{{engine=\"{}\"}} {}\n\
              # TYPE kvmesh_sim_connections_total counter\nkvmesh_sim_connections_total {}\n\
-             # TYPE kvmesh_sim_kv_epoch gauge\nkvmesh_sim_kv_epoch {}\n",
+             # TYPE kvmesh_sim_kv_epoch gauge\nkvmesh_sim_kv_epoch {}\n\
+             # TYPE kvmesh_sim_routing_digests_total counter\n{}",
             self.prompt_tokens.load(Ordering::Relaxed),
             self.cached_tokens.load(Ordering::Relaxed),
             self.cfg.name,
             self.requests.load(Ordering::Relaxed),
             self.connections.load(Ordering::Relaxed),
             self.kv_epoch,
+            DigestCheck::ALL
+                .iter()
+                .zip(&self.routing_digests)
+                .map(|(c, n)| format!(
+                    "kvmesh_sim_routing_digests_total{{result=\"{}\"}} {}\n",
+                    c.as_str(),
+                    n.load(Ordering::Relaxed)
+                ))
+                .collect::<String>(),
         )
     }
 }
@@ -447,6 +561,7 @@ async fn handle(
             // The W3C trace context the engine was sent, for the tracing tests.
             let traceparent = req.headers().get("traceparent").cloned();
             let tracestate = req.headers().get("tracestate").cloned();
+            let digests = req.headers().get(DIGESTS_HEADER).cloned();
             // Whether credentials reached the engine (never their value).
             let saw_auth = if req.headers().contains_key(hyper::header::AUTHORIZATION) {
                 "yes"
@@ -463,7 +578,7 @@ async fn handle(
                 };
             let hash = blake3::hash(&body).to_hex().to_string();
             let len = body.len();
-            let resp = post(&engine, p, body).await;
+            let resp = post(&engine, p, body, digests.as_ref().map(|v| v.as_bytes())).await;
             let mut resp = with_headers(resp, &engine, &hash, len);
             resp.headers_mut().insert(
                 "x-sim-body-framing",
@@ -486,7 +601,12 @@ async fn handle(
     Ok(resp)
 }
 
-async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
+async fn post(
+    engine: &Arc<Engine>,
+    path: &str,
+    body: Bytes,
+    digests: Option<&[u8]>,
+) -> Response<Body> {
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return error(400, &format!("invalid JSON body: {e}")),
@@ -495,14 +615,14 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
     match path {
         "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings" => {}
         "/v1/chat/completions/render" | "/v1/completions/render" => {
-            return match prompt_tokens(&v, chat) {
+            return match engine.prompt_tokens(v, chat).await.1 {
                 Ok(t) => json_response(200, &json!({"token_ids": t})),
                 Err(e) => error(400, &e),
             }
         }
         "/tokenize" => {
             let chat = v.get("messages").is_some();
-            return match prompt_tokens(&v, chat) {
+            return match engine.prompt_tokens(v, chat).await.1 {
                 Ok(t) => json_response(
                     200,
                     &json!({"count": t.len(), "tokens": t, "max_model_len": 1 << 20}),
@@ -512,7 +632,8 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
         }
         _ => return error(404, &format!("no route for {path}")),
     }
-    let tokens = match prompt_tokens(&v, chat) {
+    let (v, tokens) = engine.prompt_tokens(v, chat).await;
+    let tokens = match tokens {
         Ok(t) if !t.is_empty() => t,
         Ok(_) => return error(400, "empty prompt"),
         Err(e) => return error(400, &e),
@@ -520,6 +641,9 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
     let embeddings = path == "/v1/embeddings";
     let salt = v.get("cache_salt").and_then(Value::as_str).unwrap_or("");
     let (cached, chain) = engine.lookup_salted(&tokens, salt);
+    if let Some(check) = digests.and_then(|h| check_digests(parse_digests(h).as_deref(), &chain)) {
+        engine.routing_digests[check.index()].fetch_add(1, Ordering::Relaxed);
+    }
     let prompt = tokens.len() as u64;
     engine.requests.fetch_add(1, Ordering::Relaxed);
     engine.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
@@ -643,11 +767,12 @@ async fn post(engine: &Arc<Engine>, path: &str, body: Bytes) -> Response<Body> {
 }
 
 /// The oracle: the token hit ratio one simulated engine with an infinite cache would reach on
-/// `bodies` sent one after another (same tokenizer, block size and at-least-one-token rule as
-/// the simulator). No router can beat it.
+/// `bodies` sent one after another (with `tokenizer`, and the simulator's block size and
+/// at-least-one-token rule). No router can beat it.
 pub fn oracle_hit_ratio<'a>(
     model: &str,
     block_tokens: usize,
+    tokenizer: &SimTokenizer,
     bodies: impl IntoIterator<Item = &'a Value>,
 ) -> f64 {
     let ns = Namespace::new(model, b"");
@@ -655,7 +780,7 @@ pub fn oracle_hit_ratio<'a>(
     let (mut hit, mut total) = (0u64, 0u64);
     for body in bodies {
         let chat = body.get("messages").is_some();
-        let Ok(tokens) = prompt_tokens(body, chat) else {
+        let Ok(tokens) = tokenizer.prompt_tokens(body, chat) else {
             continue;
         };
         let chain = token_chain(&ns, &tokens, block_tokens.max(1));
@@ -676,7 +801,7 @@ pub fn oracle_hit_ratio<'a>(
 pub async fn serve(cfg: SimConfig) -> anyhow::Result<()> {
     let listener = TcpListener::bind(cfg.listen).await?;
     let addr = listener.local_addr()?;
-    let engine = Engine::new(cfg);
+    let engine = Engine::new(cfg)?;
     tokio::spawn(engine.clone().run_scheduler());
     println!("kvmesh-sim-engine listening on http://{addr}");
     use std::io::Write;
@@ -717,10 +842,59 @@ mod tests {
         );
     }
 
+    /// The model that `scripts/setup.sh` installs (the engines' and the proxy's token mode's).
+    fn model_tokenizer() -> SimTokenizer {
+        let gguf =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        SimTokenizer::new(Some(&gguf)).expect("the model is installed (scripts/setup.sh)")
+    }
+
+    #[test]
+    fn a_model_tokenizer_gives_the_whole_rendered_chats_tokens_from_cached_chunks() {
+        let tok = model_tokenizer();
+        let SimTokenizer::Model { tokenizer, cache } = &tok else {
+            panic!("a model tokenizer");
+        };
+        // A trace-like prompt: many 1 KiB chunks, then a second turn that shares them.
+        let doc = crate::trace::block_text(7) + &crate::trace::block_text(8);
+        let first = json!({"messages": [{"role": "user", "content": doc}]});
+        let second = json!({"messages": [
+            {"role": "system", "content": "Be brief. Ünïcödé ✓"},
+            {"role": "user", "content": doc},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "and then?"}]});
+        for body in [&first, &second, &first] {
+            let turns = kvmesh_tokenize::chat::turns(body.get("messages")).expect("turns");
+            let text = tokenizer.render_chat(&turns).expect("renders");
+            let whole = tokenizer.encode(&text).expect("encodes");
+            assert_eq!(tok.prompt_tokens(body, true), Ok(whole));
+        }
+        assert!(cache.len() > 4, "prompts are tokenized in cached chunks");
+        // Completions: a string, and strings in an array, each tokenized alone.
+        let plain = json!({"prompt": ["hello world", "again"]});
+        let mut want = tokenizer.encode("hello world").expect("encodes");
+        want.extend(tokenizer.encode("again").expect("encodes"));
+        assert_eq!(tok.prompt_tokens(&plain, false), Ok(want));
+        // Nothing to cut at: tokenized whole, not cut short.
+        let solid = "x".repeat(20_000);
+        assert_eq!(
+            tok.text(&solid),
+            Ok(tokenizer.encode(&solid).expect("encodes"))
+        );
+    }
+
+    #[test]
+    fn a_missing_tokenizer_file_is_an_error_naming_it() {
+        let err = SimTokenizer::new(Some(Path::new("/nonexistent/m.gguf")))
+            .err()
+            .expect("fails");
+        assert!(err.to_string().contains("/nonexistent/m.gguf"), "{err}");
+    }
+
     #[test]
     fn cache_reports_leading_blocks() {
         let cfg = SimConfig::parse_from(["x", "--block-tokens", "2", "--cache-blocks", "8"]);
-        let e = Engine::new(cfg);
+        let e = Engine::new(cfg).expect("no tokenizer file to read");
         let t: Vec<u32> = (0..10).collect();
         let (c0, chain) = e.lookup(&t);
         assert_eq!(c0, 0);

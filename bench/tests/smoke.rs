@@ -4,12 +4,12 @@
 
 use std::process::Command;
 
-#[test]
-fn compare_replays_a_trace_through_kvmesh() {
-    let dir = std::env::temp_dir().join(format!("kvmesh-smoke-{}", std::process::id()));
+/// Writes the smoke trace into a fresh directory named `name`: 20 requests over 1 s, 5
+/// conversations of 4 turns, each turn extending the last by a block. (5 is odd, so round robin
+/// sends consecutive turns of a conversation to different engines.)
+fn smoke_trace(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kvmesh-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    // 20 requests over 1 s: 5 conversations of 4 turns, each turn extending the last by a block.
-    // (5 is odd, so round robin sends consecutive turns of a conversation to different engines.)
     let mut lines = Vec::new();
     for turn in 0..4u64 {
         for conv in 0..5u64 {
@@ -26,6 +26,12 @@ fn compare_replays_a_trace_through_kvmesh() {
     }
     let trace = dir.join("trace.jsonl");
     std::fs::write(&trace, lines.join("\n")).unwrap();
+    (dir, trace)
+}
+
+#[test]
+fn compare_replays_a_trace_through_kvmesh() {
+    let (dir, trace) = smoke_trace("smoke");
     let out = dir.join("result.json");
     let status = Command::new(env!("CARGO_BIN_EXE_kvmesh-bench"))
         .args(["compare", "--workload", "trace", "--time-scale", "1", "--replicas", "2"])
@@ -55,6 +61,13 @@ fn compare_replays_a_trace_through_kvmesh() {
         );
         assert!(s["mean_ttft_ms"].as_f64().unwrap() > 0.0);
         assert_eq!(r["ttft_ms"].as_array().unwrap().len(), 20);
+        // Text-mode digests are not the engines' token chain: the control for the token-mode
+        // test below.
+        assert_eq!(
+            r["engine_routing_digests"],
+            serde_json::json!({"mismatch": 20.0}),
+            "{r}"
+        );
     }
     let prefix = results
         .iter()
@@ -124,4 +137,74 @@ fn replay_takes_a_v1_url_and_fails_loudly_when_requests_fail() {
         "every request should be reported failed: {err}"
     );
     assert!(err.contains("no HTTP answer"), "{err}");
+}
+
+#[test]
+fn compare_runs_a_token_mode_gateway_in_front_of_engines_that_tokenize_as_it_does() {
+    let (dir, trace) = smoke_trace("smoke-tokens");
+    let gguf = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let args = |out: &std::path::Path| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvmesh-bench"));
+        c.args([
+            "compare",
+            "--workload",
+            "trace",
+            "--time-scale",
+            "1",
+            "--replicas",
+            "2",
+        ])
+        .args([
+            "--cache-blocks",
+            "4000",
+            "--targets",
+            "kvmesh-prefix+tokens",
+        ])
+        .args(["--decode-us-per-step", "1000"])
+        .arg("--trace")
+        .arg(&trace)
+        .arg("--out")
+        .arg(out);
+        c
+    };
+    // Without the engines' tokenizer the target is refused before anything starts.
+    let refused = args(&dir.join("refused.json")).output().unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("--engine-tokenizer"), "{err}");
+    assert!(!dir.join("refused.json").exists());
+
+    let out = dir.join("tokens.json");
+    let status = args(&out)
+        .arg("--engine-tokenizer")
+        .arg(&gguf)
+        .status()
+        .expect("kvmesh-bench runs");
+    assert!(status.success());
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    let oracle = v["oracle_hit_ratio"].as_f64().unwrap();
+    assert!(oracle > 0.4, "oracle {oracle}");
+    let r = &v["results"][0];
+    let s = &r["summary"];
+    assert_eq!(s["requests"], 20, "{r}");
+    assert_eq!(s["errors"], 0, "{r}");
+    // The engines counted the model's tokens, not 4 bytes a token (about 34,000 of those for
+    // this trace): its random lowercase words take about twice as many of the model's.
+    assert!(
+        s["prompt_tokens"].as_u64().unwrap() > 50_000,
+        "usage came back: {s}"
+    );
+    // The proxy routed every request by the engines' own chain.
+    assert_eq!(
+        r["engine_routing_digests"],
+        serde_json::json!({"match": 20.0}),
+        "{r}"
+    );
+    let hit = s["hit_ratio"].as_f64().unwrap();
+    assert!(
+        hit > 0.8 * oracle,
+        "token-mode kvmesh-prefix hit ratio {hit} vs oracle {oracle}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

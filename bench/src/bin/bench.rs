@@ -14,6 +14,7 @@
 
 use std::time::Instant;
 
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use kvmesh_bench::load::{self, SharedPrefix, Summary};
 use kvmesh_bench::{procs, sim, trace, workload};
@@ -313,6 +314,12 @@ struct EngineArgs {
     /// Prompt tokens prefilled per step at most.
     #[arg(long, default_value_t = 8192)]
     max_batch_tokens: u64,
+    /// The engines tokenize as the model in this GGUF file does (its chat template and
+    /// vocabulary), and so does the oracle; token-mode targets (`kvmesh-<policy>+tokens`) need
+    /// it, since a token-mode proxy's digests must be its engines'. Default: none (the
+    /// simulator's 4 bytes a token).
+    #[arg(long)]
+    engine_tokenizer: Option<std::path::PathBuf>,
 }
 
 impl EngineArgs {
@@ -329,6 +336,11 @@ impl EngineArgs {
             ("--max-running", "256".to_string()),
         ]
         .into_iter()
+        .chain(
+            self.engine_tokenizer
+                .iter()
+                .map(|p| ("--tokenizer-gguf", p.display().to_string())),
+        )
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
     }
@@ -341,11 +353,12 @@ struct CompareArgs {
     #[command(flatten)]
     engines: EngineArgs,
     /// Targets, in order: kvmesh-<policy> (prefix, round_robin, least_inflight, power_of_two,
-    /// session: one gateway), kvmesh-sidecar and kvmesh-sidecar-home (one sidecar per engine,
-    /// gossiping, cold_placement local or home; requests spread over the sidecars),
-    /// envoy-picker (Envoy with kvmesh as its ext_proc endpoint picker, examples/envoy),
-    /// envoy-picker-lite (the same with `response_body_mode: NONE`), envoy-round_robin (plain
-    /// Envoy), sglang, vllm, nginx.
+    /// session: one gateway; `kvmesh-<policy>+tokens` in token mode, with
+    /// `--engine-tokenizer`'s model as its `[[tokenizers]]`), kvmesh-sidecar and
+    /// kvmesh-sidecar-home (one sidecar per engine, gossiping, cold_placement local or home;
+    /// requests spread over the sidecars), envoy-picker (Envoy with kvmesh as its ext_proc
+    /// endpoint picker, examples/envoy), envoy-picker-lite (the same with
+    /// `response_body_mode: NONE`), envoy-round_robin (plain Envoy), sglang, vllm, nginx.
     #[arg(
         long,
         value_delimiter = ',',
@@ -366,6 +379,11 @@ struct CompareArgs {
     /// Extra keys of the sidecars' `[cluster]` table (e.g. "gossip_interval_ms = 50").
     #[arg(long, default_value = "")]
     sidecar_cluster_config: String,
+    /// Extra TOML tables for every one-gateway kvmesh target (`kvmesh-<policy>`, with or
+    /// without `+tokens`), except `[health]` and `[[engines]]`, which the runner writes (e.g.
+    /// "[routing]\nmax_prefix_blocks = 4096"). Default: none.
+    #[arg(long, default_value = "")]
+    gateway_config: String,
 }
 
 #[derive(Args)]
@@ -420,9 +438,27 @@ fn row(name: &str, s: &Summary) {
     );
 }
 
-/// The `[[tokenizers]]` table of the demo's `+tokens` policies: engine-shim's model, by the
-/// path engine-shim loads it from (both run in the repository root).
-const DEMO_TOKENIZER: &str = "[[tokenizers]]\nmodel = \"SmolLM2-135M-Instruct\"\ngguf = \"models/SmolLM2-135M-Instruct.Q4_1.gguf\"\n";
+/// A `[[tokenizers]]` table putting `model` in token mode with the tokenizer of `gguf`.
+fn tokenizers_table(model: &str, gguf: &std::path::Path) -> String {
+    format!(
+        "[[tokenizers]]\nmodel = {}\ngguf = {}\n",
+        toml_string(model),
+        toml_string(&gguf.display().to_string())
+    )
+}
+
+/// `s` as a TOML basic string.
+fn toml_string(s: &str) -> String {
+    // A JSON string is a valid TOML basic string (same escapes).
+    serde_json::Value::from(s).to_string()
+}
+
+/// The model of the demo's `+tokens` policies: engine-shim's, by the path engine-shim loads
+/// it from (both run in the repository root).
+const DEMO_MODEL: (&str, &str) = (
+    "SmolLM2-135M-Instruct",
+    "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+);
 
 async fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let shim = match a.engine.as_str() {
@@ -489,11 +525,14 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
         // `prefix+tokens`: the policy in token mode, with the engines' own tokenizer.
         let (name, extra) = match policy.strip_suffix("+tokens") {
-            Some(p) if shim => (p, DEMO_TOKENIZER),
+            Some(p) if shim => (
+                p,
+                tokenizers_table(DEMO_MODEL.0, std::path::Path::new(DEMO_MODEL.1)),
+            ),
             Some(_) => anyhow::bail!("--policies {policy}: token mode needs --engine shim"),
-            None => (policy.as_str(), ""),
+            None => (policy.as_str(), String::new()),
         };
-        let proxy = procs::kvmesh_with(name, &addrs, 0, 500, None, extra).await?;
+        let proxy = procs::kvmesh_with(name, &addrs, 0, 500, None, &extra).await?;
         let client = load::client(concurrency);
         let url = format!("http://{}/v1/chat/completions", proxy.addr);
         let start = Instant::now();
@@ -665,12 +704,12 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
 }
 
 /// The oracle for a plan: one infinite-cache engine, requests in order.
-fn oracle(plan: &[workload::Planned], model: &str) -> f64 {
+fn oracle(plan: &[workload::Planned], model: &str, tokenizer: &sim::SimTokenizer) -> f64 {
     let bodies: Vec<serde_json::Value> = plan
         .iter()
         .filter_map(|p| serde_json::from_slice(&p.body(model)).ok())
         .collect();
-    sim::oracle_hit_ratio(model, 16, bodies.iter())
+    sim::oracle_hit_ratio(model, 16, tokenizer, bodies.iter())
 }
 
 fn full_header() {
@@ -695,6 +734,10 @@ struct TargetResult {
     ttft_ms: Vec<f64>,
     /// CPU seconds the router processes used (Envoy and its picker together).
     router_cpu_s: Option<f64>,
+    /// Requests whose `x-kvmesh-prefix-digests` the engines found equal to their own chain
+    /// (`match`), not (`mismatch`), or unreadable (`malformed`), summed over the engines;
+    /// empty when no router sent any.
+    engine_routing_digests: std::collections::BTreeMap<String, f64>,
 }
 
 /// Starts a target in front of `sims`; returns its entry points (one for a router, one per
@@ -704,17 +747,23 @@ fn cpus() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
+/// The `/metrics` text of each of `procs` that answers (failures printed to stderr).
+async fn scrape(target: &str, procs: &[procs::Proc]) -> Vec<String> {
+    let client = load::client(4);
+    let mut texts = Vec::new();
+    for p in procs {
+        match procs::metrics_text(&client, p.addr).await {
+            Ok(t) => texts.push(t),
+            Err(e) => eprintln!("{target}: {}: {e:#}", p.addr),
+        }
+    }
+    texts
+}
+
 /// Prints (to stderr) how kvmesh routers decided, summed over them: routing decisions and
 /// forwards to peers by reason.
 async fn routing_breakdown(target: &str, routers: &[procs::Proc]) {
-    let client = load::client(4);
-    let mut texts = Vec::new();
-    for r in routers {
-        match procs::metrics_text(&client, r.addr).await {
-            Ok(t) => texts.push(t),
-            Err(e) => eprintln!("{target}: {}: {e:#}", r.addr),
-        }
-    }
+    let texts = scrape(target, routers).await;
     let show = |pairs: Vec<(String, f64)>| {
         pairs
             .iter()
@@ -735,6 +784,32 @@ async fn routing_breakdown(target: &str, routers: &[procs::Proc]) {
             "reason"
         )),
     );
+    let tokenized = procs::sum_unlabelled(&texts, "kvmesh_tokenize_seconds_count");
+    if tokenized > 0.0 {
+        let seconds = procs::sum_unlabelled(&texts, "kvmesh_tokenize_seconds_sum");
+        eprintln!(
+            "{target}: token mode tokenized {tokenized} prompts in {seconds:.1} s ({:.2} ms each)",
+            seconds * 1e3 / tokenized
+        );
+    }
+}
+
+/// What the engines made of the routing digests they were sent, summed over them (printed to
+/// stderr when any were sent): a token-mode proxy's match its engines' chains.
+async fn engine_digest_checks(
+    target: &str,
+    sims: &[procs::Proc],
+) -> std::collections::BTreeMap<String, f64> {
+    let texts = scrape(target, sims).await;
+    let checks: std::collections::BTreeMap<String, f64> =
+        procs::sum_by_label(&texts, "kvmesh_sim_routing_digests_total", "result")
+            .into_iter()
+            .filter(|(_, n)| *n > 0.0)
+            .collect();
+    if !checks.is_empty() {
+        eprintln!("{target}: routing digests at the engines: {checks:?}");
+    }
+    checks
 }
 
 async fn start_target(
@@ -758,7 +833,14 @@ async fn start_target(
         .await;
     }
     if let Some(policy) = target.strip_prefix("kvmesh-") {
-        return Ok(vec![procs::kvmesh(policy, &addrs, 0, 1000).await?]);
+        let (policy, mut extra) = match policy.strip_suffix("+tokens") {
+            Some(p) => (p, token_mode_table(target, a)?),
+            None => (policy, String::new()),
+        };
+        extra.push_str(&a.gateway_config);
+        return Ok(vec![
+            procs::kvmesh_with(policy, &addrs, 0, 1000, None, &extra).await?,
+        ]);
     }
     let one = match target {
         "envoy-picker" | "envoy-picker-lite" => {
@@ -780,14 +862,36 @@ async fn start_target(
     Ok(vec![one?])
 }
 
+/// The `[[tokenizers]]` table of a token-mode target (`kvmesh-<policy>+tokens`): the workload's
+/// model with the engines' tokenizer, which must be given.
+fn token_mode_table(target: &str, a: &CompareArgs) -> anyhow::Result<String> {
+    let Some(gguf) = &a.engines.engine_tokenizer else {
+        anyhow::bail!(
+            "target {target} is in token mode: give --engine-tokenizer GGUF, so that the engines tokenize as the proxy does"
+        );
+    };
+    let gguf = std::fs::canonicalize(gguf)
+        .with_context(|| format!("--engine-tokenizer {}", gguf.display()))?;
+    Ok(tokenizers_table(&a.spec.model, &gguf))
+}
+
 async fn compare(a: CompareArgs) -> anyhow::Result<()> {
+    // A bad token-mode target fails here, before any engine starts.
+    for target in a.targets.iter().filter(|t| t.ends_with("+tokens")) {
+        token_mode_table(target, &a)?;
+    }
     let (plan, what) = a.spec.plan()?;
-    let oracle = oracle(&plan, &a.spec.model);
     let e = &a.engines;
+    let tokenizer = sim::SimTokenizer::new(e.engine_tokenizer.as_deref())?;
+    let oracle = oracle(&plan, &a.spec.model, &tokenizer);
     println!("workload: {what}");
     println!(
-        "engines: {} x kvmesh-sim-engine per target, fresh for each run; {} us/prompt token, {} ms/decode step + {} us/decoding request, {} prompt tokens/step",
-        e.replicas, e.prefill_us_per_token, e.decode_us_per_step / 1e3, e.decode_us_per_seq, e.max_batch_tokens
+        "engines: {} x kvmesh-sim-engine per target, fresh for each run; {} us/prompt token, {} ms/decode step + {} us/decoding request, {} prompt tokens/step; tokens: {}",
+        e.replicas, e.prefill_us_per_token, e.decode_us_per_step / 1e3, e.decode_us_per_seq, e.max_batch_tokens,
+        e.engine_tokenizer.as_ref().map_or_else(
+            || "4 bytes a token".to_string(),
+            |p| format!("the chat template and vocabulary of {}", p.display())
+        )
     );
     println!("oracle (one engine, infinite cache): token hit ratio {oracle:.3}\n");
     let mut results = Vec::new();
@@ -822,6 +926,7 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             if target.starts_with("kvmesh-") {
                 routing_breakdown(target, &routers).await;
             }
+            let engine_routing_digests = engine_digest_checks(target, &sims).await;
             println!("{row}");
             markdown.push_str(&row);
             markdown.push('\n');
@@ -837,6 +942,7 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
                 summary,
                 ttft_ms: ttft,
                 router_cpu_s,
+                engine_routing_digests,
             });
             drop(routers);
             drop(sims);
