@@ -228,14 +228,12 @@ impl SimTokenizer {
         match self {
             SimTokenizer::Bytes => Ok(tokenize(text.as_bytes())),
             SimTokenizer::Model { tokenizer, cache } => {
-                let (ids, covered) = tokenizer
-                    .encode_prefix(text, usize::MAX, cache, b"")
-                    .map_err(|e| e.to_string())?;
-                if covered == text.len() {
-                    return Ok(ids);
+                match tokenizer.encode_prefix(text, usize::MAX, cache, b"") {
+                    Ok((ids, covered)) if covered == text.len() => Ok(ids),
+                    // A text with no place to cut it into chunks, or a tokenizer that cannot
+                    // cut: tokenized whole, as an engine would.
+                    _ => tokenizer.encode(text).map_err(|e| e.to_string()),
                 }
-                // A text with no place to cut it into chunks: tokenized whole.
-                tokenizer.encode(text).map_err(|e| e.to_string())
             }
         }
     }
@@ -324,8 +322,10 @@ impl Engine {
         }))
     }
 
-    /// Token ids of a request body; a model's tokenizer runs off the async threads, as it
-    /// takes milliseconds on a long prompt and the scheduler's clock shares those threads.
+    /// Token ids of a request body; a model's tokenizer runs on the blocking pool, as it takes
+    /// milliseconds on a long prompt and would otherwise hold up the async threads that run
+    /// the scheduler's timer (it still shares the machine's CPUs with it, unbounded: one
+    /// blocking thread per request being tokenized).
     async fn prompt_tokens(&self, body: Value, chat: bool) -> (Value, Result<Vec<u32>, String>) {
         if matches!(*self.tokenizer, SimTokenizer::Bytes) {
             let tokens = self.tokenizer.prompt_tokens(&body, chat);
@@ -850,7 +850,7 @@ mod tests {
     }
 
     #[test]
-    fn a_model_tokenizer_gives_the_whole_rendered_chats_tokens_from_cached_chunks() {
+    fn a_model_tokenizer_gives_the_whole_rendered_chats_tokens_chunk_by_chunk() {
         let tok = model_tokenizer();
         let SimTokenizer::Model { tokenizer, cache } = &tok else {
             panic!("a model tokenizer");

@@ -174,6 +174,16 @@ fn compare_runs_a_token_mode_gateway_in_front_of_engines_that_tokenize_as_it_doe
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("--engine-tokenizer"), "{err}");
     assert!(!dir.join("refused.json").exists());
+    // So is gateway TOML with a backslash-n where a newline was meant.
+    let refused = args(&dir.join("refused.json"))
+        .arg("--engine-tokenizer")
+        .arg(&gguf)
+        .args(["--gateway-config", "[routing]\\nmax_prefix_blocks = 8"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("real newline"), "{err}");
 
     let out = dir.join("tokens.json");
     let status = args(&out)

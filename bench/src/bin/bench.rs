@@ -380,8 +380,9 @@ struct CompareArgs {
     #[arg(long, default_value = "")]
     sidecar_cluster_config: String,
     /// Extra TOML tables for every one-gateway kvmesh target (`kvmesh-<policy>`, with or
-    /// without `+tokens`), except `[health]` and `[[engines]]`, which the runner writes (e.g.
-    /// "[routing]\nmax_prefix_blocks = 4096"). Default: none.
+    /// without `+tokens`), except `[health]` and `[[engines]]`, which the runner writes; it
+    /// must start with a table header (e.g. `$'[routing]\nmax_prefix_blocks = 4096'` in bash:
+    /// a real newline). Default: none.
     #[arg(long, default_value = "")]
     gateway_config: String,
 }
@@ -449,8 +450,11 @@ fn tokenizers_table(model: &str, gguf: &std::path::Path) -> String {
 
 /// `s` as a TOML basic string.
 fn toml_string(s: &str) -> String {
-    // A JSON string is a valid TOML basic string (same escapes).
-    serde_json::Value::from(s).to_string()
+    // A JSON string is a TOML basic string (same escapes), but for DEL, which JSON leaves as
+    // it is and TOML wants escaped.
+    serde_json::Value::from(s)
+        .to_string()
+        .replace('\u{7f}', "\\u007F")
 }
 
 /// The model of the demo's `+tokens` policies: engine-shim's, by the path engine-shim loads
@@ -876,9 +880,18 @@ fn token_mode_table(target: &str, a: &CompareArgs) -> anyhow::Result<String> {
 }
 
 async fn compare(a: CompareArgs) -> anyhow::Result<()> {
-    // A bad token-mode target fails here, before any engine starts.
+    // A bad token-mode target or gateway TOML fails here, before any engine starts.
     for target in a.targets.iter().filter(|t| t.ends_with("+tokens")) {
         token_mode_table(target, &a)?;
+    }
+    let extra = a.gateway_config.trim_start();
+    if !extra.is_empty() && !extra.starts_with('[') {
+        anyhow::bail!("--gateway-config must start with a table header, e.g. [routing]");
+    }
+    if extra.contains("\\n") && !extra.contains('\n') {
+        anyhow::bail!(
+            "--gateway-config holds a backslash-n and no newline: TOML needs a real newline ($'...' in bash)"
+        );
     }
     let (plan, what) = a.spec.plan()?;
     let e = &a.engines;
