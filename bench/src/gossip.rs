@@ -18,7 +18,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
+use kvmesh_cluster::shards::SHARDS;
 use kvmesh_cluster::{
     Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, ResidencySync,
 };
@@ -73,14 +73,11 @@ struct Node {
 
 impl Node {
     /// One round of the proxy's gossip loop.
-    async fn tick(&self, published: &mut Option<u64>) {
+    async fn tick(&self) {
         self.cluster.publish_record(&self.record).await;
-        let v = self.index.node_version(OWN);
-        if v != *published {
-            let shorts = self.index.node_keys(OWN, SHARDS * MAX_PER_SHARD);
-            self.cluster.publish_residency(&shorts).await;
-            *published = v;
-        }
+        self.cluster
+            .publish_residency_of(&self.index, Some(OWN))
+            .await;
         let mut sync = self.sync.lock().await;
         sync.sync(&self.cluster, &self.index, &self.ids).await;
     }
@@ -126,6 +123,7 @@ fn node_config(
         max_peers: n + 2,
         bulk_sync,
         bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+        residency_full_interval: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL,
     })
 }
 
@@ -175,7 +173,6 @@ async fn join_time(
     };
     let want = n * b.blocks;
     let deadline = start + Duration::from_secs(600);
-    let mut published = Some(0);
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while node.peer_entries() < want {
@@ -184,7 +181,7 @@ async fn join_time(
             "a joining node did not learn the cluster in 600 s"
         );
         tick.tick().await;
-        node.tick(&mut published).await;
+        node.tick().await;
     }
     let secs = start.elapsed().as_secs_f64();
     if bulk {
@@ -269,12 +266,11 @@ async fn one(b: &GossipBench, n: usize, sealed: bool) -> anyhow::Result<String> 
     for node in &nodes {
         let (node, stop) = (node.clone(), stop.clone());
         loops.spawn(async move {
-            let mut published = Some(0);
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 tick.tick().await;
-                node.tick(&mut published).await;
+                node.tick().await;
             }
         });
     }

@@ -381,7 +381,7 @@ fn validate(s: &Snapshot) -> Result<(), BulkError> {
                 n.node_id, sh.index
             )));
         }
-        let mut seen = [false; shards::SHARDS];
+        let mut seen = [false; shards::SLOTS];
         for sh in &n.shards {
             match seen.get_mut(sh.index) {
                 Some(s) if !*s => *s = true,
@@ -650,11 +650,11 @@ mod tests {
     #[test]
     fn snapshots_with_bad_counts_are_refused() {
         let ok = Snapshot {
-            nodes: vec![node("a", vec![0, 127])],
+            nodes: vec![node("a", vec![0, 127, shards::RECENT])],
         };
         assert!(validate(&ok).is_ok());
         for bad in [
-            vec![node("a", vec![128])],
+            vec![node("a", vec![shards::SLOTS])],
             vec![node("a", vec![3, 3])],
             vec![node("", vec![])],
             vec![node(&"x".repeat(257), vec![])],

@@ -2,7 +2,9 @@
 //!
 //! Each proxy publishes, under its chitchat node state:
 //! - `node`: its [`NodeRecord`] as JSON (engine, load, `kv_epoch`, readiness);
-//! - `r.000` .. `r.127`: the residency of the engine it fronts, in compact shards ([`shards`]).
+//! - `r.000` .. `r.127`: the residency of the engine it fronts, in compact shards ([`shards`]),
+//!   re-sent whole every [`ClusterConfig::residency_full_interval`];
+//! - `r.128`: what that residency gained since the shards were last sent ([`shards::RECENT`]).
 //!
 //! [`ResidencySync::sync`] reads what peers published and applies the changes to the proxy's
 //! [`ResidencyIndex`] (source [`Source::Gossip`]) and to its view of the fleet (through
@@ -58,6 +60,9 @@ pub enum ClusterError {
     },
 }
 
+/// The default [`ClusterConfig::residency_full_interval`].
+pub const DEFAULT_RESIDENCY_FULL_INTERVAL: Duration = Duration::from_secs(2);
+
 /// How this node joins the cluster.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
@@ -86,6 +91,9 @@ pub struct ClusterConfig {
     pub bulk_sync: bool,
     /// The most bytes of state one transfer may carry, sent or pulled.
     pub bulk_max_bytes: usize,
+    /// How often the residency shards are published whole; in between only the recent key
+    /// changes (additions), so removals reach peers up to this late. Zero: whole every time.
+    pub residency_full_interval: Duration,
 }
 
 /// A joined cluster.
@@ -132,7 +140,19 @@ struct Incarnation {
 #[derive(Default)]
 struct Published {
     record: String,
+    /// Per slot ([`shards::SLOTS`]), the value set.
     shards: Vec<String>,
+    /// The shorts of the last full publication, sorted.
+    full: Vec<u64>,
+    /// The shorts given then that did not fit their shard ([`shards::MAX_PER_SHARD`]), sorted:
+    /// not gains since, so never in the recent key.
+    truncated: Vec<u64>,
+    /// When it was made.
+    full_at: Option<Instant>,
+    /// Removals since then: the next full publication is owed.
+    owed: bool,
+    /// The index version last published by [`Cluster::publish_residency_of`].
+    version: Option<Option<u64>>,
 }
 
 impl Cluster {
@@ -180,7 +200,12 @@ impl Cluster {
             restarts: AtomicU64::new(0),
             published: Mutex::new(Published {
                 record: String::new(),
-                shards: vec![String::new(); shards::SHARDS],
+                shards: vec![String::new(); shards::SLOTS],
+                full: Vec::new(),
+                truncated: Vec::new(),
+                full_at: None,
+                owed: false,
+                version: None,
             }),
             current,
             bulk: endpoint,
@@ -393,18 +418,79 @@ impl Cluster {
         }
     }
 
-    /// Publishes this node's residency (shorts, most important first). Only shards that changed
-    /// since the last call are set, so an unchanged shard costs no gossip.
-    pub async fn publish_residency(&self, shorts: &[u64]) {
-        let encoded: Vec<String> = shards::split(shorts)
-            .iter()
-            .map(|s| shards::encode(s))
-            .collect();
+    /// Publishes the residency `index` holds for `node` (this node's engine; `None`: no
+    /// engine, nothing resident) when its version changed since the last call, or when a full
+    /// publication is due and owed (a removal since the last one).
+    pub async fn publish_residency_of(&self, index: &ResidencyIndex, node: Option<NodeId>) {
         let mut published = self.published.lock().await;
+        let version = node.and_then(|n| index.node_version(n));
+        let changed = published.version != Some(version);
+        if changed || (published.owed && self.full_due(&published)) {
+            let shorts = node.map_or_else(Vec::new, |n| {
+                index.node_keys(n, shards::SHARDS * shards::MAX_PER_SHARD)
+            });
+            self.publish_shorts(&mut published, &shorts).await;
+            published.version = Some(version);
+        }
+    }
+
+    fn full_due(&self, published: &Published) -> bool {
+        published
+            .full_at
+            .is_none_or(|at| at.elapsed() >= self.cfg.residency_full_interval)
+    }
+
+    /// Publishes `shorts` (distinct, most important first). Within
+    /// [`ClusterConfig::residency_full_interval`] of the last full publication only the recent
+    /// key is set (the shorts gained since; a removal waits). Otherwise the shards that changed
+    /// are set and the recent key emptied; so too when more were gained than the key holds, or
+    /// when more than half of the last full publication went (a dropped or restarted engine:
+    /// peers must not keep routing by what it no longer holds). An unchanged key costs no
+    /// gossip.
+    async fn publish_shorts(&self, published: &mut Published, shorts: &[u64]) {
+        let mut values: Vec<(usize, String)> = Vec::new();
+        if !self.full_due(published) {
+            let mut kept = 0usize;
+            let mut added: Vec<u64> = shorts
+                .iter()
+                .copied()
+                .filter(|s| {
+                    let in_full = published.full.binary_search(s).is_ok();
+                    kept += usize::from(in_full);
+                    // A short that did not fit its shard then is no gain (nor, gone, a loss).
+                    !in_full && published.truncated.binary_search(s).is_err()
+                })
+                .collect();
+            added.sort_unstable();
+            added.dedup();
+            let removed = published.full.len().saturating_sub(kept);
+            if added.len() <= shards::MAX_PER_SHARD && removed <= published.full.len() / 2 {
+                published.owed = removed > 0;
+                values.push((shards::RECENT, shards::encode(&added)));
+            }
+        }
+        if values.is_empty() {
+            let split = shards::split(shorts);
+            values.extend(split.iter().map(|s| shards::encode(s)).enumerate());
+            // Set after the shards (a higher version): a peer that sees it emptied has them.
+            values.push((shards::RECENT, String::new()));
+            let mut full: Vec<u64> = split.into_iter().flatten().collect();
+            full.sort_unstable();
+            let mut truncated: Vec<u64> = shorts
+                .iter()
+                .copied()
+                .filter(|s| full.binary_search(s).is_err())
+                .collect();
+            truncated.sort_unstable();
+            published.full = full;
+            published.truncated = truncated;
+            published.full_at = Some(Instant::now());
+            published.owed = false;
+        }
         let chitchat = self.chitchat().await;
         let mut chitchat = chitchat.lock().await;
         let state = chitchat.self_node_state();
-        for (i, value) in encoded.into_iter().enumerate() {
+        for (i, value) in values {
             if published.shards[i] != value {
                 state.set(shards::key(i), &value);
                 published.shards[i] = value;
@@ -539,7 +625,7 @@ pub(crate) struct NodeView<'a> {
     generation: u64,
     gossip_addr: SocketAddr,
     record: (u64, &'a str),
-    /// Per shard index: version and value.
+    /// Per slot ([`shards::SLOTS`]): version and value.
     shards: Vec<Option<(u64, &'a str)>>,
 }
 
@@ -552,7 +638,7 @@ impl<'a> NodeView<'a> {
             generation: id.generation_id,
             gossip_addr: id.gossip_advertise_addr,
             record: (rec.version, &rec.value),
-            shards: (0..shards::SHARDS)
+            shards: (0..shards::SLOTS)
                 .map(|i| {
                     state
                         .get_versioned(&shards::key(i))
@@ -587,7 +673,7 @@ impl<'a> NodeView<'a> {
     }
 
     fn of_bulk(n: &'a bulk::NodeSnapshot) -> Self {
-        let mut shards = vec![None; shards::SHARDS];
+        let mut shards = vec![None; shards::SLOTS];
         for sh in &n.shards {
             if let Some(slot) = shards.get_mut(sh.index) {
                 *slot = Some((sh.version, sh.value.as_str()));
@@ -708,7 +794,7 @@ impl ResidencySync {
             .collect();
         for id in gone {
             if let Some(p) = self.peers.remove(&id) {
-                report.removed += p.shards.iter().map(Vec::len).sum::<usize>();
+                report.removed += p.published_len();
                 report.dropped += 1;
                 index.drop_node(p.node);
                 membership.remove(&id, p.node);
@@ -751,7 +837,7 @@ impl ResidencySync {
             };
             if reset {
                 if let Some(old) = self.peers.get(&snap.node_id) {
-                    report.removed += old.shards.iter().map(Vec::len).sum::<usize>();
+                    report.removed += old.published_len();
                     report.dropped += 1;
                     // A peer that moved has a new node in the fleet: the old one's entries go.
                     if old.node != node {
@@ -767,8 +853,8 @@ impl ResidencySync {
                         generation: snap.generation,
                         kv_epoch: record.kv_epoch,
                         record_version: snap.record_version,
-                        shard_versions: vec![0; shards::SHARDS],
-                        shards: vec![Vec::new(); shards::SHARDS],
+                        shard_versions: vec![0; shards::SLOTS],
+                        shards: vec![Vec::new(); shards::SLOTS],
                     },
                 );
             }
@@ -884,6 +970,35 @@ impl ResidencySync {
     }
 }
 
+impl PeerState {
+    /// Whether `short` is published in a slot other than `slot` (its shard, or the recent key).
+    fn held_elsewhere(&self, slot: usize, short: u64) -> bool {
+        let other = match slot {
+            shards::RECENT => shards::shard_of(short),
+            _ => shards::RECENT,
+        };
+        self.shards
+            .get(other)
+            .is_some_and(|s| s.binary_search(&short).is_ok())
+    }
+
+    /// Distinct shorts the peer publishes (its shards and its recent key).
+    fn published_len(&self) -> usize {
+        let recent = self
+            .shards
+            .get(shards::RECENT)
+            .map_or(&[][..], Vec::as_slice);
+        let only_recent = recent
+            .iter()
+            .filter(|&&s| !self.held_elsewhere(shards::RECENT, s))
+            .count();
+        let in_shards: usize = self.shards.iter().take(shards::SHARDS).map(Vec::len).sum();
+        in_shards + only_recent
+    }
+}
+
+/// Applies changed slots to the peer's entries in the index, which hold the union of its
+/// slots: a short leaves only when no slot holds it any more.
 fn apply_shards(
     p: &mut PeerState,
     changed: Vec<(usize, u64, String)>,
@@ -892,12 +1007,19 @@ fn apply_shards(
     report: &mut SyncReport,
 ) {
     for (i, version, value) in changed {
-        let Some(new) = shards::decode(&value) else {
+        let Some(mut new) = shards::decode(&value) else {
             tracing::debug!(shard = i, "unreadable residency shard ignored");
             p.shard_versions[i] = version;
             continue;
         };
-        let (added, removed) = shards::diff(&p.shards[i], &new);
+        // A short in another shard than its own is not honest: dropped, so that the union
+        // rule's one look at a short's own shard is exact.
+        if i < shards::SHARDS {
+            new.retain(|&s| shards::shard_of(s) == i);
+        }
+        let (mut added, mut removed) = shards::diff(&p.shards[i], &new);
+        added.retain(|&s| !p.held_elsewhere(i, s));
+        removed.retain(|&s| !p.held_elsewhere(i, s));
         report.added += added.len();
         report.removed += removed.len();
         index.remove_keys(p.node, removed);
@@ -938,7 +1060,7 @@ mod tests {
         record_version: u64,
         shards: &[(usize, u64)],
     ) -> NodeView<'static> {
-        let mut v = vec![None; shards::SHARDS];
+        let mut v = vec![None; shards::SLOTS];
         for &(i, version) in shards {
             v[i] = Some((version, "gossip"));
         }

@@ -7,6 +7,14 @@
 //! encoded), well under chitchat's one-datagram value limit, so a node publishes at most
 //! 512,000 digests.
 //!
+//! Between two full publications a node sets only one more key, [`RECENT`] (`r.128`): the
+//! shorts it gained since the last full one, whatever their shard. Each request adds digests to
+//! nearly every shard, so re-sending the changed shards each round re-sent the whole set; the
+//! recent key costs what was added. Removals wait for the next full publication, unless more
+//! than half of the last one went (a dropped or restarted engine), which publishes at once. A node's
+//! published set is the union of its shards and its recent key; a node that does not know the
+//! recent key (an older version) reads the shards alone and only learns later.
+//!
 //! [`Digest::short`]: kvmesh_filters::chain::Digest::short
 
 use base64::engine::general_purpose::STANDARD_NO_PAD;
@@ -14,18 +22,22 @@ use base64::Engine as _;
 
 /// Number of residency shards per node.
 pub const SHARDS: usize = 128;
-/// Most shorts in one shard.
+/// Most shorts in one shard (and in the recent key).
 pub const MAX_PER_SHARD: usize = 4000;
+/// The slot of the recent key: shorts added since the last full publication, of any shard.
+pub const RECENT: usize = SHARDS;
+/// Residency keys per node: the shards and the recent key.
+pub const SLOTS: usize = SHARDS + 1;
 
-/// The gossip key of shard `i`.
+/// The gossip key of slot `i` (a shard, or [`RECENT`]).
 pub fn key(i: usize) -> String {
     format!("r.{i:03}")
 }
 
-/// The shard index of a gossip key, if it is one.
+/// The slot of a gossip key, if it is one.
 pub fn parse_key(k: &str) -> Option<usize> {
     let i: usize = k.strip_prefix("r.")?.parse().ok()?;
-    (i < SHARDS).then_some(i)
+    (i < SLOTS).then_some(i)
 }
 
 /// Which shard a short belongs to.
@@ -134,6 +146,8 @@ mod tests {
         assert!(decode("!!").is_none());
         assert!(decode(&STANDARD_NO_PAD.encode([1u8, 2, 3])).is_none());
         assert_eq!(parse_key(&key(7)), Some(7));
+        assert_eq!(parse_key(&key(RECENT)), Some(RECENT));
+        assert_eq!(parse_key("r.129"), None);
         assert_eq!(parse_key("r.999"), None);
         assert_eq!(parse_key("node"), None);
     }

@@ -100,10 +100,15 @@ async fn node_with(
         max_peers,
         true,
         kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+        FULL_EVERY,
     )
     .await
 }
 
+/// The full-publication interval of test nodes: short, so that removals spread quickly.
+const FULL_EVERY: Duration = Duration::from_millis(300);
+
+#[allow(clippy::too_many_arguments)]
 async fn node_bulk(
     name: &str,
     port: u16,
@@ -112,6 +117,7 @@ async fn node_bulk(
     max_peers: usize,
     bulk_sync: bool,
     bulk_max_bytes: usize,
+    residency_full_interval: Duration,
 ) -> Node {
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let cluster = Cluster::join(ClusterConfig {
@@ -127,6 +133,7 @@ async fn node_bulk(
         max_peers,
         bulk_sync,
         bulk_max_bytes,
+        residency_full_interval,
     })
     .await
     .unwrap();
@@ -150,9 +157,11 @@ async fn node_bulk(
 
 impl Node {
     async fn tick(&mut self) {
-        let own = self.index.node_keys(NodeId(0), 1_000_000);
         self.cluster.publish_record(&self.record).await;
-        self.cluster.publish_residency(&own).await;
+        // As the proxy does: its own engine's residency, when it changed or a removal is owed.
+        self.cluster
+            .publish_residency_of(&self.index, Some(NodeId(0)))
+            .await;
         self.sync
             .sync(&self.cluster, &self.index, &self.members)
             .await;
@@ -235,6 +244,120 @@ async fn residency_spreads_is_withdrawn_and_dies_with_its_node_or_epoch() {
         .contains(&"c".to_string()));
     assert_eq!(nodes[0].cluster.live_peers().await, 1);
     assert!(nodes[0].cluster.stats().bytes_received() > 0);
+}
+
+/// Nodes `a` and `b`, each publishing its residency whole only once an hour.
+async fn hourly_pair() -> Vec<Node> {
+    let (pa, pb) = (udp_port(), udp_port());
+    let hourly = |name, port, seed| {
+        node_bulk(
+            name,
+            port,
+            seed,
+            GossipSecurity::sealed(keyring(KEY)),
+            16,
+            true,
+            kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+            Duration::from_secs(3600),
+        )
+    };
+    vec![hourly("a", pa, pa).await, hourly("b", pb, pa).await]
+}
+
+// Between full publications a node sends only what it gained (the recent key, `r.128`): peers
+// learn additions at once, hold the union of shards and recent key, and learn removals at the
+// next full publication, here forced by gaining more than the recent key holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn additions_spread_by_the_recent_key_and_removals_with_the_next_full_publication() {
+    // No full publication is due within the test: only an overflowing recent key forces one.
+    let mut nodes = hourly_pair().await;
+    let ns = Namespace::new("m", b"");
+    let chain = |c: u8, blocks: usize| text_chain(&ns, &vec![c; 256 * blocks], 256);
+    let overlap_on_a = |n: &[Node], ch: &[kvmesh_filters::chain::Digest]| {
+        n[0].index
+            .overlap(ch, Instant::now())
+            .first()
+            .map_or(0, |o| o.1)
+    };
+    let (first, second, third) = (chain(b'x', 40), chain(b'y', 16), chain(b'z', 8));
+    // b's first publication is a full one.
+    nodes[1]
+        .index
+        .record(NodeId(0), &first, Source::Reported, Instant::now());
+    until(&mut nodes, "a learns b's first chain", |n| {
+        overlap_on_a(n, &first) == 40
+    })
+    .await;
+    // Gained since: by the recent key alone (no full publication is due for an hour).
+    nodes[1]
+        .index
+        .record(NodeId(0), &second, Source::Reported, Instant::now());
+    nodes[1]
+        .index
+        .record(NodeId(0), &third, Source::Reported, Instant::now());
+    until(&mut nodes, "a learns b's later chains", |n| {
+        overlap_on_a(n, &second) == 16 && overlap_on_a(n, &third) == 8
+    })
+    .await;
+    assert_eq!(peer_entries(&nodes[0]), 64);
+    // b evicts the first chain's tail and the whole third chain: a still holds them (no full
+    // publication yet), the removal is not lost but waits.
+    let shorts = |ch: &[kvmesh_filters::chain::Digest]| -> Vec<u64> {
+        ch.iter().map(|d| d.short()).collect()
+    };
+    nodes[1].index.remove_keys(NodeId(0), shorts(&first[20..]));
+    nodes[1].index.remove_keys(NodeId(0), shorts(&third));
+    // More gains than the recent key holds force the full publication.
+    let mut rng = fastrand::Rng::with_seed(3);
+    let many: Vec<u64> = (0..kvmesh_cluster::shards::MAX_PER_SHARD + 1)
+        .map(|_| rng.u64(..))
+        .collect();
+    nodes[1]
+        .index
+        .record_keys(NodeId(0), many, Source::Reported, Instant::now());
+    let expected = 20 + 16 + kvmesh_cluster::shards::MAX_PER_SHARD + 1;
+    until(
+        &mut nodes,
+        "a holds b's set after the full publication",
+        |n| peer_entries(&n[0]) == expected,
+    )
+    .await;
+    // The removals arrived; what moved from the recent key into the shards stayed.
+    assert_eq!(overlap_on_a(&nodes, &first), 20);
+    assert_eq!(overlap_on_a(&nodes, &second), 16);
+    assert_eq!(overlap_on_a(&nodes, &third), 0);
+}
+
+// A restarted engine (new kv_epoch, its entries dropped) is published at once, not at the next
+// full publication: peers that reset on the new epoch must not index the old shards again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_epoch_publishes_the_emptied_residency_at_once() {
+    let mut nodes = hourly_pair().await;
+    let ns = Namespace::new("m", b"");
+    let old = text_chain(&ns, &[b'o'; 256 * 40], 256);
+    let new = text_chain(&ns, &[b'n'; 256 * 4], 256);
+    nodes[1]
+        .index
+        .record(NodeId(0), &old, Source::Reported, Instant::now());
+    until(&mut nodes, "a learns b's residency", |n| {
+        peer_entries(&n[0]) == 40
+    })
+    .await;
+    // b's engine restarts: new epoch, its entries dropped, then a few new ones.
+    nodes[1].record.kv_epoch = 2;
+    nodes[1].index.drop_node(NodeId(0));
+    nodes[1]
+        .index
+        .record(NodeId(0), &new, Source::Reported, Instant::now());
+    until(&mut nodes, "a holds only what b's engine holds now", |n| {
+        peer_entries(&n[0]) == 4
+            && n[0]
+                .index
+                .overlap(&old, Instant::now())
+                .iter()
+                .all(|o| o.1 == 0)
+    })
+    .await;
 }
 
 fn evil_record(target: &str, url: &str) -> String {
@@ -627,6 +750,7 @@ async fn an_oversized_transfer_is_refused_and_gossip_still_delivers() {
         16,
         true,
         4096,
+        FULL_EVERY,
     )
     .await;
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -9,7 +9,7 @@
 #![no_main]
 
 use kvmesh_cluster::bulk::{parse_snapshot, Reply, CHALLENGE_LEN, MAX_NODES};
-use kvmesh_cluster::shards::SHARDS;
+use kvmesh_cluster::shards::SLOTS;
 use libfuzzer_sys::fuzz_target;
 // The capped allocator (src/lib.rs).
 use kvmesh_fuzz as _;
@@ -48,9 +48,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(snapshot) = parse_snapshot(&reply.body) {
         assert!(snapshot.nodes.len() <= MAX_NODES);
         for n in &snapshot.nodes {
-            let mut seen = vec![false; SHARDS];
+            let mut seen = vec![false; SLOTS];
             for s in &n.shards {
-                assert!(s.index < SHARDS && !seen[s.index]);
+                assert!(s.index < SLOTS && !seen[s.index]);
                 seen[s.index] = true;
             }
         }

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use http_body_util::BodyExt;
-use kvmesh_cluster::shards::{MAX_PER_SHARD, SHARDS};
 use kvmesh_cluster::{Cluster, Membership, NodeRecord, PeerOrigin, Rejection, ResidencySync};
 use kvmesh_filters::residency::{NodeId, ResidencyIndex};
 use pingora::server::ShutdownWatch;
@@ -412,7 +411,6 @@ impl BackgroundService for ClusterService {
         };
         let mut last_epoch_check: Option<Instant> = None;
         let (mut sent, mut received) = (0u64, 0u64);
-        let mut published_version: Option<u64> = Some(0);
         let admission = PeerAdmission::new(&self.cfg, self.metrics.clone(), &self.upstream_tls);
         let membership = FleetMembership {
             fleet: &self.fleet,
@@ -442,16 +440,9 @@ impl BackgroundService for ClusterService {
             cluster
                 .publish_record(&self.record(local.as_deref(), epoch.current()))
                 .await;
-            // Re-encode the residency only when the engine's set changed.
-            let version = local.as_ref().and_then(|e| self.index.node_version(e.id));
-            if version != published_version {
-                let shorts = local
-                    .as_ref()
-                    .map(|e| self.index.node_keys(e.id, SHARDS * MAX_PER_SHARD))
-                    .unwrap_or_default();
-                cluster.publish_residency(&shorts).await;
-                published_version = version;
-            }
+            cluster
+                .publish_residency_of(&self.index, local.as_ref().map(|e| e.id))
+                .await;
             let report = sync.sync(&cluster, &self.index, &membership).await;
             self.metrics
                 .gossip_peers

@@ -47,6 +47,8 @@ pub enum ConfigError {
 pub const MAX_BODY_BYTES_LIMIT: usize = 1 << 30;
 /// The largest `cluster.bulk_sync_max_bytes` accepted.
 pub const MAX_BULK_SYNC_BYTES: usize = 1 << 30;
+/// The largest `cluster.residency_full_interval_ms` accepted: removals reach peers this late.
+pub const MAX_RESIDENCY_FULL_INTERVAL_MS: u64 = 60_000;
 
 /// The whole `kvmesh-proxy` configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -265,6 +267,10 @@ pub struct ClusterToml {
     /// digest: the default holds 6 million). A larger one is refused and gossip delivers the
     /// state instead.
     pub bulk_sync_max_bytes: usize,
+    /// Milliseconds between publications of this node's whole residency; in between, each
+    /// round publishes only the digests added since (one small key), so a removal reaches peers
+    /// up to this late. 0: the whole residency's changed shards every round.
+    pub residency_full_interval_ms: u64,
 }
 
 impl Default for ClusterToml {
@@ -290,6 +296,8 @@ impl Default for ClusterToml {
             peer_networks: Vec::new(),
             bulk_sync: true,
             bulk_sync_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+            residency_full_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL.as_millis()
+                as u64,
         }
     }
 }
@@ -315,6 +323,11 @@ pub struct SidecarConfig {
     /// every sidecar computes alike, so a new prefix's followers meet on one engine before
     /// gossip has spread it).
     pub cold_placement: ColdPlacement,
+    /// With `cold_placement = "home"`: a node whose queued prefill exceeds this many times the
+    /// candidates' mean is passed over for the next in rendezvous order (consistent hashing
+    /// with bounded loads), so that a busy home does not collect every new prefix. 0: the
+    /// home, whatever its load.
+    pub home_load_bound: f64,
 }
 
 /// Placement of requests whose prefix no node holds (`sidecar.cold_placement`).
@@ -336,6 +349,7 @@ impl Default for SidecarConfig {
             peer_identity: String::new(),
             peer_down_secs: 5,
             cold_placement: ColdPlacement::Local,
+            home_load_bound: 1.25,
         }
     }
 }
@@ -1055,6 +1069,11 @@ impl ProxyConfig {
                     "`cluster.bulk_sync_max_bytes` must be between 1024 and {MAX_BULK_SYNC_BYTES}"
                 ));
             }
+            if c.residency_full_interval_ms > MAX_RESIDENCY_FULL_INTERVAL_MS {
+                p.push(format!(
+                    "`cluster.residency_full_interval_ms` must be at most {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)"
+                ));
+            }
             if let Err(e) = self.peer_networks() {
                 p.push(e.message());
             }
@@ -1087,6 +1106,10 @@ impl ProxyConfig {
             if let Err(e) = crate::tls::UpstreamTls::from_config(u) {
                 p.push(format!("`[upstream]` TLS: {e}"));
             }
+        }
+        let bound = self.sidecar.home_load_bound;
+        if !(bound == 0.0 || (1.0..=100.0).contains(&bound)) {
+            p.push("`sidecar.home_load_bound` must be 0 (off) or between 1 and 100".into());
         }
         if self.sidecar.accept_hop_from == HopTrust::ClusterCert {
             if t.client_ca_file.is_empty() {
@@ -1190,6 +1213,7 @@ impl ProxyConfig {
             max_peers: c.max_peers,
             bulk_sync: c.bulk_sync,
             bulk_max_bytes: c.bulk_sync_max_bytes,
+            residency_full_interval: Duration::from_millis(c.residency_full_interval_ms),
         })
     }
 

@@ -14,6 +14,9 @@ pub(crate) mod reason {
     pub(crate) const RANK: &str = "rank";
     /// A cold prefix sent to its rendezvous home on a peer.
     pub(crate) const HOME: &str = "home";
+    /// A cold prefix sent to a peer after its home and any before it in rendezvous order
+    /// (`sidecar.home_load_bound`).
+    pub(crate) const HOME_BOUNDED: &str = "home_bounded";
     /// Kept on the local engine.
     pub(crate) const LOCAL: &str = "local";
     /// The local engine is down: the best peer takes it.
@@ -23,7 +26,15 @@ pub(crate) mod reason {
     /// A retry to another engine after the first attempt failed.
     pub(crate) const FAILOVER: &str = "failover";
     /// Every reason, to remove a departed peer's series.
-    pub(crate) const ALL: [&str; 6] = [RANK, HOME, LOCAL, LOCAL_DOWN, PREFIX_SAVING, FAILOVER];
+    pub(crate) const ALL: [&str; 7] = [
+        RANK,
+        HOME,
+        HOME_BOUNDED,
+        LOCAL,
+        LOCAL_DOWN,
+        PREFIX_SAVING,
+        FAILOVER,
+    ];
 }
 
 impl Gateway {
@@ -48,14 +59,14 @@ impl Gateway {
             self.live().cfg.sidecar.cold_placement,
             facts.chain.first(),
         ) {
-            if let Some(home) = self.cold_home(cands, first) {
+            if let Some((home, passed_over)) = self.cold_home(cands, first) {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {
                     decision.order[..=pos].rotate_right(1);
                 }
-                return if is_local(home) {
-                    reason::LOCAL
-                } else {
-                    reason::HOME
+                return match (is_local(home), passed_over) {
+                    (true, _) => reason::LOCAL,
+                    (false, false) => reason::HOME,
+                    (false, true) => reason::HOME_BOUNDED,
                 };
             }
         }
@@ -84,12 +95,16 @@ impl Gateway {
     }
 
     /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising
-    /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees.
+    /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees. With
+    /// `sidecar.home_load_bound` set, candidates are taken in that order and the first whose
+    /// queued prefill is within the bound times the mean wins (bounded loads: sidecars whose
+    /// views of the load are alike still agree, and a busy home is passed over). Returns the
+    /// candidate, and whether the home was passed over for it.
     fn cold_home(
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         first: &Digest,
-    ) -> Option<usize> {
+    ) -> Option<(usize, bool)> {
         let own = self.live().cfg.node_id();
         let weight = |c: &kvmesh_filters::route::Candidate| {
             let engine = self.fleet.get(c.node)?;
@@ -104,11 +119,52 @@ impl Gateway {
             b.copy_from_slice(&h.finalize().as_bytes()[..8]);
             Some(u64::from_le_bytes(b))
         };
-        cands
+        let mut ranked: Vec<(usize, u64)> = cands
             .iter()
             .enumerate()
             .filter_map(|(i, c)| Some((i, weight(c)?)))
-            .max_by_key(|(_, w)| *w)
-            .map(|(i, _)| i)
+            .collect();
+        ranked.sort_unstable_by_key(|&(_, w)| std::cmp::Reverse(w));
+        let loads: Vec<u64> = ranked
+            .iter()
+            .map(|&(i, _)| cands[i].pending_prefill_bytes)
+            .collect();
+        bounded_first(&loads, self.live().cfg.sidecar.home_load_bound).map(|k| (ranked[k].0, k > 0))
+    }
+}
+
+/// Of `loads` in preference order, the first within `bound` times their mean (`bound` 0: the
+/// first). The least loaded is always within, so a non-empty list always has one.
+fn bounded_first(loads: &[u64], bound: f64) -> Option<usize> {
+    if loads.is_empty() {
+        return None;
+    }
+    if bound <= 0.0 {
+        return Some(0);
+    }
+    let mean = loads.iter().map(|&l| l as f64).sum::<f64>() / loads.len() as f64;
+    loads
+        .iter()
+        .position(|&l| l as f64 <= bound * mean)
+        .or(Some(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bounded_first;
+
+    #[test]
+    fn bounded_first_passes_over_a_home_loaded_past_the_bound() {
+        assert_eq!(bounded_first(&[], 1.25), None);
+        // Idle: the home.
+        assert_eq!(bounded_first(&[0, 0, 0, 0], 1.25), Some(0));
+        // Mean 100: the home at 300 is over 1.25x, the next at 0 is within.
+        assert_eq!(bounded_first(&[300, 0, 50, 50], 1.25), Some(1));
+        // The second over the bound too: the third.
+        assert_eq!(bounded_first(&[200, 160, 20, 20], 1.25), Some(2));
+        // Within the bound: the home keeps it.
+        assert_eq!(bounded_first(&[120, 80, 100, 100], 1.25), Some(0));
+        // Off: the home whatever its load.
+        assert_eq!(bounded_first(&[1000, 0, 0, 0], 0.0), Some(0));
     }
 }

@@ -544,6 +544,7 @@ fn insider(
             max_peers: 16,
             bulk_sync: true,
             bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+            residency_full_interval: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL,
         })
         .await
         .unwrap();
