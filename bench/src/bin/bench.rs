@@ -379,6 +379,11 @@ struct CompareArgs {
     /// Extra keys of the sidecars' `[cluster]` table (e.g. "gossip_interval_ms = 50").
     #[arg(long, default_value = "")]
     sidecar_cluster_config: String,
+    /// Clients of the kvmesh-sidecar targets reach only the first N sidecars (0: all, spread
+    /// evenly). With 1, one sidecar sees every request as a gateway would while the others
+    /// only serve what it forwards: what the mesh's extra hop costs, apart from its split view.
+    #[arg(long, default_value_t = 0)]
+    sidecar_entries: usize,
     /// Extra TOML tables for every one-gateway kvmesh target (`kvmesh-<policy>`, with or
     /// without `+tokens`), except `[health]` and `[[engines]]`, which the runner writes; it
     /// must start with a table header (e.g. `$'[routing]\nmax_prefix_blocks = 4096'` in bash:
@@ -765,7 +770,7 @@ async fn scrape(target: &str, procs: &[procs::Proc]) -> Vec<String> {
 }
 
 /// Prints (to stderr) how kvmesh routers decided, summed over them: routing decisions and
-/// forwards to peers by reason.
+/// forwards to peers by reason, and the gossip they exchanged.
 async fn routing_breakdown(target: &str, routers: &[procs::Proc]) {
     let texts = scrape(target, routers).await;
     let show = |pairs: Vec<(String, f64)>| {
@@ -788,6 +793,13 @@ async fn routing_breakdown(target: &str, routers: &[procs::Proc]) {
             "reason"
         )),
     );
+    let gossip = procs::sum_by_label(&texts, "kvmesh_gossip_bytes_total", "direction");
+    if gossip.iter().any(|(_, b)| *b > 0.0) {
+        eprintln!(
+            "{target}: gossip bytes (all nodes, start-up included): {}",
+            show(gossip)
+        );
+    }
     let tokenized = procs::sum_unlabelled(&texts, "kvmesh_tokenize_seconds_count");
     if tokenized > 0.0 {
         let seconds = procs::sum_unlabelled(&texts, "kvmesh_tokenize_seconds_sum");
@@ -816,17 +828,22 @@ async fn engine_digest_checks(
     checks
 }
 
+/// The `sidecar.cold_placement` of a kvmesh-sidecar target; `None` for other targets.
+fn cold_placement_of(target: &str) -> Option<&'static str> {
+    match target {
+        "kvmesh-sidecar" => Some("local"),
+        "kvmesh-sidecar-home" => Some("home"),
+        _ => None,
+    }
+}
+
 async fn start_target(
     target: &str,
     sims: &[procs::Proc],
     a: &CompareArgs,
 ) -> anyhow::Result<Vec<procs::Proc>> {
     let addrs: Vec<std::net::SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    let cold_placement = match target {
-        "kvmesh-sidecar" => Some("local"),
-        "kvmesh-sidecar-home" => Some("home"),
-        _ => None,
-    };
+    let cold_placement = cold_placement_of(target);
     if let Some(cold) = cold_placement {
         return procs::kvmesh_sidecars_with(
             &addrs,
@@ -893,6 +910,13 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             "--gateway-config holds a backslash-n and no newline: TOML needs a real newline ($'...' in bash)"
         );
     }
+    if a.sidecar_entries > a.engines.replicas {
+        anyhow::bail!(
+            "--sidecar-entries {} exceeds --replicas {} (one sidecar per engine)",
+            a.sidecar_entries,
+            a.engines.replicas
+        );
+    }
     let (plan, what) = a.spec.plan()?;
     let e = &a.engines;
     let tokenizer = sim::SimTokenizer::new(e.engine_tokenizer.as_deref())?;
@@ -926,8 +950,13 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             };
             eprintln!("{target}, cache {cap}: replaying {} requests", plan.len());
             let client = load::client(256);
+            let entries = match (cold_placement_of(target), a.sidecar_entries) {
+                (Some(_), n) if n > 0 => n,
+                _ => routers.len(),
+            };
             let urls: Vec<String> = routers
                 .iter()
+                .take(entries)
                 .map(|r| format!("http://{}/v1/chat/completions", r.addr))
                 .collect();
             let start = Instant::now();
