@@ -184,6 +184,20 @@ fn compare_runs_a_token_mode_gateway_in_front_of_engines_that_tokenize_as_it_doe
     assert!(!refused.status.success());
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("real newline"), "{err}");
+    // And more sidecar entry points than sidecars.
+    let refused = args(&dir.join("refused.json"))
+        .arg("--engine-tokenizer")
+        .arg(&gguf)
+        .args(["--sidecar-entries", "3"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("--sidecar-entries 3 exceeds --replicas 2"),
+        "{err}"
+    );
+    assert!(!dir.join("refused.json").exists());
 
     let out = dir.join("tokens.json");
     let status = args(&out)
