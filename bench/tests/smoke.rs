@@ -168,36 +168,28 @@ fn compare_runs_a_token_mode_gateway_in_front_of_engines_that_tokenize_as_it_doe
         .arg(out);
         c
     };
-    // Without the engines' tokenizer the target is refused before anything starts.
-    let refused = args(&dir.join("refused.json")).output().unwrap();
-    assert!(!refused.status.success());
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(err.contains("--engine-tokenizer"), "{err}");
-    assert!(!dir.join("refused.json").exists());
+    // Refused before anything starts: an error naming the cause, and no results written.
+    let refused_with = |mut c: Command, cause: &str| {
+        let refused = c.output().unwrap();
+        assert!(!refused.status.success());
+        let err = String::from_utf8_lossy(&refused.stderr);
+        assert!(err.contains(cause), "{err}");
+        assert!(!dir.join("refused.json").exists());
+    };
+    // Without the engines' tokenizer the target is refused.
+    refused_with(args(&dir.join("refused.json")), "--engine-tokenizer");
     // So is gateway TOML with a backslash-n where a newline was meant.
-    let refused = args(&dir.join("refused.json"))
-        .arg("--engine-tokenizer")
+    let mut c = args(&dir.join("refused.json"));
+    c.arg("--engine-tokenizer")
         .arg(&gguf)
-        .args(["--gateway-config", "[routing]\\nmax_prefix_blocks = 8"])
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(err.contains("real newline"), "{err}");
+        .args(["--gateway-config", "[routing]\\nmax_prefix_blocks = 8"]);
+    refused_with(c, "real newline");
     // And more sidecar entry points than sidecars.
-    let refused = args(&dir.join("refused.json"))
-        .arg("--engine-tokenizer")
+    let mut c = args(&dir.join("refused.json"));
+    c.arg("--engine-tokenizer")
         .arg(&gguf)
-        .args(["--sidecar-entries", "3"])
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        err.contains("--sidecar-entries 3 exceeds --replicas 2"),
-        "{err}"
-    );
-    assert!(!dir.join("refused.json").exists());
+        .args(["--sidecar-entries", "3"]);
+    refused_with(c, "--sidecar-entries 3 exceeds --replicas 2");
 
     let out = dir.join("tokens.json");
     let status = args(&out)
