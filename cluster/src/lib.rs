@@ -15,11 +15,15 @@
 //! so it routes with the cluster's residency within about a second instead of the many gossip
 //! rounds that chitchat's one-datagram deltas take to deliver it.
 //!
+//! Between rounds, a node that fronts an engine sends its load straight to its peers as it
+//! changes ([`beacon`]), so that their routing sees its queue within milliseconds.
+//!
 //! Every datagram is sealed under the cluster key ([`seal`], [`transport`]): a sender without
 //! the key can neither join nor inject state. chitchat's server task is watched: if it ever
 //! stops (a panic on a delta it could not apply), [`Cluster::ensure_running`] starts a new
 //! incarnation and counts it, so gossip never freezes silently.
 
+pub mod beacon;
 pub mod bulk;
 pub mod record;
 pub mod seal;
@@ -38,6 +42,7 @@ use chitchat::{spawn_chitchat, ChitchatConfig, ChitchatHandle, ChitchatId, Failu
 use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
 use tokio::sync::{Mutex, RwLock};
 
+pub use beacon::{Load, LoadBeacon, LoadReport};
 pub use bulk::BulkStats;
 pub use record::NodeRecord;
 pub use seal::{Keyring, Rejection};
@@ -109,6 +114,7 @@ pub struct Cluster {
     bulk: bulk::Endpoint,
     /// A pulled transfer, until [`ResidencySync::sync`] takes it.
     delivered: Arc<std::sync::Mutex<Option<bulk::Snapshot>>>,
+    beacon: LoadBeacon,
     tasks: Tasks,
 }
 
@@ -167,7 +173,8 @@ impl Cluster {
         cfg: ClusterConfig,
         stats: Arc<GossipStats>,
     ) -> Result<Cluster, ClusterError> {
-        let incarnation = Self::spawn(&cfg, &stats).await?;
+        let beacon = LoadBeacon::new(&cfg.node_id, cfg.max_peers);
+        let incarnation = Self::spawn(&cfg, &stats, &beacon).await?;
         let current: bulk::CurrentChitchat =
             Arc::new(std::sync::Mutex::new(incarnation.handle.chitchat()));
         let endpoint = bulk::Endpoint {
@@ -210,6 +217,7 @@ impl Cluster {
             current,
             bulk: endpoint,
             delivered: Arc::new(std::sync::Mutex::new(None)),
+            beacon,
             tasks,
         };
         cluster.start_pull();
@@ -289,6 +297,7 @@ impl Cluster {
     async fn spawn(
         cfg: &ClusterConfig,
         stats: &Arc<GossipStats>,
+        beacon: &LoadBeacon,
     ) -> Result<Incarnation, ClusterError> {
         // A new generation per start: peers then see a restarted node as a new incarnation.
         let generation = std::time::SystemTime::now()
@@ -325,6 +334,7 @@ impl Cluster {
                 .max_peers
                 .saturating_mul(2)
                 .saturating_add(cfg.seeds.len()),
+            beacon: beacon.inner.clone(),
         };
         let handle = spawn_chitchat(config, Vec::new(), &transport)
             .await
@@ -355,7 +365,7 @@ impl Cluster {
         if !current.stopped.load(Ordering::Relaxed) {
             return Ok(false);
         }
-        let fresh = Self::spawn(&self.cfg, &self.stats).await?;
+        let fresh = Self::spawn(&self.cfg, &self.stats, &self.beacon).await?;
         {
             let published = self.published.lock().await;
             let chitchat = fresh.handle.chitchat();
@@ -391,6 +401,11 @@ impl Cluster {
 
     async fn chitchat(&self) -> Arc<Mutex<chitchat::Chitchat>> {
         self.handle.read().await.handle.chitchat()
+    }
+
+    /// This node's load beacon: send its load to peers, receive theirs ([`beacon`]).
+    pub fn load_beacon(&self) -> LoadBeacon {
+        self.beacon.clone()
     }
 
     /// Gossip traffic counters.
@@ -545,6 +560,8 @@ pub struct PeerOrigin {
 
 struct PeerState {
     node: NodeId,
+    /// Where it gossips from, and whether its record says it takes load beacons.
+    beacon: beacon::BeaconPeer,
     generation: u64,
     kv_epoch: u64,
     record_version: u64,
@@ -850,6 +867,10 @@ impl ResidencySync {
                     snap.node_id.clone(),
                     PeerState {
                         node,
+                        beacon: beacon::BeaconPeer {
+                            gossip_addr: snap.origin.gossip_addr,
+                            accepts: record.load_beacons,
+                        },
                         generation: snap.generation,
                         kv_epoch: record.kv_epoch,
                         record_version: snap.record_version,
@@ -860,9 +881,19 @@ impl ResidencySync {
             }
             if let Some(p) = self.peers.get_mut(&snap.node_id) {
                 p.record_version = snap.record_version;
+                p.beacon = beacon::BeaconPeer {
+                    gossip_addr: snap.origin.gossip_addr,
+                    accepts: record.load_beacons,
+                };
                 apply_shards(p, snap.shards, index, now, &mut report);
             }
         }
+        cluster.beacon.set_peers(
+            self.peers
+                .iter()
+                .map(|(id, p)| (id.clone(), p.beacon))
+                .collect(),
+        );
         report
     }
 

@@ -33,6 +33,9 @@ pub struct NodeRecord {
     pub ready: bool,
     /// The proxy's version.
     pub version: String,
+    /// It takes load beacons ([`crate::beacon`]): peers send it their load as it changes.
+    /// Absent (older versions): false, and peers send none.
+    pub load_beacons: bool,
 }
 
 impl NodeRecord {

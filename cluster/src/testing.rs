@@ -67,3 +67,9 @@ pub fn crafted_ack_for(
     let id = ChitchatId::new(node_id.to_string(), generation, gossip_addr);
     crafted_ack(&id, key, value, version, None)
 }
+
+/// A load beacon's plaintext as a node would seal it ([`crate::beacon`]): what an insider
+/// holding the key could send under any node id.
+pub fn beacon_plaintext(node_id: &str, session: u64, seq: u64, load: crate::Load) -> Vec<u8> {
+    crate::beacon::plaintext(node_id, session, seq, load).unwrap_or_default()
+}

@@ -18,7 +18,9 @@
 //! to P's relay instead of P, the relay seals and sends from the outer socket; what P sends is
 //! opened and handed to chitchat from P's relay, whose address [`Socket::recv`] maps back to
 //! P. Only authenticated datagrams ever create a relay. Datagrams on the loopback sockets
-//! from anyone but the matching peer (another local process) are dropped and counted.
+//! from anyone but the matching peer (another local process) are dropped and counted. Load
+//! beacons ([`crate::beacon`]) come and go on the same outer socket, sealed the same way, but
+//! never reach chitchat.
 //!
 //! [`seal`]: crate::seal
 
@@ -144,6 +146,9 @@ pub struct SecureUdp {
     pub advertise: SocketAddr,
     /// The most peer addresses relayed at once.
     pub max_relays: usize,
+    /// Load beacons arriving on the socket go here, and are sent from it
+    /// ([`crate::beacon`]).
+    pub(crate) beacon: Arc<crate::beacon::Inner>,
 }
 
 struct Relay {
@@ -165,15 +170,21 @@ struct Relays {
     by_relay: HashMap<SocketAddr, SocketAddr>,
 }
 
-struct Shared {
+pub(crate) struct Shared {
     outer: Arc<UdpSocket>,
     inner_addr: SocketAddr,
     relays: Mutex<Relays>,
     sealer: Option<Mutex<Sealer>>,
+    /// Seals load beacons whenever a key is set (also while `encrypt_outgoing` is off during a
+    /// migration: every node then holds the key). A session of their own, so that a round of
+    /// beacons to every peer does not move chitchat's session counter past the receivers'
+    /// replay windows.
+    beacon_sealer: Option<Mutex<Sealer>>,
     opener: Option<Mutex<Opener>>,
     verify_incoming: bool,
     stats: Arc<GossipStats>,
     max_relays: usize,
+    beacon: Arc<crate::beacon::Inner>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -228,7 +239,8 @@ impl Shared {
     /// One datagram from the network: open it (or take it as plaintext when allowed) and
     /// hand it to chitchat from the sender's relay.
     async fn inbound(self: &Arc<Self>, datagram: &[u8], from: SocketAddr) {
-        let message = if seal::is_sealed(datagram) {
+        let sealed = seal::is_sealed(datagram);
+        let message = if sealed {
             let Some(opener) = &self.opener else {
                 return self.stats.reject(Rejection::Forged, from);
             };
@@ -253,12 +265,60 @@ impl Shared {
             datagram.to_vec()
         };
         self.stats.heard_from(from.ip());
+        if crate::beacon::is_beacon(&message) {
+            // With a key, only sealed beacons, even while plaintext gossip is still accepted.
+            let result = if self.opener.is_some() && !sealed {
+                Err(Rejection::Plaintext)
+            } else {
+                self.beacon.offer(&message, from)
+            };
+            if let Err(r) = result {
+                self.stats.reject(r, from);
+            }
+            return;
+        }
         match self.relay_for(from) {
             Ok(relay) => {
                 let _ = relay.send_to(&message, self.inner_addr).await;
             }
             Err(e) => tracing::warn!(error = %format!("{e:#}"), "gossip relay unavailable"),
         }
+    }
+
+    /// Sends a load beacon's `plaintext` to `peer` from the gossip socket, sealed whenever a
+    /// key is set; returns whether it went.
+    pub(crate) async fn send_beacon(&self, plaintext: &[u8], peer: SocketAddr) -> bool {
+        self.send_with(self.beacon_sealer.as_ref(), plaintext, peer)
+            .await
+    }
+
+    /// Whether authenticated datagrams came from `ip` within `window`.
+    pub(crate) fn heard_within(&self, ip: IpAddr, window: Duration) -> bool {
+        self.stats.heard_within(ip, window)
+    }
+
+    /// Sends `plaintext` to `peer` from the gossip socket, sealed by `sealer` if any; returns
+    /// whether every frame went.
+    async fn send_with(
+        &self,
+        sealer: Option<&Mutex<Sealer>>,
+        plaintext: &[u8],
+        peer: SocketAddr,
+    ) -> bool {
+        let frames = match sealer {
+            Some(sealer) => lock(sealer).seal(plaintext, peer),
+            None => vec![plaintext.to_vec()],
+        };
+        let mut all = !frames.is_empty();
+        for f in frames {
+            match self.outer.send_to(&f, peer).await {
+                Ok(sent) => {
+                    self.stats.sent.fetch_add(sent as u64, Ordering::Relaxed);
+                }
+                Err(_) => all = false,
+            }
+        }
+        all
     }
 }
 
@@ -276,15 +336,9 @@ async fn outbound(shared: Arc<Shared>, relay: Arc<UdpSocket>, peer: SocketAddr) 
             shared.stats.reject(Rejection::Local, from);
             continue;
         }
-        let frames = match &shared.sealer {
-            Some(sealer) => lock(sealer).seal(&buf[..n], peer),
-            None => vec![buf[..n].to_vec()],
-        };
-        for f in frames {
-            if let Ok(sent) = shared.outer.send_to(&f, peer).await {
-                shared.stats.sent.fetch_add(sent as u64, Ordering::Relaxed);
-            }
-        }
+        shared
+            .send_with(shared.sealer.as_ref(), &buf[..n], peer)
+            .await;
     }
 }
 
@@ -311,6 +365,9 @@ impl Transport for SecureUdp {
                 .clone()
                 .filter(|_| self.security.encrypt_outgoing)
                 .map(|k| Mutex::new(Sealer::new(k, cluster_id))),
+            beacon_sealer: keyring
+                .clone()
+                .map(|k| Mutex::new(Sealer::new(k, cluster_id))),
             opener: keyring.map(|k| {
                 Mutex::new(Opener::new(
                     k,
@@ -323,7 +380,9 @@ impl Transport for SecureUdp {
             verify_incoming: self.security.verify_incoming && self.security.keyring.is_some(),
             stats: self.stats.clone(),
             max_relays: self.max_relays.max(1),
+            beacon: self.beacon.clone(),
         });
+        *lock(&self.beacon.socket) = Arc::downgrade(&shared);
         let receiver = shared.clone();
         let inbound = tokio::spawn(async move {
             let mut buf = vec![0u8; seal::MAX_DATAGRAM];

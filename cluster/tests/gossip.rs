@@ -11,10 +11,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvmesh_cluster::seal::Sealer;
-use kvmesh_cluster::testing::crafted_ack;
+use kvmesh_cluster::testing::{beacon_plaintext, crafted_ack};
 use kvmesh_cluster::{
-    Cluster, ClusterConfig, GossipSecurity, Keyring, Membership, NodeRecord, PeerOrigin, Rejection,
-    ResidencySync,
+    Cluster, ClusterConfig, GossipSecurity, Keyring, Load, LoadReport, Membership, NodeRecord,
+    PeerOrigin, Rejection, ResidencySync,
 };
 use kvmesh_filters::chain::{text_chain, Namespace};
 use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
@@ -469,6 +469,106 @@ async fn wrong_key_never_joins_and_replays_are_dropped() {
     send(pa, &frame).await;
     settle(&mut nodes).await;
     assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Replayed), 2);
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
+}
+
+/// The next beacons `n` takes, or none within `wait`.
+async fn beacons(n: &Node, wait: Duration) -> Vec<LoadReport> {
+    tokio::time::timeout(wait, n.cluster.load_beacon().recv())
+        .await
+        .unwrap_or_default()
+}
+
+// Load beacons go only to peers whose record accepts them, arrive without a gossip round, and
+// are taken only sealed under the key (even while b still accepts plaintext gossip, as in a
+// migration to encryption), well-formed, and from the address the named node gossips from: a
+// plaintext, wrong-key or malformed beacon, or an insider's from another host or another port
+// of a's host, changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_beacons_reach_peers_that_accept_them_and_forged_ones_do_not() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let migrating = GossipSecurity {
+        verify_incoming: false,
+        ..GossipSecurity::sealed(keyring(KEY))
+    };
+    let mut nodes = vec![
+        node("a", pa, pa).await,
+        node_with("b", pb, pa, migrating, 16).await,
+    ];
+    until(&mut nodes, "a and b learn each other", |n| {
+        accepted_url(&n[0], "http://b") && accepted_url(&n[1], "http://a")
+    })
+    .await;
+    let load = |inflight, pending_prefill_bytes| Load {
+        inflight,
+        pending_prefill_bytes,
+    };
+    let beacon = nodes[0].cluster.load_beacon();
+    assert_eq!(beacon.send(load(1, 1)).await, 0, "b's record takes none");
+    for n in nodes.iter_mut() {
+        n.record.load_beacons = true;
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while beacon.send(load(3, 60_000)).await != 1 {
+        assert!(Instant::now() < deadline, "a never sent b a beacon");
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let got = beacons(&nodes[1], Duration::from_secs(5)).await;
+    assert_eq!(
+        got,
+        vec![LoadReport {
+            node_id: "a".into(),
+            load: load(3, 60_000)
+        }]
+    );
+
+    // Attacks on b, each claiming to be a with a load that would divert traffic.
+    let forged = beacon_plaintext("a", 1, u64::MAX, load(0, 0));
+    let mut insider = Sealer::new(keyring(KEY), "test");
+    send(pb, std::slice::from_ref(&forged)).await;
+    send(
+        pb,
+        &Sealer::new(keyring(OTHER_KEY), "test").seal(&forged, local(pb)),
+    )
+    .await;
+    send(pb, &insider.seal(b"kL\x01 not a beacon", local(pb))).await;
+    // Each from a session of its own: the opener pins a session to its first source address.
+    send(
+        pb,
+        &Sealer::new(keyring(KEY), "test").seal(&forged, local(pb)),
+    )
+    .await;
+    let elsewhere = tokio::net::UdpSocket::bind("127.0.0.2:0").await.unwrap();
+    for d in Sealer::new(keyring(KEY), "test").seal(&forged, local(pb)) {
+        elsewhere.send_to(&d, local(pb)).await.unwrap();
+    }
+    settle(&mut nodes).await;
+    let stats = nodes[1].cluster.stats();
+    assert_eq!(stats.rejected(Rejection::Plaintext), 1);
+    assert!(stats.rejected(Rejection::Forged) >= 1);
+    assert_eq!(stats.rejected(Rejection::Malformed), 1);
+    assert_eq!(nodes[1].cluster.load_beacon().stats().refused(), 2);
+    assert!(
+        beacons(&nodes[1], Duration::from_millis(300))
+            .await
+            .is_empty(),
+        "a forged beacon was taken"
+    );
+
+    // a's next load still gets through.
+    assert_eq!(beacon.send(load(0, 0)).await, 1);
+    assert_eq!(
+        beacons(&nodes[1], Duration::from_secs(5)).await,
+        vec![LoadReport {
+            node_id: "a".into(),
+            load: load(0, 0)
+        }]
+    );
     for n in nodes {
         n.cluster.shutdown().await;
     }
