@@ -375,6 +375,7 @@ impl ClusterService {
             r.pending_prefill_bytes = e.own_pending_prefill();
             r.kv_epoch = epoch;
             r.ready = e.healthy();
+            r.load_beacons = self.cfg.cluster.load_beacon_interval_ms > 0;
         }
         r
     }
@@ -420,6 +421,23 @@ impl BackgroundService for ClusterService {
         };
         let mut dropped = [0u64; Rejection::ALL.len()];
         let mut bulk_seen = [0u64; 4];
+        let beacon = cluster.load_beacon();
+        let mut beacons_seen = [0u64; 4];
+        let beacon_every = Duration::from_millis(self.cfg.cluster.load_beacon_interval_ms);
+        let mut beacon_tasks = Vec::new();
+        // Between sidecars only: a gateway fronts no engine of its own, and peers track only
+        // nodes that do, so it would neither send nor be sent any.
+        if !beacon_every.is_zero() && self.cfg.mode == Mode::Sidecar {
+            beacon_tasks.push(tokio::spawn(take_beacons(
+                beacon.clone(),
+                self.fleet.clone(),
+            )));
+            beacon_tasks.push(tokio::spawn(send_beacons(
+                beacon.clone(),
+                self.fleet.clone(),
+                beacon_every,
+            )));
+        }
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -475,6 +493,18 @@ impl BackgroundService for ClusterService {
                     .inc_by(bulk_now[i] - bulk_seen[i]);
             }
             bulk_seen = bulk_now;
+            let b = beacon.stats();
+            let beacons_now = [b.sent(), b.received(), b.refused(), b.unknown()];
+            for (i, result) in ["sent", "received", "refused", "unknown"]
+                .iter()
+                .enumerate()
+            {
+                self.metrics
+                    .gossip_beacons
+                    .with_label_values(&[result])
+                    .inc_by(beacons_now[i] - beacons_seen[i]);
+            }
+            beacons_seen = beacons_now;
             for (i, reason) in Rejection::ALL.iter().enumerate() {
                 let n = stats.rejected(*reason);
                 self.metrics
@@ -493,7 +523,56 @@ impl BackgroundService for ClusterService {
                 tracing::debug!(?report, "gossip sync");
             }
         }
+        for t in beacon_tasks {
+            t.abort();
+        }
         cluster.shutdown().await;
+    }
+}
+
+/// Sends the local engine's load to peers whenever it changed, at most once per `every`, and
+/// at least once per [`kvmesh_cluster::beacon::HEARTBEAT`] (sidecar mode: the one engine that
+/// is not a peer's). With many peers the spacing grows to [`BEACON_SPACING_PER_PEER`] per peer
+/// sent to, so a node sends (and each peer receives) beacons at a bounded rate whatever the
+/// cluster's size.
+async fn send_beacons(beacon: kvmesh_cluster::LoadBeacon, fleet: Arc<Fleet>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last: Option<(kvmesh_cluster::Load, Instant)> = None;
+    let mut spacing = every;
+    loop {
+        tick.tick().await;
+        let Some(local) = fleet.engines().iter().find(|e| e.peer.is_none()).cloned() else {
+            continue;
+        };
+        let load = kvmesh_cluster::Load {
+            inflight: local.own_inflight(),
+            pending_prefill_bytes: local.own_pending_prefill(),
+        };
+        let due = last.is_none_or(|(l, at)| {
+            let since = at.elapsed();
+            (l != load && since >= spacing) || since >= kvmesh_cluster::beacon::HEARTBEAT
+        });
+        if due {
+            let peers = beacon.send(load).await;
+            spacing = every.max(
+                BEACON_SPACING_PER_PEER.saturating_mul(u32::try_from(peers).unwrap_or(u32::MAX)),
+            );
+            last = Some((load, Instant::now()));
+        }
+    }
+}
+
+/// The least spacing of load beacons per peer they go to: at most about 1,000 beacon
+/// datagrams a second leave a node (beyond 10 peers at the default interval).
+const BEACON_SPACING_PER_PEER: Duration = Duration::from_millis(1);
+
+/// Applies peers' load beacons to the fleet as they arrive.
+async fn take_beacons(beacon: kvmesh_cluster::LoadBeacon, fleet: Arc<Fleet>) {
+    loop {
+        for r in beacon.recv().await {
+            fleet.peer_load(&r.node_id, r.load);
+        }
     }
 }
 

@@ -47,6 +47,9 @@ pub enum ConfigError {
 pub const MAX_BODY_BYTES_LIMIT: usize = 1 << 30;
 /// The largest `cluster.bulk_sync_max_bytes` accepted.
 pub const MAX_BULK_SYNC_BYTES: usize = 1 << 30;
+/// The largest `cluster.load_beacon_interval_ms` accepted: beyond it, the heartbeat beacon
+/// (every 250 ms) would be the only one.
+const MAX_LOAD_BEACON_INTERVAL_MS: u64 = 250;
 /// The largest `cluster.residency_full_interval_ms` accepted: removals reach peers this late.
 pub const MAX_RESIDENCY_FULL_INTERVAL_MS: u64 = 60_000;
 
@@ -271,6 +274,10 @@ pub struct ClusterToml {
     /// round publishes only the digests added since (one small key), so a removal reaches peers
     /// up to this late. 0: the whole residency's changed shards every round.
     pub residency_full_interval_ms: u64,
+    /// The least milliseconds between two load beacons: this node's engine load sent straight
+    /// to each peer as it changes (and every 250 ms regardless), sealed like gossip, rather
+    /// than only inside the record gossip rounds carry. 0: no beacons sent or taken.
+    pub load_beacon_interval_ms: u64,
 }
 
 impl Default for ClusterToml {
@@ -298,6 +305,7 @@ impl Default for ClusterToml {
             bulk_sync_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
             residency_full_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL.as_millis()
                 as u64,
+            load_beacon_interval_ms: 10,
         }
     }
 }
@@ -1074,6 +1082,11 @@ impl ProxyConfig {
                     "`cluster.residency_full_interval_ms` must be at most {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)"
                 ));
             }
+            if c.load_beacon_interval_ms > MAX_LOAD_BEACON_INTERVAL_MS {
+                p.push(format!(
+                    "`cluster.load_beacon_interval_ms` must be at most {MAX_LOAD_BEACON_INTERVAL_MS} (0 turns beacons off)"
+                ));
+            }
             if let Err(e) = self.peer_networks() {
                 p.push(e.message());
             }
@@ -1683,6 +1696,17 @@ mod tests {
             "gossip_keys = [\"{key}\"]\nbulk_sync = false\nbulk_sync_max_bytes = 10\n"
         ));
         assert!(off.is_ok(), "{off:?}");
+        let slow = check(&format!(
+            "gossip_keys = [\"{key}\"]\nload_beacon_interval_ms = 251\n"
+        ))
+        .unwrap_err();
+        assert!(slow.contains("load_beacon_interval_ms"), "{slow}");
+        for ok in [0, 250] {
+            let beacons = check(&format!(
+                "gossip_keys = [\"{key}\"]\nload_beacon_interval_ms = {ok}\n"
+            ));
+            assert!(beacons.is_ok(), "{ok}: {beacons:?}");
+        }
     }
 
     #[test]

@@ -60,6 +60,12 @@ pub struct Engine {
     /// Load the peer reports for it (its own count includes what we sent).
     reported_inflight: AtomicU64,
     reported_pending: AtomicU64,
+    /// Load the peer's last beacon carried, and when it came ([`mono_ms`]; 0: never). Until it
+    /// is [`kvmesh_cluster::beacon::FRESH`] old it stands for the peer's report instead of the
+    /// gossiped record's, which is older.
+    beacon_inflight: AtomicU64,
+    beacon_pending: AtomicU64,
+    beacon_at_ms: AtomicU64,
     /// A peer that refused a connection stays down until then (ms since `Fleet::epoch`).
     down_until_ms: AtomicU64,
     /// Recent time to first byte through this engine, microseconds (an EWMA; 0: none seen).
@@ -108,6 +114,9 @@ impl Engine {
             peer: None,
             reported_inflight: AtomicU64::new(0),
             reported_pending: AtomicU64::new(0),
+            beacon_inflight: AtomicU64::new(0),
+            beacon_pending: AtomicU64::new(0),
+            beacon_at_ms: AtomicU64::new(0),
             down_until_ms: AtomicU64::new(0),
             ttft_ewma_us: AtomicU64::new(0),
             ttft_at_ms: AtomicU64::new(0),
@@ -143,9 +152,26 @@ impl Engine {
 
     /// Requests in flight on this engine: ours, or what its peer reports, whichever is larger.
     pub fn inflight(&self) -> u64 {
-        self.inflight
-            .load(Ordering::Relaxed)
-            .max(self.reported_inflight.load(Ordering::Relaxed))
+        self.inflight.load(Ordering::Relaxed).max(self.reported().0)
+    }
+
+    /// The peer's report (in flight, pending prefill bytes): its last beacon's while that is
+    /// fresh, else its gossiped record's.
+    fn reported(&self) -> (u64, u64) {
+        let at = self.beacon_at_ms.load(Ordering::Relaxed);
+        if at != 0
+            && mono_ms().saturating_sub(at) <= kvmesh_cluster::beacon::FRESH.as_millis() as u64
+        {
+            (
+                self.beacon_inflight.load(Ordering::Relaxed),
+                self.beacon_pending.load(Ordering::Relaxed),
+            )
+        } else {
+            (
+                self.reported_inflight.load(Ordering::Relaxed),
+                self.reported_pending.load(Ordering::Relaxed),
+            )
+        }
     }
 
     /// Folds one observed time to first byte into the engine's estimate (weight 1/5; a stale
@@ -183,7 +209,7 @@ impl Engine {
     pub fn pending_prefill(&self) -> u64 {
         self.pending_prefill
             .load(Ordering::Relaxed)
-            .max(self.reported_pending.load(Ordering::Relaxed))
+            .max(self.reported().1)
     }
 
     /// Requests this proxy has in flight on the engine.
@@ -502,6 +528,23 @@ impl Fleet {
         self.engines.store(Arc::new(next));
         tracing::info!(peer = %p.node_id, addr = %p.addr, via_peer = p.via_peer, "peer engine added");
         id
+    }
+
+    /// A peer's load beacon: its engine's load as the peer counts it now. Returns whether the
+    /// peer's engine is in the fleet.
+    pub fn peer_load(&self, node_id: &str, load: kvmesh_cluster::Load) -> bool {
+        let engines = self.engines.load();
+        let Some(e) = engines
+            .iter()
+            .find(|e| e.peer.as_ref().is_some_and(|l| l.node_id == node_id))
+        else {
+            return false;
+        };
+        e.beacon_inflight.store(load.inflight, Ordering::Relaxed);
+        e.beacon_pending
+            .store(load.pending_prefill_bytes, Ordering::Relaxed);
+        e.beacon_at_ms.store(mono_ms().max(1), Ordering::Relaxed);
+        true
     }
 
     /// Whether the fleet holds `node_id`'s engine at a URL other than `url`.
@@ -865,5 +908,48 @@ mod tests {
         f.remove_peer("c");
         assert!(f.get(id).is_none());
         assert_ne!(f.upsert_peer(&peer), id, "a returning peer gets a fresh id");
+    }
+
+    /// A beacon's load stands for the peer's report while fresh, whatever older records gossip
+    /// says meanwhile; once beacons stop, the latest record's load counts again. An unknown
+    /// peer's beacon changes nothing.
+    #[test]
+    fn a_beacon_load_stands_against_older_gossiped_records() {
+        let f = fleet();
+        let mut peer = PeerEngine {
+            node_id: "c".into(),
+            addr: "127.0.0.1:3".parse().unwrap(),
+            url: "http://127.0.0.1:3".into(),
+            via_peer: true,
+            models: vec!["m".into()],
+            ready: true,
+            inflight: 7,
+            pending_prefill_bytes: 700,
+        };
+        let id = f.upsert_peer(&peer);
+        let e = f.get(id).unwrap();
+        peer.inflight = 1;
+        f.upsert_peer(&peer);
+        assert_eq!(e.inflight(), 1, "without beacons the record sets the load");
+        let load = kvmesh_cluster::Load {
+            inflight: 4,
+            pending_prefill_bytes: 90_000,
+        };
+        assert!(f.peer_load("c", load));
+        assert!(!f.peer_load("nobody", load));
+        assert_eq!((e.inflight(), e.pending_prefill()), (4, 90_000));
+        peer.inflight = 2;
+        f.upsert_peer(&peer);
+        assert_eq!(
+            (e.inflight(), e.pending_prefill()),
+            (4, 90_000),
+            "an older record overrode a fresh beacon"
+        );
+        std::thread::sleep(kvmesh_cluster::beacon::FRESH + Duration::from_millis(50));
+        assert_eq!(
+            (e.inflight(), e.pending_prefill()),
+            (2, 700),
+            "beacons stopped: the latest record counts"
+        );
     }
 }

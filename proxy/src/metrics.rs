@@ -56,6 +56,8 @@ pub struct Metrics {
     pub gossip_restarts: IntCounter,
     /// Bulk state transfers, by result (`pulled`, `pull_failed`, `served`, `refused`).
     pub gossip_bulk: IntCounterVec,
+    /// Load beacons, by result (`sent`, `received`, `refused`, `unknown`).
+    pub gossip_beacons: IntCounterVec,
     /// Peer records refused, by reason (`url`, `network`, `probe`, `over_cap`).
     pub gossip_peers_refused: IntCounterVec,
     /// Requests of token-mode models routed without a token chain, by reason.
@@ -229,6 +231,13 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let gossip_beacons = IntCounterVec::new(
+            Opts::new(
+                "kvmesh_gossip_load_beacons_total",
+                "Load beacons sent to peers, taken from peers, refused, or from unknown nodes, by result",
+            ),
+            &["result"],
+        )?;
         let token_mode_fallbacks = IntCounterVec::new(
             Opts::new(
                 "kvmesh_token_mode_fallbacks_total",
@@ -287,6 +296,7 @@ impl Metrics {
         registry.register(Box::new(gossip_dropped.clone()))?;
         registry.register(Box::new(gossip_restarts.clone()))?;
         registry.register(Box::new(gossip_bulk.clone()))?;
+        registry.register(Box::new(gossip_beacons.clone()))?;
         registry.register(Box::new(token_mode_fallbacks.clone()))?;
         registry.register(Box::new(tokenize_seconds.clone()))?;
         registry.register(Box::new(engine_feed.clone()))?;
@@ -377,6 +387,7 @@ impl Metrics {
             gossip_dropped,
             gossip_restarts,
             gossip_bulk,
+            gossip_beacons,
             token_mode_fallbacks,
             tokenize_seconds,
             engine_feed,

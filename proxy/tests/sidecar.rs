@@ -395,6 +395,83 @@ fn with_home_placement_a_new_prefix_meets_on_one_engine_before_gossip() {
     );
 }
 
+// Load beacons: with gossip rounds 2 s apart, a learns that b's engine has a long prefill
+// queued, and that it drained, within 1 s each, which the gossiped record alone does only by
+// chance (b's publication tick, a round and a's sync tick falling within that second, about 2%
+// of the time): the beacon carries it.
+#[test]
+fn a_peer_sees_a_sidecars_prefill_queue_by_its_load_beacons_between_gossip_rounds() {
+    let sim_a = Sim::start("engine-a", &["--instant"]);
+    let sim_b = Sim::start("engine-b", &["--prefill-us-per-token", "1000"]);
+    let seed = udp_port();
+    let start = |name: &str, gossip: u16, engine: SocketAddr| {
+        let port = free_port();
+        let toml = sidecar_toml(
+            name,
+            "127.0.0.1",
+            port,
+            gossip,
+            &format!("127.0.0.1:{seed}"),
+            engine,
+            "",
+            "",
+        )
+        .replace("gossip_interval_ms = 100", "gossip_interval_ms = 2000");
+        Proxy::start_with(&toml, port, true)
+    };
+    let a = start("a", seed, sim_a.addr);
+    let b = start("b", udp_port(), sim_b.addr);
+    wait_for("a and b admit each other", 60, || {
+        [&a, &b].iter().all(|p| {
+            p.metric("kvmesh_gossip_peers") == 1.0 && p.metric("kvmesh_engine_healthy") == 2.0
+        })
+    });
+    let pending_of_b = || pending_prefill(&a, "b");
+    let within_a_second = |what: &str, ok: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while !ok() {
+            assert!(Instant::now() < deadline, "not within 1 s: {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    assert_eq!(pending_of_b(), 0.0);
+    let b_addr = b.addr;
+    // About 5,000 tokens: 5 s of prefill on b's engine.
+    let slow = std::thread::spawn(move || {
+        post(
+            b_addr,
+            CHAT,
+            &chat_body("sim-model", &text(900, 20_000), ""),
+        )
+        .status
+    });
+    wait_for("b dispatches the prompt", 5, || {
+        pending_prefill(&b, "engine-b") > 10_000.0
+    });
+    within_a_second("a sees b's queued prefill", &|| pending_of_b() > 10_000.0);
+    wait_for("b's engine answers", 10, || {
+        pending_prefill(&b, "engine-b") == 0.0
+    });
+    within_a_second("a sees b's prefill drained", &|| pending_of_b() == 0.0);
+    assert_eq!(slow.join().unwrap(), 200);
+    // The counters are exported once per gossip round.
+    wait_for("the beacon counters", 5, || {
+        a.metric("kvmesh_gossip_load_beacons_total{result=\"received\"}") > 0.0
+            && b.metric("kvmesh_gossip_load_beacons_total{result=\"sent\"}") > 0.0
+    });
+    assert_eq!(
+        a.metric("kvmesh_gossip_load_beacons_total{result=\"refused\"}"),
+        0.0
+    );
+}
+
+/// The pending prefill bytes `p` counts for `engine`.
+fn pending_prefill(p: &Proxy, engine: &str) -> f64 {
+    p.metric(&format!(
+        "kvmesh_engine_pending_prefill_bytes{{engine=\"{engine}\"}}"
+    ))
+}
+
 #[test]
 fn sidecar_mode_without_gossip_is_refused() {
     // Sidecar mode without gossip is refused at start with a message naming the key.
