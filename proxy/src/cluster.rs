@@ -483,28 +483,20 @@ impl BackgroundService for ClusterService {
                 bulk.served(),
                 bulk.refused(),
             ];
-            for (i, result) in ["pulled", "pull_failed", "served", "refused"]
-                .iter()
-                .enumerate()
-            {
-                self.metrics
-                    .gossip_bulk
-                    .with_label_values(&[result])
-                    .inc_by(bulk_now[i] - bulk_seen[i]);
-            }
-            bulk_seen = bulk_now;
+            count_since(
+                &self.metrics.gossip_bulk,
+                ["pulled", "pull_failed", "served", "refused"],
+                bulk_now,
+                &mut bulk_seen,
+            );
             let b = beacon.stats();
             let beacons_now = [b.sent(), b.received(), b.refused(), b.unknown()];
-            for (i, result) in ["sent", "received", "refused", "unknown"]
-                .iter()
-                .enumerate()
-            {
-                self.metrics
-                    .gossip_beacons
-                    .with_label_values(&[result])
-                    .inc_by(beacons_now[i] - beacons_seen[i]);
-            }
-            beacons_seen = beacons_now;
+            count_since(
+                &self.metrics.gossip_beacons,
+                ["sent", "received", "refused", "unknown"],
+                beacons_now,
+                &mut beacons_seen,
+            );
             for (i, reason) in Rejection::ALL.iter().enumerate() {
                 let n = stats.rejected(*reason);
                 self.metrics
@@ -528,6 +520,22 @@ impl BackgroundService for ClusterService {
         }
         cluster.shutdown().await;
     }
+}
+
+/// Adds to `counter`, per label, what the totals `now` grew by since `seen`, which then holds
+/// them (the cluster keeps running totals; the metrics count from the proxy's start).
+fn count_since<const N: usize>(
+    counter: &prometheus::IntCounterVec,
+    labels: [&str; N],
+    now: [u64; N],
+    seen: &mut [u64; N],
+) {
+    for (i, label) in labels.iter().enumerate() {
+        counter
+            .with_label_values(&[label])
+            .inc_by(now[i].saturating_sub(seen[i]));
+    }
+    *seen = now;
 }
 
 /// Sends the local engine's load to peers whenever it changed, at most once per `every`, and

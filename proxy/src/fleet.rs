@@ -877,19 +877,24 @@ mod tests {
         );
     }
 
-    #[test]
-    fn peers_come_and_go_and_a_refusing_peer_stays_down() {
-        let f = fleet();
-        let peer = PeerEngine {
+    /// Peer `c`, through its proxy at 127.0.0.1:3, serving `m`, with the load given.
+    fn peer_c(inflight: u64, pending_prefill_bytes: u64) -> PeerEngine {
+        PeerEngine {
             node_id: "c".into(),
             addr: "127.0.0.1:3".parse().unwrap(),
             url: "http://127.0.0.1:3".into(),
             via_peer: true,
             models: vec!["m".into()],
             ready: true,
-            inflight: 7,
-            pending_prefill_bytes: 0,
-        };
+            inflight,
+            pending_prefill_bytes,
+        }
+    }
+
+    #[test]
+    fn peers_come_and_go_and_a_refusing_peer_stays_down() {
+        let f = fleet();
+        let peer = peer_c(7, 0);
         let id = f.upsert_peer(&peer);
         assert_eq!(id, NodeId(2));
         assert_eq!(f.candidates("m", false).unwrap().len(), 1);
@@ -916,16 +921,7 @@ mod tests {
     #[test]
     fn a_beacon_load_stands_against_older_gossiped_records() {
         let f = fleet();
-        let mut peer = PeerEngine {
-            node_id: "c".into(),
-            addr: "127.0.0.1:3".parse().unwrap(),
-            url: "http://127.0.0.1:3".into(),
-            via_peer: true,
-            models: vec!["m".into()],
-            ready: true,
-            inflight: 7,
-            pending_prefill_bytes: 700,
-        };
+        let mut peer = peer_c(7, 700);
         let id = f.upsert_peer(&peer);
         let e = f.get(id).unwrap();
         peer.inflight = 1;
