@@ -336,6 +336,10 @@ pub struct SidecarConfig {
     /// with bounded loads), so that a busy home does not collect every new prefix. 0: the
     /// home, whatever its load.
     pub home_load_bound: f64,
+    /// With `cold_placement = "home"`: how many nodes, first in rendezvous order, a new prefix
+    /// may go to; the one with the lowest `prefix` cost (queued prefill, requests in flight)
+    /// takes it (1: the home alone). 1 to 16.
+    pub home_choices: usize,
 }
 
 /// Placement of requests whose prefix no node holds (`sidecar.cold_placement`).
@@ -358,6 +362,7 @@ impl Default for SidecarConfig {
             peer_down_secs: 5,
             cold_placement: ColdPlacement::Local,
             home_load_bound: 1.25,
+            home_choices: 1,
         }
     }
 }
@@ -1124,6 +1129,9 @@ impl ProxyConfig {
         if !(bound == 0.0 || (1.0..=100.0).contains(&bound)) {
             p.push("`sidecar.home_load_bound` must be 0 (off) or between 1 and 100".into());
         }
+        if !(1..=16).contains(&self.sidecar.home_choices) {
+            p.push("`sidecar.home_choices` must be between 1 and 16".into());
+        }
         if self.sidecar.accept_hop_from == HopTrust::ClusterCert {
             if t.client_ca_file.is_empty() {
                 p.push("`sidecar.accept_hop_from = \"cluster_cert\"` needs `tls.client_ca_file` (the cluster CA)".into());
@@ -1742,6 +1750,8 @@ mod tests {
             ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkv_events = \"tcp://h:1\"", "exactly one model"),
             ("[[tokenizers]]\nmodel = \"m\"\ngguf = \"m.gguf\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nmodels = [\"m\"]\nkv_events = \"tcp://h:1\"\nkvagent = \"http://h:2\"", "not both"),
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkv_events_topic = \"t\"", "`kv_events_topic` is set without `kv_events`"),
+            ("[sidecar]\nhome_choices = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`sidecar.home_choices` must be between 1 and 16"),
+            ("[sidecar]\nhome_choices = 17\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`sidecar.home_choices` must be between 1 and 16"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {

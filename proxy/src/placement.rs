@@ -14,8 +14,8 @@ pub(crate) mod reason {
     pub(crate) const RANK: &str = "rank";
     /// A cold prefix sent to its rendezvous home on a peer.
     pub(crate) const HOME: &str = "home";
-    /// A cold prefix sent to a peer after its home and any before it in rendezvous order
-    /// (`sidecar.home_load_bound`).
+    /// A cold prefix sent to a peer other than its home: over `sidecar.home_load_bound`, or
+    /// another of its `sidecar.home_choices` was cheaper.
     pub(crate) const HOME_BOUNDED: &str = "home_bounded";
     /// Kept on the local engine.
     pub(crate) const LOCAL: &str = "local";
@@ -59,7 +59,7 @@ impl Gateway {
             self.live().cfg.sidecar.cold_placement,
             facts.chain.first(),
         ) {
-            if let Some((home, passed_over)) = self.cold_home(cands, first) {
+            if let Some((home, passed_over)) = self.cold_home(cands, first, facts) {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {
                     decision.order[..=pos].rotate_right(1);
                 }
@@ -96,16 +96,21 @@ impl Gateway {
 
     /// The rendezvous-hash home of a prefix among `cands`: the candidate maximising
     /// BLAKE3(first digest, node id). Node ids are cluster-wide, so every sidecar agrees. With
-    /// `sidecar.home_load_bound` set, candidates are taken in that order and the first whose
-    /// queued prefill is within the bound times the mean wins (bounded loads: sidecars whose
-    /// views of the load are alike still agree, and a busy home is passed over). Returns the
-    /// candidate, and whether the home was passed over for it.
+    /// `sidecar.home_choices` d > 1, the cheapest of the first d in that order (the `prefix`
+    /// cost: queued prefill and requests in flight) comes first: two-choice hashing, which
+    /// spreads load better than one choice while each prefix keeps the same few candidates
+    /// everywhere. With `sidecar.home_load_bound` set, candidates are then taken in
+    /// that order and the first whose queued prefill is within the bound times the mean wins
+    /// (bounded loads: a busy home is passed over). Sidecars whose views of the load are alike
+    /// still agree. Returns the candidate, and whether the home was passed over for it.
     fn cold_home(
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         first: &Digest,
+        facts: &RequestFacts,
     ) -> Option<(usize, bool)> {
-        let own = self.live().cfg.node_id();
+        let live = self.live();
+        let own = live.cfg.node_id();
         let weight = |c: &kvmesh_filters::route::Candidate| {
             let engine = self.fleet.get(c.node)?;
             let id = engine
@@ -125,12 +130,35 @@ impl Gateway {
             .filter_map(|(i, c)| Some((i, weight(c)?)))
             .collect();
         ranked.sort_unstable_by_key(|&(_, w)| std::cmp::Reverse(w));
+        let costs: Vec<u64> = ranked
+            .iter()
+            .map(|&(i, _)| {
+                kvmesh_filters::route::prefix_cost(&cands[i], &facts.size, live.router.params())
+            })
+            .collect();
+        let choice = cheapest_of_first(&costs, live.cfg.sidecar.home_choices);
+        // `ranked` is empty when every candidate left the fleet meanwhile.
+        if let Some(head) = ranked.get_mut(..=choice) {
+            head.rotate_right(1);
+        }
         let loads: Vec<u64> = ranked
             .iter()
             .map(|&(i, _)| cands[i].pending_prefill_bytes)
             .collect();
-        bounded_first(&loads, self.live().cfg.sidecar.home_load_bound).map(|k| (ranked[k].0, k > 0))
+        bounded_first(&loads, live.cfg.sidecar.home_load_bound)
+            .map(|k| (ranked[k].0, choice > 0 || k > 0))
     }
+}
+
+/// The position of the cheapest of the first `d` of `costs` (the earlier on a tie; 0 when
+/// `costs` is empty or `d` is 0 or 1).
+fn cheapest_of_first(costs: &[u64], d: usize) -> usize {
+    costs
+        .iter()
+        .take(d.max(1))
+        .enumerate()
+        .min_by_key(|&(k, &c)| (c, k))
+        .map_or(0, |(k, _)| k)
 }
 
 /// Of `loads` in preference order, the first within `bound` times their mean (`bound` 0: the
@@ -151,7 +179,143 @@ fn bounded_first(loads: &[u64], bound: f64) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::bounded_first;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use kvmesh_filters::chain::{text_chain_capped, Namespace};
+    use kvmesh_filters::residency::ResidencyIndex;
+    use kvmesh_filters::route::PromptSize;
+
+    use super::{bounded_first, cheapest_of_first};
+    use crate::config::{ColdPlacement, EngineAddr, Mode, ProxyConfig};
+    use crate::fleet::{Fleet, PeerEngine};
+    use crate::metrics::Metrics;
+    use crate::plan::RequestFacts;
+    use crate::service::Gateway;
+
+    /// A sidecar over `fleet` placing cold prefixes at home with `choices` and no load bound.
+    fn sidecar(fleet: &Arc<Fleet>, choices: usize) -> Gateway {
+        let mut cfg = ProxyConfig {
+            mode: Mode::Sidecar,
+            ..ProxyConfig::default()
+        };
+        cfg.sidecar.cold_placement = ColdPlacement::Home;
+        cfg.sidecar.home_load_bound = 0.0;
+        cfg.sidecar.home_choices = choices;
+        let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
+        Gateway::new(
+            cfg,
+            fleet.clone(),
+            index,
+            Arc::new(Metrics::new().unwrap()),
+            Arc::new(crate::tls::UpstreamTls::from_config(&Default::default()).unwrap()),
+        )
+        .unwrap()
+    }
+
+    fn peer(name: &str, port: u16, pending_prefill_bytes: u64) -> PeerEngine {
+        PeerEngine {
+            node_id: name.into(),
+            addr: format!("127.0.0.1:{port}").parse().unwrap(),
+            url: format!("http://127.0.0.1:{port}"),
+            via_peer: true,
+            models: vec!["m".into()],
+            ready: true,
+            inflight: 0,
+            pending_prefill_bytes,
+        }
+    }
+
+    fn facts(prompt: &str) -> RequestFacts {
+        RequestFacts {
+            model: "m".into(),
+            chain: text_chain_capped(&Namespace::new("m", b""), prompt.as_bytes(), 256, 64),
+            size: PromptSize {
+                total_bytes: prompt.len(),
+                block_bytes: 256,
+            },
+            ..RequestFacts::default()
+        }
+    }
+
+    /// Where `gw` sends a cold `prompt` first: the engine's name.
+    fn placed(gw: &Gateway, prompt: &str) -> String {
+        let ranking = gw.rank(&facts(prompt)).unwrap();
+        let first = ranking.ordered().next().unwrap().node;
+        gw.fleet.get(first).unwrap().name.clone()
+    }
+
+    /// With two choices a cold prefix goes to the cheaper of its first two rendezvous nodes,
+    /// never further: the home while it is the cheaper, its second choice when the home is
+    /// busier, and the home again when the second is busier still, however idle the rest.
+    #[test]
+    fn a_cold_prefix_goes_to_the_cheaper_of_its_two_first_rendezvous_nodes() {
+        let local = EngineAddr {
+            name: "local".into(),
+            url: "http://127.0.0.1:1".into(),
+            addr: "127.0.0.1:1".parse().unwrap(),
+            models: vec!["m".into()],
+            unresolved: None,
+        };
+        let fleet = Fleet::new(vec![local], Duration::from_secs(5));
+        for e in fleet.engines().iter() {
+            e.mark_up();
+        }
+        let names = ["p1", "p2", "p3", "p4", "p5"];
+        let set_loads = |loads: &dyn Fn(&str) -> u64| {
+            for (i, n) in names.iter().enumerate() {
+                fleet.upsert_peer(&peer(n, 10 + i as u16, loads(n)));
+            }
+        };
+        set_loads(&|_| 0);
+        let (one, two) = (sidecar(&fleet, 1), sidecar(&fleet, 2));
+        let mut checked = 0;
+        for p in 0..20 {
+            let prompt = format!("{p} ").repeat(400);
+            let home = placed(&one, &prompt);
+            if home == "local" {
+                // The local engine's load is this proxy's own count: not set here.
+                continue;
+            }
+            assert_eq!(placed(&two, &prompt), home, "idle: ties go to the home");
+            set_loads(&|n| if n == home { 1 << 20 } else { 0 });
+            assert_eq!(
+                placed(&one, &prompt),
+                home,
+                "one choice: the home, however busy"
+            );
+            let second = placed(&two, &prompt);
+            assert_ne!(second, home, "a busy home is passed over");
+            if second == "local" {
+                set_loads(&|_| 0);
+                continue;
+            }
+            set_loads(&|n| match n {
+                n if n == home => 1 << 20,
+                n if n == second => 2 << 20,
+                _ => 0,
+            });
+            assert_eq!(placed(&two, &prompt), home, "never past the first two");
+            set_loads(&|_| 0);
+            checked += 1;
+        }
+        assert!(checked >= 5, "only {checked} prompts had a peer as home");
+    }
+
+    #[test]
+    fn the_cheapest_of_the_first_choices_comes_first() {
+        assert_eq!(cheapest_of_first(&[], 2), 0);
+        // One choice: the home, whatever its cost.
+        assert_eq!(cheapest_of_first(&[9, 1, 0], 1), 0);
+        assert_eq!(cheapest_of_first(&[9, 1, 0], 0), 0);
+        // Two: the cheaper of the first two, never the third.
+        assert_eq!(cheapest_of_first(&[9, 1, 0], 2), 1);
+        assert_eq!(cheapest_of_first(&[1, 9, 0], 2), 0);
+        // A tie keeps the earlier (every sidecar breaks it alike).
+        assert_eq!(cheapest_of_first(&[5, 5, 0], 2), 0);
+        // More choices than candidates: all of them.
+        assert_eq!(cheapest_of_first(&[9, 1, 0], 8), 2);
+    }
 
     #[test]
     fn bounded_first_passes_over_a_home_loaded_past_the_bound() {
