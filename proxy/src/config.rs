@@ -338,7 +338,7 @@ pub struct SidecarConfig {
     pub home_load_bound: f64,
     /// With `cold_placement = "home"`: how many nodes, first in rendezvous order, a new prefix
     /// may go to; the one with the lowest `prefix` cost (queued prefill, requests in flight)
-    /// takes it (1: the home alone). 1 to 16.
+    /// comes first, then `home_load_bound` applies (1: rendezvous order alone). 1 to 16.
     pub home_choices: usize,
 }
 

@@ -14,9 +14,11 @@ pub(crate) mod reason {
     pub(crate) const RANK: &str = "rank";
     /// A cold prefix sent to its rendezvous home on a peer.
     pub(crate) const HOME: &str = "home";
-    /// A cold prefix sent to a peer other than its home: over `sidecar.home_load_bound`, or
-    /// another of its `sidecar.home_choices` was cheaper.
+    /// A cold prefix sent to a peer after its home and any before it in the order
+    /// `sidecar.home_choices` left (`sidecar.home_load_bound`).
     pub(crate) const HOME_BOUNDED: &str = "home_bounded";
+    /// A cold prefix sent to a peer cheaper than its home among its `sidecar.home_choices`.
+    pub(crate) const HOME_CHOICE: &str = "home_choice";
     /// Kept on the local engine.
     pub(crate) const LOCAL: &str = "local";
     /// The local engine is down: the best peer takes it.
@@ -26,10 +28,11 @@ pub(crate) mod reason {
     /// A retry to another engine after the first attempt failed.
     pub(crate) const FAILOVER: &str = "failover";
     /// Every reason, to remove a departed peer's series.
-    pub(crate) const ALL: [&str; 7] = [
+    pub(crate) const ALL: [&str; 8] = [
         RANK,
         HOME,
         HOME_BOUNDED,
+        HOME_CHOICE,
         LOCAL,
         LOCAL_DOWN,
         PREFIX_SAVING,
@@ -59,15 +62,11 @@ impl Gateway {
             self.live().cfg.sidecar.cold_placement,
             facts.chain.first(),
         ) {
-            if let Some((home, passed_over)) = self.cold_home(cands, first, facts) {
+            if let Some((home, why)) = self.cold_home(cands, first, facts) {
                 if let Some(pos) = decision.order.iter().position(|&i| i == home) {
                     decision.order[..=pos].rotate_right(1);
                 }
-                return match (is_local(home), passed_over) {
-                    (true, _) => reason::LOCAL,
-                    (false, false) => reason::HOME,
-                    (false, true) => reason::HOME_BOUNDED,
-                };
+                return if is_local(home) { reason::LOCAL } else { why };
             }
         }
         let Some(&first) = decision.order.first() else {
@@ -102,13 +101,14 @@ impl Gateway {
     /// everywhere. With `sidecar.home_load_bound` set, candidates are then taken in
     /// that order and the first whose queued prefill is within the bound times the mean wins
     /// (bounded loads: a busy home is passed over). Sidecars whose views of the load are alike
-    /// still agree. Returns the candidate, and whether the home was passed over for it.
+    /// still agree. Returns the candidate, and why it was chosen ([`reason::HOME`],
+    /// [`reason::HOME_CHOICE`] or [`reason::HOME_BOUNDED`]).
     fn cold_home(
         &self,
         cands: &[kvmesh_filters::route::Candidate],
         first: &Digest,
         facts: &RequestFacts,
-    ) -> Option<(usize, bool)> {
+    ) -> Option<(usize, &'static str)> {
         let live = self.live();
         let own = live.cfg.node_id();
         let weight = |c: &kvmesh_filters::route::Candidate| {
@@ -130,13 +130,16 @@ impl Gateway {
             .filter_map(|(i, c)| Some((i, weight(c)?)))
             .collect();
         ranked.sort_unstable_by_key(|&(_, w)| std::cmp::Reverse(w));
+        let choices = live.cfg.sidecar.home_choices;
         let costs: Vec<u64> = ranked
             .iter()
+            .take(choices)
             .map(|&(i, _)| {
                 kvmesh_filters::route::prefix_cost(&cands[i], &facts.size, live.router.params())
             })
             .collect();
-        let choice = cheapest_of_first(&costs, live.cfg.sidecar.home_choices);
+        let choice = cheapest_of_first(&costs, choices);
+        let home = ranked.first().map(|&(i, _)| i);
         // `ranked` is empty when every candidate left the fleet meanwhile.
         if let Some(head) = ranked.get_mut(..=choice) {
             head.rotate_right(1);
@@ -145,13 +148,21 @@ impl Gateway {
             .iter()
             .map(|&(i, _)| cands[i].pending_prefill_bytes)
             .collect();
-        bounded_first(&loads, live.cfg.sidecar.home_load_bound)
-            .map(|k| (ranked[k].0, choice > 0 || k > 0))
+        // The bound judges queued prefill alone, so it may pass over the cheaper choice (busy
+        // with prefill, idle otherwise) and come back to the home.
+        let k = bounded_first(&loads, live.cfg.sidecar.home_load_bound)?;
+        let chosen = ranked[k].0;
+        let why = match (Some(chosen) == home, k) {
+            (true, _) => reason::HOME,
+            (false, 0) => reason::HOME_CHOICE,
+            (false, _) => reason::HOME_BOUNDED,
+        };
+        Some((chosen, why))
     }
 }
 
-/// The position of the cheapest of the first `d` of `costs` (the earlier on a tie; 0 when
-/// `costs` is empty or `d` is 0 or 1).
+/// The position of the cheapest of the first `d` of `costs` (the earlier on a tie, so that
+/// every sidecar breaks it alike; 0 when `costs` is empty or `d` is 0 or 1).
 fn cheapest_of_first(costs: &[u64], d: usize) -> usize {
     costs
         .iter()
@@ -193,14 +204,14 @@ mod tests {
     use crate::plan::RequestFacts;
     use crate::service::Gateway;
 
-    /// A sidecar over `fleet` placing cold prefixes at home with `choices` and no load bound.
-    fn sidecar(fleet: &Arc<Fleet>, choices: usize) -> Gateway {
+    /// A sidecar over `fleet` placing cold prefixes at home with `choices` and `bound`.
+    fn sidecar(fleet: &Arc<Fleet>, choices: usize, bound: f64) -> Gateway {
         let mut cfg = ProxyConfig {
             mode: Mode::Sidecar,
             ..ProxyConfig::default()
         };
         cfg.sidecar.cold_placement = ColdPlacement::Home;
-        cfg.sidecar.home_load_bound = 0.0;
+        cfg.sidecar.home_load_bound = bound;
         cfg.sidecar.home_choices = choices;
         let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
         Gateway::new(
@@ -213,7 +224,7 @@ mod tests {
         .unwrap()
     }
 
-    fn peer(name: &str, port: u16, pending_prefill_bytes: u64) -> PeerEngine {
+    fn peer(name: &str, port: u16, (inflight, pending_prefill_bytes): (u64, u64)) -> PeerEngine {
         PeerEngine {
             node_id: name.into(),
             addr: format!("127.0.0.1:{port}").parse().unwrap(),
@@ -221,7 +232,7 @@ mod tests {
             via_peer: true,
             models: vec!["m".into()],
             ready: true,
-            inflight: 0,
+            inflight,
             pending_prefill_bytes,
         }
     }
@@ -238,18 +249,24 @@ mod tests {
         }
     }
 
-    /// Where `gw` sends a cold `prompt` first: the engine's name.
-    fn placed(gw: &Gateway, prompt: &str) -> String {
+    /// Where `gw` sends a cold `prompt` first (the engine's name), and why.
+    fn placed(gw: &Gateway, prompt: &str) -> (String, &'static str) {
         let ranking = gw.rank(&facts(prompt)).unwrap();
         let first = ranking.ordered().next().unwrap().node;
-        gw.fleet.get(first).unwrap().name.clone()
+        (
+            gw.fleet.get(first).unwrap().name.clone(),
+            ranking.forward_reason,
+        )
     }
 
     /// With two choices a cold prefix goes to the cheaper of its first two rendezvous nodes,
     /// never further: the home while it is the cheaper, its second choice when the home is
-    /// busier, and the home again when the second is busier still, however idle the rest.
+    /// busier, and the home again when the second is busier still, however idle the rest. The
+    /// bound, which counts queued prefill alone, may send it back from a cheaper second choice
+    /// to the home: that is the home's (`home`), not a pass over it.
     #[test]
     fn a_cold_prefix_goes_to_the_cheaper_of_its_two_first_rendezvous_nodes() {
+        use super::reason::{HOME, HOME_CHOICE};
         let local = EngineAddr {
             name: "local".into(),
             url: "http://127.0.0.1:1".into(),
@@ -262,44 +279,70 @@ mod tests {
             e.mark_up();
         }
         let names = ["p1", "p2", "p3", "p4", "p5"];
-        let set_loads = |loads: &dyn Fn(&str) -> u64| {
+        let set_loads = |loads: &dyn Fn(&str) -> (u64, u64)| {
             for (i, n) in names.iter().enumerate() {
                 fleet.upsert_peer(&peer(n, 10 + i as u16, loads(n)));
             }
         };
-        set_loads(&|_| 0);
-        let (one, two) = (sidecar(&fleet, 1), sidecar(&fleet, 2));
+        set_loads(&|_| (0, 0));
+        let (one, two, bounded) = (
+            sidecar(&fleet, 1, 0.0),
+            sidecar(&fleet, 2, 0.0),
+            sidecar(&fleet, 2, 1.25),
+        );
         let mut checked = 0;
         for p in 0..20 {
             let prompt = format!("{p} ").repeat(400);
-            let home = placed(&one, &prompt);
+            let (home, why) = placed(&one, &prompt);
             if home == "local" {
                 // The local engine's load is this proxy's own count: not set here.
                 continue;
             }
-            assert_eq!(placed(&two, &prompt), home, "idle: ties go to the home");
-            set_loads(&|n| if n == home { 1 << 20 } else { 0 });
+            assert_eq!(why, HOME);
+            assert_eq!(
+                placed(&two, &prompt),
+                (home.clone(), HOME),
+                "idle: ties go to the home"
+            );
+            set_loads(&|n| if n == home { (0, 1 << 20) } else { (0, 0) });
             assert_eq!(
                 placed(&one, &prompt),
-                home,
-                "one choice: the home, however busy"
+                (home.clone(), HOME),
+                "one choice: the home"
             );
-            let second = placed(&two, &prompt);
+            let (second, why) = placed(&two, &prompt);
             assert_ne!(second, home, "a busy home is passed over");
             if second == "local" {
-                set_loads(&|_| 0);
+                set_loads(&|_| (0, 0));
                 continue;
             }
+            assert_eq!(why, HOME_CHOICE);
             set_loads(&|n| match n {
-                n if n == home => 1 << 20,
-                n if n == second => 2 << 20,
-                _ => 0,
+                n if n == home => (0, 1 << 20),
+                n if n == second => (0, 2 << 20),
+                _ => (0, 0),
             });
-            assert_eq!(placed(&two, &prompt), home, "never past the first two");
-            set_loads(&|_| 0);
+            assert_eq!(
+                placed(&two, &prompt),
+                (home.clone(), HOME),
+                "never past the first two"
+            );
+            // The home decodes (4 in flight, 1024 bytes of cost), the second has 600 bytes of
+            // prefill queued: the second is cheaper, but over 1.25x the mean queued prefill.
+            set_loads(&|n| match n {
+                n if n == home => (4, 0),
+                n if n == second => (0, 600),
+                _ => (0, 0),
+            });
+            assert_eq!(placed(&two, &prompt), (second.clone(), HOME_CHOICE));
+            assert_eq!(placed(&bounded, &prompt), (home.clone(), HOME));
+            set_loads(&|_| (0, 0));
             checked += 1;
         }
-        assert!(checked >= 5, "only {checked} prompts had a peer as home");
+        assert!(
+            checked >= 5,
+            "only {checked} prompts had peers as first choices"
+        );
     }
 
     #[test]

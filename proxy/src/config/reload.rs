@@ -29,6 +29,8 @@ pub const RELOADABLE: &[&str] = &[
     "upstream.max_attempts",
     "sidecar.forward_min_saving",
     "sidecar.cold_placement",
+    "sidecar.home_load_bound",
+    "sidecar.home_choices",
     "auth.keys",
     "admission.deadline_header",
     "admin.on_api_listener",
