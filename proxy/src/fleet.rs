@@ -750,6 +750,7 @@ impl Drop for Dispatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::engine_addr;
 
     /// An engine's `/v1/models` answer: ids kept in order, blank ones and non-strings dropped,
     /// anything that is not the list shape read as no models.
@@ -763,16 +764,6 @@ mod tests {
     }
 
     /// A resolved engine address serving `models`.
-    fn engine_addr(name: &str, url: &str, addr: &str, models: &[&str]) -> EngineAddr {
-        EngineAddr {
-            name: name.into(),
-            url: url.into(),
-            addr: addr.parse().unwrap(),
-            models: models.iter().map(|m| m.to_string()).collect(),
-            unresolved: None,
-        }
-    }
-
     fn fleet() -> Arc<Fleet> {
         Fleet::new(
             vec![
@@ -879,16 +870,7 @@ mod tests {
 
     /// Peer `c`, through its proxy at 127.0.0.1:3, serving `m`, with the load given.
     fn peer_c(inflight: u64, pending_prefill_bytes: u64) -> PeerEngine {
-        PeerEngine {
-            node_id: "c".into(),
-            addr: "127.0.0.1:3".parse().unwrap(),
-            url: "http://127.0.0.1:3".into(),
-            via_peer: true,
-            models: vec!["m".into()],
-            ready: true,
-            inflight,
-            pending_prefill_bytes,
-        }
+        crate::testing::peer_engine("c", 3, inflight, pending_prefill_bytes)
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub mod placement;
 pub mod plan;
 pub mod reload;
 pub mod service;
+#[cfg(test)]
+mod testing;
 pub mod tls;
 pub mod tokens;
 pub mod trust;

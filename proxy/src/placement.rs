@@ -194,15 +194,14 @@ mod tests {
     use std::time::Duration;
 
     use kvmesh_filters::chain::{text_chain_capped, Namespace};
-    use kvmesh_filters::residency::ResidencyIndex;
     use kvmesh_filters::route::PromptSize;
 
     use super::{bounded_first, cheapest_of_first};
-    use crate::config::{ColdPlacement, EngineAddr, Mode, ProxyConfig};
-    use crate::fleet::{Fleet, PeerEngine};
-    use crate::metrics::Metrics;
+    use crate::config::{ColdPlacement, Mode, ProxyConfig};
+    use crate::fleet::Fleet;
     use crate::plan::RequestFacts;
     use crate::service::Gateway;
+    use crate::testing::{engine_addr, gateway_over, peer_engine};
 
     /// A sidecar over `fleet` placing cold prefixes at home with `choices` and `bound`.
     fn sidecar(fleet: &Arc<Fleet>, choices: usize, bound: f64) -> Gateway {
@@ -213,28 +212,7 @@ mod tests {
         cfg.sidecar.cold_placement = ColdPlacement::Home;
         cfg.sidecar.home_load_bound = bound;
         cfg.sidecar.home_choices = choices;
-        let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
-        Gateway::new(
-            cfg,
-            fleet.clone(),
-            index,
-            Arc::new(Metrics::new().unwrap()),
-            Arc::new(crate::tls::UpstreamTls::from_config(&Default::default()).unwrap()),
-        )
-        .unwrap()
-    }
-
-    fn peer(name: &str, port: u16, (inflight, pending_prefill_bytes): (u64, u64)) -> PeerEngine {
-        PeerEngine {
-            node_id: name.into(),
-            addr: format!("127.0.0.1:{port}").parse().unwrap(),
-            url: format!("http://127.0.0.1:{port}"),
-            via_peer: true,
-            models: vec!["m".into()],
-            ready: true,
-            inflight,
-            pending_prefill_bytes,
-        }
+        gateway_over(cfg, fleet.clone())
     }
 
     fn facts(prompt: &str) -> RequestFacts {
@@ -267,13 +245,7 @@ mod tests {
     #[test]
     fn a_cold_prefix_goes_to_the_cheaper_of_its_two_first_rendezvous_nodes() {
         use super::reason::{HOME, HOME_CHOICE};
-        let local = EngineAddr {
-            name: "local".into(),
-            url: "http://127.0.0.1:1".into(),
-            addr: "127.0.0.1:1".parse().unwrap(),
-            models: vec!["m".into()],
-            unresolved: None,
-        };
+        let local = engine_addr("local", "http://127.0.0.1:1", "127.0.0.1:1", &["m"]);
         let fleet = Fleet::new(vec![local], Duration::from_secs(5));
         for e in fleet.engines().iter() {
             e.mark_up();
@@ -281,7 +253,8 @@ mod tests {
         let names = ["p1", "p2", "p3", "p4", "p5"];
         let set_loads = |loads: &dyn Fn(&str) -> (u64, u64)| {
             for (i, n) in names.iter().enumerate() {
-                fleet.upsert_peer(&peer(n, 10 + i as u16, loads(n)));
+                let (inflight, pending) = loads(n);
+                fleet.upsert_peer(&peer_engine(n, 10 + i as u16, inflight, pending));
             }
         };
         set_loads(&|_| (0, 0));

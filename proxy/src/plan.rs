@@ -290,46 +290,33 @@ impl Gateway {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use kvmesh_filters::chain::{text_chain_capped, Namespace};
     use kvmesh_filters::error::ErrorKind;
-    use kvmesh_filters::residency::{NodeId, ResidencyIndex, Source};
+    use kvmesh_filters::residency::{NodeId, Source};
 
     use super::RequestFacts;
-    use crate::config::{EngineAddr, ProxyConfig};
-    use crate::fleet::{Fleet, PeerEngine};
-    use crate::metrics::Metrics;
+    use crate::config::ProxyConfig;
+    use crate::fleet::Fleet;
     use crate::service::Gateway;
+    use crate::testing::{engine_addr, gateway_over, peer_engine};
 
     /// A gateway over three healthy engines serving `m`, with the default configuration.
     fn gateway() -> Gateway {
-        let cfg = ProxyConfig::default();
         let addrs = ["a", "b", "c"]
             .iter()
             .enumerate()
-            .map(|(i, name)| EngineAddr {
-                name: name.to_string(),
-                url: format!("http://127.0.0.1:{}", i + 1),
-                addr: format!("127.0.0.1:{}", i + 1).parse().unwrap(),
-                models: vec!["m".into()],
-                unresolved: None,
+            .map(|(i, name)| {
+                let addr = format!("127.0.0.1:{}", i + 1);
+                engine_addr(name, &format!("http://{addr}"), &addr, &["m"])
             })
             .collect();
         let fleet = Fleet::new(addrs, Duration::from_secs(5));
         for e in fleet.engines().iter() {
             e.mark_up();
         }
-        let index = Arc::new(ResidencyIndex::new(cfg.residency_config()));
-        Gateway::new(
-            cfg,
-            fleet,
-            index,
-            Arc::new(Metrics::new().unwrap()),
-            Arc::new(crate::tls::UpstreamTls::from_config(&Default::default()).unwrap()),
-        )
-        .unwrap()
+        gateway_over(ProxyConfig::default(), fleet)
     }
 
     /// Facts for a long shared prompt to `model`.
@@ -377,16 +364,7 @@ mod tests {
     #[test]
     fn a_hop_is_ranked_over_local_engines_only() {
         let gw = gateway();
-        let peer = gw.fleet.upsert_peer(&PeerEngine {
-            node_id: "peer".into(),
-            addr: "127.0.0.1:9".parse().unwrap(),
-            url: "http://127.0.0.1:9".into(),
-            via_peer: true,
-            models: vec!["m".into()],
-            ready: true,
-            inflight: 0,
-            pending_prefill_bytes: 0,
-        });
+        let peer = gw.fleet.upsert_peer(&peer_engine("peer", 9, 0, 0));
         let mut facts = facts(&gw, "m");
         gw.index
             .record(peer, &facts.chain, Source::Optimistic, Instant::now());
