@@ -159,6 +159,14 @@ impl BulkStats {
     }
 }
 
+/// What transfer frames authenticate beside their header, in place of gossip's cluster id
+/// (what a [`Sealer`] or [`Opener`] for them is made with): the cluster id and a label of
+/// their own, so that a transfer frame captured on TCP cannot pass as gossip over UDP, nor
+/// the other way round (the two share keys and frame format).
+pub fn transfer_domain(cluster_id: &str) -> String {
+    format!("{cluster_id}\0kvmesh-bulk-transfer")
+}
+
 /// What a server and a client need of the node.
 #[derive(Clone)]
 pub(crate) struct Endpoint {
@@ -171,18 +179,22 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
+    fn domain(&self) -> String {
+        transfer_domain(&self.cluster_id)
+    }
+
     fn sealer(&self) -> Option<Sealer> {
         let keyring = self.security.keyring.clone()?;
         self.security
             .encrypt_outgoing
-            .then(|| Sealer::new(keyring, &self.cluster_id))
+            .then(|| Sealer::new(keyring, &self.domain()))
     }
 
     fn opener(&self, own: Vec<SocketAddr>) -> Option<Opener> {
         let keyring = self.security.keyring.clone()?;
         Some(Opener::new(
             keyring,
-            &self.cluster_id,
+            &self.domain(),
             own,
             self.security.max_clock_skew,
             1,
@@ -599,6 +611,43 @@ mod tests {
         c.push(u8::from(last));
         c.extend_from_slice(data);
         c
+    }
+
+    /// Transfer frames and gossip share keys and frame format but not what they authenticate:
+    /// a transfer request captured on TCP and sent as a gossip datagram (or a gossip frame
+    /// sent to the transfer port) opens nowhere but where it belongs.
+    #[test]
+    fn transfer_frames_and_gossip_frames_do_not_open_as_each_other() {
+        use crate::seal::Keyring;
+        use base64::Engine as _;
+        let key = base64::engine::general_purpose::STANDARD.encode([9u8; 32]);
+        let ring = || Keyring::from_base64(&[key.as_str()]).expect("a valid key");
+        let ep = Endpoint {
+            security: GossipSecurity::sealed(ring()),
+            cluster_id: "c".into(),
+            stats: Arc::new(BulkStats::default()),
+            gossip_stats: Arc::new(crate::GossipStats::default()),
+            max_bytes: 1 << 20,
+        };
+        let to: SocketAddr = "10.0.0.4:7946".parse().unwrap();
+        let from: SocketAddr = "10.0.0.1:7946".parse().unwrap();
+        let mut request = MAGIC.to_vec();
+        request.extend_from_slice(&[7u8; CHALLENGE_LEN]);
+        let transfer = ep.sealer().unwrap().seal(&request, to).remove(0);
+        let gossip = Sealer::new(ring(), "c").seal(b"gossip", to).remove(0);
+        let gossip_opener = || Opener::new(ring(), "c", vec![to], Duration::from_secs(60), 4);
+        assert_eq!(
+            gossip_opener().open(&transfer, from),
+            Err(Rejection::Forged)
+        );
+        let mut transfer_opener = ep.opener(vec![to]);
+        assert!(matches!(
+            ep.open(&mut transfer_opener, gossip, from),
+            Err(BulkError::Refused(Rejection::Forged))
+        ));
+        let mut transfer_opener = ep.opener(vec![to]);
+        let (opened, sealed) = ep.open(&mut transfer_opener, transfer, from).unwrap();
+        assert_eq!((opened, sealed), (request, true));
     }
 
     #[test]

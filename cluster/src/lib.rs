@@ -582,6 +582,9 @@ pub struct SyncReport {
     pub dropped: usize,
     /// Live peers ignored because `max_peers` were already tracked.
     pub over_cap: usize,
+    /// Live peers ignored because their record names another node than the one gossip says
+    /// published it.
+    pub misnamed: usize,
     /// Peers whose state came, wholly or partly, from a bulk transfer rather than gossip.
     pub from_bulk: usize,
 }
@@ -827,7 +830,11 @@ impl ResidencySync {
                 }
                 continue;
             };
-            if !record.has_engine() {
+            // A record naming another node than the one gossip says published it would let
+            // a key holder take over that node's fleet entry: such a peer is not used.
+            let misnamed = record.node_id != snap.node_id;
+            report.misnamed += usize::from(misnamed);
+            if misnamed || !record.has_engine() {
                 if let Some(p) = self.peers.remove(&snap.node_id) {
                     index.drop_node(p.node);
                     membership.remove(&snap.node_id, p.node);

@@ -399,9 +399,11 @@ pub struct Opener {
 }
 
 impl Opener {
-    /// An opener for a node reachable at `own` (its advertised and listen addresses; an
-    /// unspecified IP matches any IP on that port). `max_sessions` bounds the senders
-    /// remembered for replay checks.
+    /// An opener for a node reachable at `own` (its advertised and listen addresses, and for a
+    /// TCP connection the address it was accepted on). An unspecified IP (`0.0.0.0`, `::`)
+    /// matches nothing: taking it for any IP on its port would let a frame sealed for another
+    /// node on the same port be replayed here. `max_sessions` bounds the senders remembered
+    /// for replay checks.
     pub fn new(
         keyring: Keyring,
         cluster_id: &str,
@@ -422,13 +424,9 @@ impl Opener {
     }
 
     fn addressed_to_us(&self, dest: &[u8]) -> bool {
-        self.own.iter().any(|a| {
-            if a.ip().is_unspecified() {
-                dest[16..] == a.port().to_be_bytes()
-            } else {
-                dest == encode_addr(*a)
-            }
-        })
+        self.own
+            .iter()
+            .any(|a| !a.ip().is_unspecified() && dest == encode_addr(*a))
     }
 
     /// Opens one datagram that came from `from`. `Ok(Some(message))` when a whole message is
@@ -686,19 +684,32 @@ mod tests {
         assert!(o.open(&to_b, addr(A)).is_ok());
         assert!(o.open(&to_b2, addr(A)).is_ok());
         assert_eq!(o.open(&to_c, addr(A)), Err(Rejection::Misdirected));
-        // An unspecified listen address matches any IP on its port.
-        let mut any = Opener::new(
+    }
+
+    /// A node listening on `0.0.0.0:7946` and advertising `10.0.0.4:7946` takes only frames
+    /// sealed for the address it advertises: one captured on its way to another node on the
+    /// same port, replayed here from anywhere, is misdirected, and does not pin the sender's
+    /// session to the replaying host (the sender's own frames still open afterwards).
+    #[test]
+    fn an_unspecified_listen_address_takes_no_frame_sealed_for_another_node() {
+        let port = 7946;
+        let here = SocketAddr::from(([10, 0, 0, 4], port));
+        let mut o = Opener::new(
             ring(&[&key(7)]),
             "c",
-            vec![SocketAddr::from(([0, 0, 0, 0], B))],
+            vec![here, SocketAddr::from(([0, 0, 0, 0], port))],
             Duration::from_secs(60),
             4,
         );
-        let mut s2 = Sealer::new(ring(&[&key(7)]), "c");
-        let f = s2
-            .seal(b"x", SocketAddr::from(([10, 0, 0, 5], B)))
+        let mut a = Sealer::new(ring(&[&key(7)]), "c");
+        let to_other = a
+            .seal(b"to 10.0.0.2", SocketAddr::from(([10, 0, 0, 2], port)))
             .remove(0);
-        assert!(any.open(&f, addr(A)).is_ok());
+        let to_here = a.seal(b"to 10.0.0.4", here).remove(0);
+        let attacker = SocketAddr::from(([10, 0, 0, 66], 4000));
+        let sender = SocketAddr::from(([10, 0, 0, 1], port));
+        assert_eq!(o.open(&to_other, attacker), Err(Rejection::Misdirected));
+        assert_eq!(o.open(&to_here, sender), Ok(Some(b"to 10.0.0.4".to_vec())));
     }
 
     #[test]

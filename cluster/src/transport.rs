@@ -264,7 +264,12 @@ impl Shared {
         } else {
             datagram.to_vec()
         };
-        self.stats.heard_from(from.ip());
+        // Plaintext let in during a migration proves nothing about its sender: only
+        // authenticated datagrams (or any, where no key is set at all) make a host one this
+        // node has heard from, which peer URLs and hops are checked against.
+        if sealed || self.opener.is_none() {
+            self.stats.heard_from(from.ip());
+        }
         if crate::beacon::is_beacon(&message) {
             // With a key, only sealed beacons, even while plaintext gossip is still accepted.
             let result = if self.opener.is_some() && !sealed {

@@ -10,6 +10,7 @@ fn local(port: u16) -> SocketAddr {
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use kvmesh_cluster::bulk::transfer_domain;
 use kvmesh_cluster::seal::Sealer;
 use kvmesh_cluster::testing::{beacon_plaintext, crafted_ack};
 use kvmesh_cluster::{
@@ -395,6 +396,46 @@ fn accepted_url(n: &Node, url: &str) -> bool {
     n.members.urls.lock().unwrap().iter().any(|u| u == url)
 }
 
+/// A key holder's record names another live node ("b") with its own URL: it must not take
+/// over b's entry (the record is not used at all), and b's own record still is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_naming_another_node_is_not_used() {
+    let ports = [udp_port(), udp_port(), udp_port()];
+    let mut nodes = vec![
+        node("a", ports[0], ports[0]).await,
+        node("b", ports[1], ports[0]).await,
+        node("x", ports[2], ports[0]).await,
+    ];
+    nodes[2].record.node_id = "b".into();
+    until(&mut nodes, "a learns b", |n| {
+        accepted_url(&n[0], "http://b")
+    })
+    .await;
+    // Gossip has brought x's state to a: x is live there (its record was offered).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while nodes[0].cluster.live_peers().await < 2 {
+        assert!(Instant::now() < deadline, "timed out: a sees x live");
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    settle(&mut nodes).await;
+    assert!(
+        !accepted_url(&nodes[0], "http://x"),
+        "a used x's record naming b: {:?}",
+        nodes[0].members.urls.lock().unwrap()
+    );
+    // Every upsert a made was b's own record.
+    assert!(nodes[0]
+        .members
+        .urls
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|u| u == "http://b"));
+}
+
 // Defect: chitchat applies Ack deltas from any UDP sender, so one datagram could replace a
 // peer's node record and take its traffic. Plaintext gossip shows the attack works; sealed
 // gossip drops it (forged: no key, wrong key; plaintext refused) and counts it.
@@ -547,8 +588,17 @@ async fn load_beacons_reach_peers_that_accept_them_and_forged_ones_do_not() {
     for d in Sealer::new(keyring(KEY), "test").seal(&forged, local(pb)) {
         elsewhere.send_to(&d, local(pb)).await.unwrap();
     }
+    // Plaintext gossip that b lets in during the migration proves nothing about its sender:
+    // it must not make that host one b has heard from (peer URLs and hops are checked
+    // against those).
+    let plain = tokio::net::UdpSocket::bind("127.0.0.3:0").await.unwrap();
+    plain.send_to(b"not sealed", local(pb)).await.unwrap();
     settle(&mut nodes).await;
     let stats = nodes[1].cluster.stats();
+    assert!(
+        !stats.has_heard_from("127.0.0.3".parse().unwrap()),
+        "plaintext made its sender a host b has heard from"
+    );
     assert_eq!(stats.rejected(Rejection::Plaintext), 1);
     assert!(stats.rejected(Rejection::Forged) >= 1);
     assert_eq!(stats.rejected(Rejection::Malformed), 1);
@@ -902,7 +952,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
     let mut request = BULK_MAGIC.to_vec();
     request.extend_from_slice(&[7u8; 32]);
     let sealed = |key: &str, cluster: &str| {
-        Sealer::new(keyring(key), cluster)
+        Sealer::new(keyring(key), &transfer_domain(cluster))
             .seal(&request, server)
             .pop()
             .unwrap()
@@ -911,6 +961,14 @@ async fn bulk_requests_without_the_key_get_nothing() {
         ("plaintext", request.clone()),
         ("another key", sealed(OTHER_KEY, "test")),
         ("another cluster", sealed(KEY, "other")),
+        // Sealed as gossip is: a gossip frame is no transfer request.
+        (
+            "gossip's domain",
+            Sealer::new(keyring(KEY), "test")
+                .seal(&request, server)
+                .pop()
+                .unwrap(),
+        ),
     ];
     for (what, frame) in &attempts {
         let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
@@ -977,7 +1035,7 @@ async fn forged_and_replayed_bulk_replies_are_refused() {
     // A genuine reply, recorded by a keyholder-looking request sent by the attacker's capture.
     let mut request = BULK_MAGIC.to_vec();
     request.extend_from_slice(&[9u8; 32]);
-    let frame = Sealer::new(keyring(KEY), "test")
+    let frame = Sealer::new(keyring(KEY), &transfer_domain("test"))
         .seal(&request, local(real_seed))
         .pop()
         .unwrap();

@@ -511,6 +511,16 @@ impl BackgroundService for ClusterService {
                     .with_label_values(&["over_cap"])
                     .inc_by(report.over_cap as u64);
             }
+            if report.misnamed > 0 {
+                self.metrics
+                    .gossip_peers_refused
+                    .with_label_values(&["misnamed"])
+                    .inc_by(report.misnamed as u64);
+                tracing::warn!(
+                    count = report.misnamed,
+                    "gossip: a record names another node than the one that published it; not used"
+                );
+            }
             if report.added + report.removed > 0 {
                 tracing::debug!(?report, "gossip sync");
             }

@@ -58,7 +58,8 @@ pub struct Metrics {
     pub gossip_bulk: IntCounterVec,
     /// Load beacons, by result (`sent`, `received`, `refused`, `unknown`).
     pub gossip_beacons: IntCounterVec,
-    /// Peer records refused, by reason (`url`, `network`, `probe`, `over_cap`).
+    /// Peer records refused, by reason (`url`, `network`, `unverified`, `probe`, `over_cap`,
+    /// `misnamed`).
     pub gossip_peers_refused: IntCounterVec,
     /// Requests of token-mode models routed without a token chain, by reason.
     pub token_mode_fallbacks: IntCounterVec,
