@@ -66,7 +66,8 @@ pub struct Engine {
     beacon_inflight: AtomicU64,
     beacon_pending: AtomicU64,
     beacon_at_ms: AtomicU64,
-    /// A peer that refused a connection stays down until then (ms since `Fleet::epoch`).
+    /// A peer that refused a connection is skipped until then ([`mono_ms`]), whatever its
+    /// record says meanwhile.
     down_until_ms: AtomicU64,
     /// Recent time to first byte through this engine, microseconds (an EWMA; 0: none seen).
     ttft_ewma_us: AtomicU64,
@@ -227,9 +228,11 @@ impl Engine {
         self.peer.as_ref().is_some_and(|p| p.via_peer)
     }
 
-    /// Whether the last health probe (or request) succeeded.
+    /// Whether the last health probe (or request) succeeded; for a peer, whether its record
+    /// says it is ready and it has not refused a connection within the last `peer_down`.
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
+            && (self.peer.is_none() || mono_ms() >= self.down_until_ms.load(Ordering::Relaxed))
     }
 
     /// Marks the engine down until the next successful probe (a connection to it failed).
@@ -485,14 +488,15 @@ impl Fleet {
     }
 
     /// A connection to `engine` failed: mark it down (until the next good probe, or for a
-    /// peer, for `peer_down` whatever its gossip says).
+    /// peer, for `peer_down` whatever its gossip says; then it is up again if its record says
+    /// it is ready, even if that record has not changed since: an idle peer publishes none).
     pub fn mark_down(&self, engine: &Engine) {
-        engine.mark_down();
         if engine.peer.is_some() {
-            engine.down_until_ms.store(
-                self.now_ms() + self.peer_down.as_millis() as u64,
-                Ordering::Relaxed,
-            );
+            let until = mono_ms()
+                .saturating_add(u64::try_from(self.peer_down.as_millis()).unwrap_or(u64::MAX));
+            engine.down_until_ms.store(until, Ordering::Relaxed);
+        } else {
+            engine.mark_down();
         }
     }
 
@@ -511,8 +515,7 @@ impl Fleet {
                 if **e.models.load() != p.models {
                     e.models.store(Arc::new(p.models.clone()));
                 }
-                let up = p.ready && self.now_ms() >= e.down_until_ms.load(Ordering::Relaxed);
-                e.healthy.store(up, Ordering::Relaxed);
+                e.healthy.store(p.ready, Ordering::Relaxed);
                 return e.id;
             }
         }
@@ -895,6 +898,30 @@ mod tests {
         f.remove_peer("c");
         assert!(f.get(id).is_none());
         assert_ne!(f.upsert_peer(&peer), id, "a returning peer gets a fresh id");
+    }
+
+    /// A peer that refused a connection is skipped for `peer_down`, then used again on the
+    /// record it last published: an idle peer publishes no new one, so waiting for one would
+    /// keep it out for good. A record that says it is not ready keeps it out.
+    #[test]
+    fn a_refusing_peer_comes_back_after_peer_down_without_a_new_record() {
+        let f = Fleet::new(Vec::new(), Duration::from_millis(100));
+        let mut peer = peer_c(0, 0);
+        let id = f.upsert_peer(&peer);
+        let e = f.get(id).unwrap();
+        assert!(e.healthy());
+        f.mark_down(&e);
+        assert!(!e.healthy());
+        assert!(
+            f.candidates("m", false).is_err(),
+            "a down peer is no candidate"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+        assert!(e.healthy(), "still down after peer_down with no new record");
+        assert_eq!(f.candidates("m", false).unwrap().len(), 1);
+        peer.ready = false;
+        f.upsert_peer(&peer);
+        assert!(!e.healthy(), "a peer that says it is not ready");
     }
 
     /// A beacon's load stands for the peer's report while fresh, whatever older records gossip
