@@ -211,6 +211,39 @@ mod tests {
         }
     }
 
+    /// A snapshot message can list more digests than the cap (kvagent sends 65,536 a
+    /// message; the default cap is 50,000): those it pushes out before the message ends were
+    /// never recorded, so the proxy's own entries for them stay.
+    #[test]
+    fn an_over_cap_message_withdraws_nothing_the_feed_never_recorded() {
+        let mut f = follower(2);
+        let mut epoch = None;
+        let node = f.set.node().expect("the engine is in the fleet");
+        let index = f.set.shared.index.clone();
+        let now = Instant::now();
+        index.record_keys(node, [Digest([1; 32]).short()], Source::Reported, now);
+        f.on_update(
+            &mut epoch,
+            update(1, true, vec![digest(1), digest(2), digest(3)], vec![]),
+        );
+        assert_eq!(events(&f.set, event::OVER_CAP), 1);
+        assert_eq!(feed_entries(&f.set), 2);
+        for i in 1..=3 {
+            assert_eq!(
+                index.overlap(&[Digest([i; 32])], Instant::now()),
+                vec![(node, 1)],
+                "digest {i}"
+            );
+        }
+        // What the feed did record is still its to withdraw when pushed out later.
+        f.on_update(&mut epoch, update(1, false, vec![digest(4)], vec![]));
+        assert_eq!(index.overlap(&[Digest([2; 32])], Instant::now()), vec![]);
+        assert_eq!(
+            index.overlap(&[Digest([1; 32])], Instant::now()),
+            vec![(node, 1)]
+        );
+    }
+
     #[test]
     fn hostile_updates_are_bounded_and_counted() {
         let mut f = follower(2);

@@ -420,11 +420,18 @@ impl FedSet {
         };
         let mut added = Vec::new();
         let mut evicted = Vec::new();
+        // Keys new in this call: if the cap pushes one out before the call ends, it was never
+        // recorded, so it is not this feed's to withdraw (the index may hold it from the
+        // proxy's own routing).
+        let mut new_here = std::collections::HashSet::new();
         for (k, bits) in keys {
             let media = self.held.peek(&k).copied().unwrap_or(0) | bits;
-            if self.held.put(k, media).is_none() && self.held.len() > self.shared.cap {
-                if let Some((old, _)) = self.held.pop_lru() {
-                    evicted.push(old);
+            if self.held.put(k, media).is_none() {
+                new_here.insert(k);
+                if self.held.len() > self.shared.cap {
+                    if let Some((old, _)) = self.held.pop_lru() {
+                        evicted.push(old);
+                    }
                 }
             }
             added.push(k);
@@ -432,6 +439,7 @@ impl FedSet {
         // An addition this call already replaced is not recorded.
         added.retain(|k| self.held.contains(k));
         self.count(event::OVER_CAP, evicted.len() as u64);
+        evicted.retain(|k| !new_here.contains(k));
         self.shared.index.remove_keys(node, evicted);
         self.shared
             .index

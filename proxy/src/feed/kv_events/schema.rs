@@ -17,7 +17,8 @@ use serde::Deserialize;
 
 /// A block hash as vLLM exports it (an integer, the low 64 bits, by default; or bytes), kept
 /// as a compact key: the integer itself, or the first 16 bytes of the bytes' BLAKE3 hash
-/// (tagged apart). Decoded straight to the key, so a batch of hashes costs 16 bytes each.
+/// (tagged apart). Decoded straight to the key, so a batch of hashes costs 16 bytes each (and
+/// a batch holds at most [`MAX_BATCH_ITEMS`] of them and its events).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockHash(u128);
 
@@ -46,6 +47,7 @@ impl BlockHash {
 
 impl<'de> Deserialize<'de> for BlockHash {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        spend()?;
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = BlockHash;
@@ -212,15 +214,42 @@ pub struct Removed {
     pub group_idx: Option<u64>,
 }
 
-/// One batch: the payload of one message.
+/// One batch: the payload of one message. Read it with [`decode`], which sets the batch's
+/// budget (deserialised any other way, its first event or hash is refused).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// Its events, in order.
     pub events: Vec<Event>,
 }
 
-/// Decodes one payload.
+/// Most events and block hashes, together, one batch may hold. A publisher sends a batch per
+/// scheduler step: a few thousand at most (a removal per evicted block, a store per request
+/// with new full blocks). The bound keeps what a hostile publisher can make this proxy hold
+/// per message near the message's own size, where one-byte hashes would otherwise decode to
+/// 16 bytes each and one-element events to ~170.
+pub const MAX_BATCH_ITEMS: usize = 1 << 18;
+
+thread_local! {
+    /// Items the batch being decoded on this thread may still hold ([`decode`] sets it).
+    static BUDGET: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Takes one item of the batch's budget, or fails once it is spent.
+fn spend<E: de::Error>() -> Result<(), E> {
+    BUDGET.with(|b| match b.get() {
+        0 => Err(E::custom(format!(
+            "a batch of more than {MAX_BATCH_ITEMS} events and block hashes"
+        ))),
+        n => {
+            b.set(n - 1);
+            Ok(())
+        }
+    })
+}
+
+/// Decodes one payload, within [`MAX_BATCH_ITEMS`].
 pub fn decode(payload: &[u8]) -> Result<Batch, rmp_serde::decode::Error> {
+    BUDGET.with(|b| b.set(MAX_BATCH_ITEMS));
     rmp_serde::from_slice(payload)
 }
 
@@ -277,6 +306,7 @@ impl<'de> Deserialize<'de> for Batch {
 
 impl<'de> Deserialize<'de> for Event {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        spend()?;
         struct V;
         impl<'de> Visitor<'de> for V {
             type Value = Event;
@@ -331,6 +361,10 @@ impl<'de> Deserialize<'de> for Event {
                 let mut tag: Option<String> = None;
                 let mut s = Stored::default();
                 let (mut hashes, mut tokens, mut size) = (false, false, false);
+                // As in the positional form: the fields after `block_size` are read
+                // leniently (an odd shape makes a stored block unsupported, and is ignored in
+                // a removal).
+                let mut odd = false;
                 while let Some(k) = a.next_key::<String>()? {
                     match k.as_str() {
                         "type" => tag = Some(a.next_value()?),
@@ -347,11 +381,13 @@ impl<'de> Deserialize<'de> for Event {
                             s.block_size = a.next_value()?;
                             size = true;
                         }
-                        "lora_id" => s.lora_id = a.next_value()?,
-                        "medium" => s.medium = a.next_value()?,
-                        "lora_name" => s.lora_name = a.next_value()?,
-                        "extra_keys" => s.has_extra_keys = a.next_value::<ExtraKeys>()?.0,
-                        "group_idx" => s.group_idx = a.next_value()?,
+                        "lora_id" => s.lora_id = Loose::int(Some(a.next_value()?), &mut odd),
+                        "medium" => s.medium = Loose::string(Some(a.next_value()?), &mut odd),
+                        "lora_name" => {
+                            s.lora_name = Loose::string(Some(a.next_value()?), &mut odd);
+                        }
+                        "extra_keys" => s.has_extra_keys |= a.next_value::<ExtraKeys>()?.0,
+                        "group_idx" => s.group_idx = Loose::int(Some(a.next_value()?), &mut odd),
                         _ => {
                             a.next_value::<IgnoredAny>()?;
                         }
@@ -363,7 +399,10 @@ impl<'de> Deserialize<'de> for Event {
                     "BlockStored" if !hashes => return Err(missing("block_hashes")),
                     "BlockStored" if !tokens => return Err(missing("token_ids")),
                     "BlockStored" if !size => return Err(missing("block_size")),
-                    "BlockStored" => Event::BlockStored(s),
+                    "BlockStored" => {
+                        s.has_extra_keys |= odd;
+                        Event::BlockStored(s)
+                    }
                     "BlockRemoved" if !hashes => return Err(missing("block_hashes")),
                     "BlockRemoved" => Event::BlockRemoved(Removed {
                         block_hashes: s.block_hashes,
@@ -475,6 +514,28 @@ mod tests {
         };
         assert!(!s.has_extra_keys);
         assert_eq!(s.group_idx, Some(0));
+        // The same in the map form: the batch stays readable, the blocks unsupported; an odd
+        // medium in a removal is ignored.
+        for (field, value) in [
+            ("lora_name", serde_json::json!({"cache_salt": "t"})),
+            ("lora_id", serde_json::json!("one")),
+            ("medium", serde_json::json!(3)),
+            ("group_idx", serde_json::json!([0])),
+        ] {
+            let mut stored = serde_json::json!({"type": "BlockStored", "block_hashes": [1],
+                "parent_block_hash": null, "token_ids": [1, 2], "block_size": 2});
+            stored[field] = value.clone();
+            let mut removed = serde_json::json!({"type": "BlockRemoved", "block_hashes": [1]});
+            removed[field] = value;
+            let map =
+                rmp_serde::to_vec_named(&serde_json::json!({"events": [stored, removed]})).unwrap();
+            let b = decode(&map).unwrap_or_else(|e| panic!("{field}: {e}"));
+            let Event::BlockStored(s) = &b.events[0] else {
+                panic!("{:?}", b.events[0])
+            };
+            assert!(s.has_extra_keys, "{field}");
+            assert!(matches!(b.events[1], Event::BlockRemoved(_)), "{field}");
+        }
     }
 
     #[test]
@@ -497,6 +558,23 @@ mod tests {
         assert!(decode(&long_hash).is_err());
         let ok_hash = pack(&(0, vec![("BlockRemoved", vec![Bin(32)])]));
         assert!(decode(&ok_hash).is_ok());
+        // One-byte hashes decode to 16 bytes each: a batch past the bound is refused, in one
+        // list or spread over events; at the bound it is read.
+        let n = MAX_BATCH_ITEMS;
+        let one_list = pack(&(0, vec![("BlockRemoved", vec![0u8; n])]));
+        assert!(decode(&one_list)
+            .unwrap_err()
+            .to_string()
+            .contains("more than"));
+        let spread = pack(&(0, vec![("BlockRemoved", vec![0u8; 3]); n / 4 + 1]));
+        assert!(decode(&spread)
+            .unwrap_err()
+            .to_string()
+            .contains("more than"));
+        let at_bound = pack(&(0, vec![("BlockRemoved", vec![0u8; n - 1])]));
+        assert_eq!(decode(&at_bound).unwrap().events.len(), 1);
+        // The budget is the batch's, not the thread's: the next batch starts afresh.
+        assert!(decode(&at_bound).is_ok());
     }
 
     /// `n` bytes, packed as msgpack bin.
