@@ -59,10 +59,29 @@ pub struct ModelTokenizer {
 /// The name of the chat template in the environment.
 const CHAT: &str = "chat";
 
+/// Template instructions one chat rendering may run (minijinja's fuel). A chat template runs
+/// a few dozen per message, so this allows conversations of hundreds of thousands of
+/// messages, while a template that loops without end (it comes from a model file) fails
+/// within about a second instead of holding a request thread.
+pub const MAX_TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// Most bytes a chat rendering may produce, beyond twice its messages' own bytes: a template
+/// adds a few tags per message, never a copy of the conversation many times over.
+pub const TEMPLATE_SLACK_BYTES: usize = 1 << 20;
+
 /// The chat template compiled, with the `raise_exception` function HF templates call.
 fn compile_chat(template: Option<&str>) -> Result<minijinja::Environment<'static>, String> {
+    compile_chat_fueled(template, MAX_TEMPLATE_FUEL)
+}
+
+/// [`compile_chat`] with `fuel` template instructions a rendering.
+fn compile_chat_fueled(
+    template: Option<&str>,
+    fuel: u64,
+) -> Result<minijinja::Environment<'static>, String> {
     let template = template.ok_or("the model has no tokenizer.chat_template")?;
     let mut env = minijinja::Environment::new();
+    env.set_fuel(Some(fuel));
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
@@ -325,20 +344,68 @@ impl ModelTokenizer {
             .chat
             .as_ref()
             .map_err(|e| TokenizerError::Template(e.clone()))?;
-        let msgs: Vec<minijinja::Value> = messages
-            .iter()
-            .map(|(role, content)| minijinja::context! { role => role, content => content })
-            .collect();
-        env.get_template(CHAT)
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => msgs,
-                    add_generation_prompt => true,
-                    bos_token => self.bos_text,
-                    eos_token => self.eos_text,
-                })
-            })
-            .map_err(|e| TokenizerError::Template(e.to_string()))
+        render(env, messages, &self.bos_text, &self.eos_text)
+    }
+}
+
+/// Renders `messages` with the compiled chat template of `env`, within
+/// [`MAX_TEMPLATE_FUEL`] and twice the messages' bytes plus [`TEMPLATE_SLACK_BYTES`] of output.
+fn render(
+    env: &minijinja::Environment<'static>,
+    messages: &[(String, String)],
+    bos: &str,
+    eos: &str,
+) -> Result<String, TokenizerError> {
+    let msgs: Vec<minijinja::Value> = messages
+        .iter()
+        .map(|(role, content)| minijinja::context! { role => role, content => content })
+        .collect();
+    let given: usize = messages.iter().map(|(r, c)| r.len() + c.len()).sum();
+    let mut out = Bounded {
+        buf: Vec::new(),
+        max: given.saturating_mul(2).saturating_add(TEMPLATE_SLACK_BYTES),
+    };
+    let template = env
+        .get_template(CHAT)
+        .map_err(|e| TokenizerError::Template(e.to_string()))?;
+    let rendered = template.render_captured_to(
+        minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => bos,
+            eos_token => eos,
+        },
+        &mut out,
+    );
+    if let Err(e) = rendered {
+        return Err(TokenizerError::Template(if out.buf.len() >= out.max {
+            format!("the chat template's output passed {} bytes", out.max)
+        } else {
+            e.to_string()
+        }));
+    }
+    String::from_utf8(out.buf)
+        .map_err(|_| TokenizerError::Template("the chat template's output is not UTF-8".into()))
+}
+
+/// An output buffer that refuses to grow past `max` bytes.
+struct Bounded {
+    buf: Vec<u8>,
+    max: usize,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(b.len()) > self.max {
+            self.buf.resize(self.max, 0);
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -379,14 +446,20 @@ fn next_cut(text: &str, from: usize, until: usize) -> Option<usize> {
 }
 
 /// Token ids of text chunks, by the chunks' BLAKE3 digest within a scope, for one tokenizer:
-/// what [`ModelTokenizer::encode_prefix`] reuses across prompts. Bounded by the ids it holds
-/// (least recently used chunks go first); safe to share between threads.
+/// what [`ModelTokenizer::encode_prefix`] reuses across prompts. Bounded by the ids it holds,
+/// each chunk counting [`ENTRY_COST_IDS`] more for its own keeping (least recently used chunks
+/// go first); safe to share between threads.
 pub struct PrefixCache {
     chunk_bytes: usize,
     chunks: Option<Mutex<ChunkIds>>,
 }
 
-/// Token ids by chunk digest, and how many ids that is.
+/// What a cached chunk costs beyond its ids, in ids (4 bytes each): its 32-byte key, its LRU
+/// node and its `Arc` header, about 128 bytes. So many tiny chunks (short prompts, or text a
+/// vocabulary drops to no ids at all) are bounded as surely as a few long ones.
+pub const ENTRY_COST_IDS: usize = 32;
+
+/// Token ids by chunk digest, and what they cost ([`ENTRY_COST_IDS`] included).
 struct ChunkIds {
     lru: LruCache<[u8; 32], Arc<[u32]>>,
     ids: usize,
@@ -395,7 +468,7 @@ struct ChunkIds {
 
 impl PrefixCache {
     /// A cache of chunks of about `chunk_bytes` bytes (at least 1) holding at most `max_ids`
-    /// token ids in all (0: nothing is kept).
+    /// token ids in all, [`ENTRY_COST_IDS`] a chunk included (0: nothing is kept).
     pub fn new(chunk_bytes: usize, max_ids: usize) -> Self {
         PrefixCache {
             chunk_bytes: chunk_bytes.max(1),
@@ -419,7 +492,7 @@ impl PrefixCache {
         self.chunks.as_ref().map_or(0, |c| c.lock().lru.len())
     }
 
-    /// Token ids held, over all chunks.
+    /// Token ids held, over all chunks, plus [`ENTRY_COST_IDS`] a chunk: what the bound counts.
     pub fn ids(&self) -> usize {
         self.chunks.as_ref().map_or(0, |c| c.lock().ids)
     }
@@ -446,16 +519,17 @@ impl PrefixCache {
             return;
         };
         let mut c = c.lock();
-        if ids.len() > c.max_ids {
+        let cost = |ids: &[u32]| ids.len().saturating_add(ENTRY_COST_IDS);
+        if cost(ids) > c.max_ids {
             return;
         }
         if let Some(old) = c.lru.put(key, Arc::from(ids)) {
-            c.ids -= old.len();
+            c.ids -= cost(&old);
         }
-        c.ids += ids.len();
+        c.ids += cost(ids);
         while c.ids > c.max_ids {
             match c.lru.pop_lru() {
-                Some((_, gone)) => c.ids -= gone.len(),
+                Some((_, gone)) => c.ids -= cost(&gone),
                 None => break,
             }
         }
@@ -464,7 +538,35 @@ impl PrefixCache {
 
 #[cfg(test)]
 mod tests {
-    use super::{next_cut, PrefixCache};
+    use super::{compile_chat_fueled, next_cut, render, PrefixCache, TokenizerError};
+
+    /// A chat template comes from a model file: one that loops without end or copies the
+    /// conversation over and over fails with an error instead of running for minutes or
+    /// filling memory; a plain one renders. (Less fuel than the models get, so that the
+    /// unoptimised test build runs out of it quickly.)
+    #[test]
+    fn a_hostile_chat_template_runs_out_of_fuel_or_room() {
+        let msgs = vec![("user".to_string(), "x".repeat(1 << 20))];
+        let run = |t: &str| {
+            let env = compile_chat_fueled(Some(t), 1_000_000).unwrap();
+            render(&env, &msgs, "<s>", "</s>")
+        };
+        let endless =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        assert!(
+            matches!(run(endless), Err(TokenizerError::Template(e)) if e.contains("fuel")),
+            "{:?}",
+            run(endless).map(|s| s.len())
+        );
+        let copies = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}";
+        assert!(
+            matches!(run(copies), Err(TokenizerError::Template(e)) if e.contains("passed")),
+            "{:?}",
+            run(copies).map(|s| s.len())
+        );
+        let plain = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}";
+        assert_eq!(run(plain).unwrap().len(), (1 << 20) + "<|user|>".len());
+    }
 
     #[test]
     fn cuts_fall_before_whitespace_after_a_non_whitespace() {
@@ -488,19 +590,27 @@ mod tests {
 
     #[test]
     fn the_cache_is_bounded_by_the_ids_it_holds() {
-        let c = PrefixCache::new(8, 10);
+        const E: usize = super::ENTRY_COST_IDS;
+        let e = E;
+        let c = PrefixCache::new(8, 2 * (4 + e) + 2);
         let k = |i: u8| c.key(b"", &i.to_string());
         c.put(k(1), &[1; 4]);
         c.put(k(2), &[2; 4]);
-        assert_eq!((c.len(), c.ids()), (2, 8));
+        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + e)));
         // A third pushes out the least recently used (1; 2 was just read).
         assert!(c.get(&k(2)).is_some());
         c.put(k(3), &[3; 4]);
-        assert_eq!((c.len(), c.ids()), (2, 8));
+        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + e)));
         assert!(c.get(&k(1)).is_none());
         // Larger than the whole bound: not kept.
-        c.put(k(4), &[4; 11]);
+        c.put(k(4), &[4; 2 * 4 + E + 3]);
         assert!(c.get(&k(4)).is_none());
+        // Chunks of no ids at all still count: many of them stay bounded.
+        let empty = PrefixCache::new(8, 10 * e);
+        for i in 0..1000u32 {
+            empty.put(empty.key(b"", &i.to_string()), &[]);
+        }
+        assert_eq!((empty.len(), empty.ids()), (10, 10 * e));
         // Scopes do not share entries.
         assert_ne!(c.key(b"a", "x"), c.key(b"b", "x"));
         assert_eq!(PrefixCache::new(8, 0).len(), 0);
