@@ -105,16 +105,29 @@ pub struct BlockDir {
     blocks: PathBuf,
     tmp: PathBuf,
     fsync: bool,
+    /// Largest payload a block file may hold (the agent's `limits.max_block_bytes`).
+    max_payload: u64,
 }
 
 impl BlockDir {
-    /// Opens (creating if needed) `root/blocks` and `root/tmp`.
-    pub fn open(root: &Path, fsync: bool) -> Result<Self, DiskError> {
+    /// Opens (creating if needed) `root/blocks` and `root/tmp`; block files whose payload
+    /// exceeds `max_payload` are corrupt (only a planted or damaged file can hold one).
+    pub fn open(root: &Path, fsync: bool, max_payload: u64) -> Result<Self, DiskError> {
         let blocks = root.join("blocks");
         let tmp = root.join("tmp");
         fs::create_dir_all(&blocks).map_err(|e| DiskError::io(&blocks, e))?;
         fs::create_dir_all(&tmp).map_err(|e| DiskError::io(&tmp, e))?;
-        Ok(BlockDir { blocks, tmp, fsync })
+        Ok(BlockDir {
+            blocks,
+            tmp,
+            fsync,
+            max_payload,
+        })
+    }
+
+    /// The longest block file this directory may hold.
+    fn max_file_len(&self) -> u64 {
+        file_len(usize::from(u16::MAX), self.max_payload)
     }
 
     /// The file that holds `digest`.
@@ -225,16 +238,21 @@ impl BlockDir {
     pub fn read(&self, digest: &Digest) -> Result<Option<DiskBlock>, DiskError> {
         let path = self.path(digest);
         let mut buf = Vec::new();
-        let read = File::open(&path).and_then(|mut f| {
-            // One exact allocation: read_to_end's doubling would copy multi-MB payloads.
-            let len = f.metadata()?.len() as usize;
-            buf.reserve_exact(len);
-            f.read_to_end(&mut buf)
+        let f = match open_regular(&path, self.max_file_len()) {
+            Ok(f) => f,
+            Err(Opened::Missing) => return Ok(None),
+            Err(Opened::Io(e)) => return Err(DiskError::io(&path, e)),
+            Err(Opened::Refused(why)) => return Err(DiskError::Corrupt { path, why }),
+        };
+        let read = f.metadata().and_then(|m| {
+            // One exact allocation: read_to_end's doubling would copy multi-MB payloads. The
+            // length was checked; a file that grows meanwhile is read no further than it.
+            let len = m.len().min(self.max_file_len());
+            buf.reserve_exact(usize::try_from(len).unwrap_or(0));
+            f.take(len).read_to_end(&mut buf)
         });
-        match read {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(DiskError::io(&path, e)),
+        if let Err(e) = read {
+            return Err(DiskError::io(&path, e));
         }
         decode(buf, digest)
             .map(Some)
@@ -263,7 +281,7 @@ impl BlockDir {
         for entry in fs::read_dir(&self.blocks).map_err(|e| DiskError::io(&self.blocks, e))? {
             let entry = entry.map_err(|e| DiskError::io(&self.blocks, e))?;
             let path = entry.path();
-            match scan_one(&path) {
+            match scan_one(&path, self.max_payload) {
                 Ok(Some(b)) => scan.blocks.push(b),
                 Ok(None) => {}
                 Err(why) => {
@@ -336,17 +354,60 @@ fn parse_header(buf: &[u8]) -> Option<Header> {
     })
 }
 
+/// Why a block file was not opened.
+enum Opened {
+    /// There is none.
+    Missing,
+    /// The file system failed.
+    Io(io::Error),
+    /// Not a block file this agent could have written: a link, a FIFO or a device (whose
+    /// reads could block forever or never end), or longer than any block may be.
+    Refused(&'static str),
+}
+
+/// Opens `path` for reading if it is a regular file (not followed if a link) of at most
+/// `max_len` bytes: checked before opening, so that a FIFO is never opened (that would block),
+/// and again on the opened file.
+fn open_regular(path: &Path, max_len: u64) -> Result<File, Opened> {
+    let check = |m: &fs::Metadata| {
+        if !m.file_type().is_file() {
+            Err(Opened::Refused("not a regular file"))
+        } else if m.len() > max_len {
+            Err(Opened::Refused("longer than any block file may be"))
+        } else {
+            Ok(())
+        }
+    };
+    let io = |e: io::Error| {
+        if e.kind() == io::ErrorKind::NotFound {
+            Opened::Missing
+        } else {
+            Opened::Io(e)
+        }
+    };
+    check(&fs::symlink_metadata(path).map_err(io)?)?;
+    let f = File::open(path).map_err(io)?;
+    check(&f.metadata().map_err(io)?)?;
+    Ok(f)
+}
+
 /// `Ok(None)`: not a block file (ignored). `Err`: a block file that must be dropped.
-fn scan_one(path: &Path) -> Result<Option<ScannedBlock>, &'static str> {
-    let name_digest = match path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_suffix(&format!(".{EXT}")))
-    {
+fn scan_one(path: &Path, max_payload: u64) -> Result<Option<ScannedBlock>, &'static str> {
+    let name = path.file_name().and_then(|n| n.to_str());
+    let name_digest = match name.and_then(|n| n.strip_suffix(&format!(".{EXT}"))) {
         Some(stem) => kvmesh_filters::chain::parse_hex(stem).ok_or("file name is not a digest")?,
         None => return Ok(None),
     };
-    let mut f = File::open(path).map_err(|_| "cannot open")?;
+    // Only the name this agent writes (lower-case hex): another spelling of the same digest
+    // would be indexed twice and never removed with it.
+    if name != Some(format!("{}.{EXT}", name_digest.to_hex()).as_str()) {
+        return Err("file name is not the digest's own");
+    }
+    let mut f = match open_regular(path, file_len(usize::from(u16::MAX), max_payload)) {
+        Ok(f) => f,
+        Err(Opened::Refused(why)) => return Err(why),
+        Err(_) => return Err("cannot open"),
+    };
     let meta = f.metadata().map_err(|_| "cannot stat")?;
     let mut head = [0u8; HEADER];
     f.read_exact(&mut head).map_err(|_| "truncated header")?;
@@ -356,6 +417,9 @@ fn scan_one(path: &Path) -> Result<Option<ScannedBlock>, &'static str> {
     }
     if h.file_len() != Some(meta.len()) {
         return Err("length does not match the header");
+    }
+    if h.payload_len > max_payload {
+        return Err("payload larger than limits.max_block_bytes");
     }
     let mut model = vec![0u8; h.model_len];
     f.read_exact(&mut model)
@@ -378,10 +442,55 @@ mod tests {
         Digest([i; 32])
     }
 
+    /// Files planted in the block directory: a link to an endless device, a FIFO (opening it
+    /// would block), a sparse file far longer than any block, a block over the payload limit,
+    /// and a copy under an upper-case name. None is read or indexed; the scan drops them, and
+    /// the agent's own file stays.
+    #[test]
+    fn planted_files_are_refused_not_read() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = BlockDir::open(dir.path(), false, 4096).expect("open");
+        d.write(&digest(0xab), "m", 16, &[1; 4096]).expect("write");
+        let own = fs::read(d.path(&digest(0xab))).expect("read");
+        // A block over the limit, written whole (by an agent with a larger limit).
+        BlockDir::open(dir.path(), false, 1 << 20)
+            .expect("open")
+            .write(&digest(2), "m", 16, &[2; 4097])
+            .expect("write");
+        std::os::unix::fs::symlink("/dev/zero", d.path(&digest(3))).expect("symlink");
+        let fifo = d.path(&digest(4));
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success());
+        let sparse = File::create(d.path(&digest(5))).expect("create");
+        sparse.set_len(1 << 40).expect("a sparse file");
+        let upper = d
+            .blocks
+            .join(format!("{}.{EXT}", digest(1).to_hex().to_uppercase()));
+        fs::write(&upper, &own).expect("copy");
+
+        for i in [3, 4, 5] {
+            assert!(
+                matches!(d.read(&digest(i)), Err(DiskError::Corrupt { .. })),
+                "block {i}"
+            );
+        }
+        let scan = d.scan().expect("scan");
+        let found: Vec<Digest> = scan.blocks.iter().map(|b| b.digest).collect();
+        assert_eq!(found, vec![digest(0xab)]);
+        assert_eq!(scan.corrupt_dropped, 5);
+        for p in [d.path(&digest(2)), d.path(&digest(3)), fifo, upper] {
+            assert!(fs::symlink_metadata(&p).is_err(), "{} stays", p.display());
+        }
+        assert!(d.read(&digest(0xab)).expect("read").is_some());
+    }
+
     #[test]
     fn round_trip_and_every_kind_of_damage_is_caught() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let d = BlockDir::open(dir.path(), true).expect("open");
+        let d = BlockDir::open(dir.path(), true, 1 << 20).expect("open");
         let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
         d.write(&digest(1), "m", 16, &payload).expect("write");
         let b = d.read(&digest(1)).expect("read").expect("present");
@@ -436,7 +545,7 @@ mod tests {
             Some("length does not match the header")
         );
         let dir = tempfile::tempdir().expect("tempdir");
-        let d = BlockDir::open(dir.path(), false).expect("open");
+        let d = BlockDir::open(dir.path(), false, 1 << 20).expect("open");
         fs::write(d.path(&digest(9)), &file).expect("write file");
         assert!(matches!(d.read(&digest(9)), Err(DiskError::Corrupt { .. })));
         let scan = d.scan().expect("scan");

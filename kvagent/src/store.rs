@@ -187,6 +187,22 @@ struct State {
     next_generation: u64,
 }
 
+impl State {
+    /// Takes the least recently used SSD blocks out of the index until the tier is within
+    /// `capacity`; returns their digests (their files are the caller's to delete).
+    fn pop_ssd_over(&mut self, capacity: u64) -> Vec<Digest> {
+        let mut over = Vec::new();
+        while self.ssd_bytes > capacity {
+            let Some((d, old)) = self.ssd.pop_lru() else {
+                break;
+            };
+            self.ssd_bytes = self.ssd_bytes.saturating_sub(old.charge);
+            over.push(d);
+        }
+        over
+    }
+}
+
 /// Spill batches: enough blocks per directory fsync to amortise it, few enough to keep the
 /// lock hold and the memory of one batch small.
 const SPILL_BATCH_BLOCKS: usize = 256;
@@ -235,7 +251,7 @@ impl BlockStore {
         };
         let disk = match ssd_dir {
             Some((root, fsync)) if cfg.ssd_capacity > 0 => {
-                let dir = BlockDir::open(root, fsync)?;
+                let dir = BlockDir::open(root, fsync, cfg.max_block_bytes)?;
                 let mut scan = dir.scan()?;
                 scan.blocks.sort_by_key(|b| b.modified);
                 for b in scan.blocks {
@@ -256,6 +272,18 @@ impl BlockStore {
                         },
                     );
                 }
+                // A smaller `ssd.capacity_bytes` than the last run's: the oldest go now, not
+                // at the first spill (which a store with room in RAM may never make).
+                let over = state.pop_ssd_over(cfg.ssd_capacity);
+                for d in &over {
+                    if let Err(e) = dir.remove(d) {
+                        tracing::warn!(error = %e, "cannot remove a block over the SSD capacity");
+                    }
+                }
+                metrics
+                    .evicted
+                    .with_label_values(&["ssd"])
+                    .inc_by(over.len() as u64);
                 metrics.corrupt_dropped.inc_by(scan.corrupt_dropped);
                 tracing::info!(
                     blocks = state.ssd.len(),
@@ -723,6 +751,9 @@ impl BlockStore {
                 let size = b.payload.len() as u64;
                 st.ram_bytes = st.ram_bytes.saturating_sub(b.charge());
                 if ok {
+                    // Its file is the one just written: an unlink queued for an earlier file
+                    // of the block (a read promoted it meanwhile) would delete this one.
+                    st.unlink.retain(|u| *u != d);
                     let charge = ssd_charge(b.model.len(), size);
                     st.ssd_bytes = st.ssd_bytes.saturating_add(charge);
                     st.ssd.put(
@@ -741,15 +772,13 @@ impl BlockStore {
                     removed.push(d);
                 }
             }
-            while st.ssd_bytes > self.cfg.ssd_capacity {
-                let Some((d, old)) = st.ssd.pop_lru() else {
-                    break;
-                };
-                st.ssd_bytes = st.ssd_bytes.saturating_sub(old.charge);
-                st.unlink.push(d);
-                self.metrics.evicted.with_label_values(&["ssd"]).inc();
-                removed.push(d);
-            }
+            let over = st.pop_ssd_over(self.cfg.ssd_capacity);
+            self.metrics
+                .evicted
+                .with_label_values(&["ssd"])
+                .inc_by(over.len() as u64);
+            st.unlink.extend_from_slice(&over);
+            removed.extend(over);
             self.publish(&st, Vec::new(), removed);
         }
     }
@@ -888,15 +917,15 @@ mod tests {
         }
     }
 
+    /// A store with an SSD tier in `dir`.
+    fn with_ssd(c: StoreConfig, dir: &std::path::Path) -> Arc<BlockStore> {
+        BlockStore::open(c, Some((dir, false)), Arc::new(Metrics::new())).expect("open")
+    }
+
     #[tokio::test]
     async fn ram_overflow_spills_coldest_first_and_reads_promote() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let s = BlockStore::open(
-            cfg(10_000, 1 << 20),
-            Some((dir.path(), false)),
-            Arc::new(Metrics::new()),
-        )
-        .expect("open");
+        let s = with_ssd(cfg(10_000, 1 << 20), dir.path());
         for i in 0..20 {
             s.put(vec![block(i, 1000)]).await.expect("put");
         }
@@ -911,6 +940,58 @@ mod tests {
         let (b, tier) = s.get(block(0, 0).digest).await.expect("served");
         assert_eq!((tier, &b.payload[..]), (Tier::Ssd, &[0u8; 1000][..]));
         assert_eq!(s.lookup(&[b.digest])[0].map(|l| l.tier), Some(Tier::Ram));
+    }
+
+    /// Reopened with a smaller SSD capacity, the store holds to it at once: the oldest blocks
+    /// and their files go before it serves.
+    #[tokio::test]
+    async fn a_smaller_ssd_capacity_at_start_is_held_to_at_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let s = with_ssd(cfg(10_000, 1 << 20), dir.path());
+            for i in 0..20 {
+                s.put(vec![block(i, 1000)]).await.expect("put");
+            }
+            s.maintain(0).await;
+            assert_eq!(s.occupancy().2, 20, "all spilled");
+        }
+        let s = with_ssd(cfg(10_000, 5 * SSD_ALLOCATION_UNIT_BYTES), dir.path());
+        let (_, _, ssd_blocks, ssd_bytes) = s.occupancy();
+        assert!(ssd_bytes <= 5 * SSD_ALLOCATION_UNIT_BYTES, "{ssd_bytes}");
+        assert_eq!(ssd_blocks, 5);
+        let files = std::fs::read_dir(dir.path().join("blocks"))
+            .unwrap()
+            .count();
+        assert_eq!(files, 5, "a trimmed block's file stayed");
+    }
+
+    /// A block read back from SSD (its old file queued for unlinking) and spilled again before
+    /// the queue drains keeps its new file: the queued unlink is for the old one.
+    #[tokio::test]
+    async fn a_block_spilled_again_keeps_the_file_it_was_spilled_to() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = with_ssd(cfg(10_000, 1 << 20), dir.path());
+        let b = block(1, 1000);
+        s.put(vec![b.clone()]).await.expect("put");
+        s.maintain(0).await;
+        let (got, tier) = s.get(b.digest).await.expect("served");
+        assert_eq!((tier, got.payload.clone()), (Tier::Ssd, b.payload.clone()));
+        // Promoted: back in RAM, its file queued for unlinking. A spill pass writes it again
+        // before the queue drains (as when the read lands between a pass's drain and its
+        // write).
+        let victims: Vec<(Digest, RamBlock)> = {
+            let st = s.state.lock();
+            assert_eq!(st.unlink, vec![b.digest]);
+            vec![(b.digest, st.ram.peek(&b.digest).expect("in RAM").clone())]
+        };
+        let disk = s.disk.clone().expect("an SSD tier");
+        let batch = vec![(b.digest, Arc::from("m"), 16, b.payload.clone())];
+        let written = write_batch(&disk, &batch, &s.metrics);
+        s.settle_spill(victims, written);
+        s.drain_unlinks().await;
+        assert_eq!(s.lookup(&[b.digest])[0].map(|l| l.tier), Some(Tier::Ssd));
+        let (got, tier) = s.get(b.digest).await.expect("its file is still there");
+        assert_eq!((tier, got.payload), (Tier::Ssd, b.payload));
     }
 
     #[tokio::test]
@@ -958,12 +1039,7 @@ mod tests {
     #[tokio::test]
     async fn empty_blocks_are_charged_so_their_number_is_bounded() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let s = BlockStore::open(
-            cfg(64 << 10, 64 << 10),
-            Some((dir.path(), false)),
-            Arc::new(Metrics::new()),
-        )
-        .expect("open");
+        let s = with_ssd(cfg(64 << 10, 64 << 10), dir.path());
         for batch in 0..40u32 {
             s.put((0..50).map(|i| empty(batch * 50 + i)).collect())
                 .await
