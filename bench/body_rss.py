@@ -9,6 +9,7 @@ VmHWM (peak resident set) from /proc/PID/status and prints a Markdown table row.
 
     bench/body_rss.py --proxy target/debug/kvmesh-proxy --clients 64 --body-mib 32
     bench/body_rss.py --proxy /tmp/old-proxy --clients 64 --as-limit-gib 8   # an older build
+    bench/body_rss.py --clients 64 --tokenizer-gguf models/SmolLM2-135M-Instruct.Q4_1.gguf  # token mode
 
 --as-limit-gib runs the proxy under `prlimit --as` (an address-space cap), so that a proxy that
 would need tens of GB aborts instead of pushing the machine into the OOM killer.
@@ -94,6 +95,11 @@ def main():
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--body-mib", type=int, default=32)
     ap.add_argument("--as-limit-gib", type=int, default=0)
+    ap.add_argument(
+        "--tokenizer-gguf",
+        default="",
+        help="route model m in token mode with this GGUF's tokenizer ([[tokenizers]])",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--header", action="store_true", help="print the table header first")
     a = ap.parse_args()
@@ -106,6 +112,9 @@ def main():
         f'listen = "127.0.0.1:{port}"\nthreads = 2\nlog = "error"\n'
         f'[[engines]]\nname = "stub"\nurl = "http://127.0.0.1:{engine.server_address[1]}"\nmodels = ["m"]\n'
     )
+    if a.tokenizer_gguf:
+        gguf = os.path.abspath(a.tokenizer_gguf)
+        cfg.write(f'[[tokenizers]]\nmodel = "m"\ngguf = "{gguf}"\n')
     cfg.close()
     cmd = [a.proxy, "--config", cfg.name]
     if a.as_limit_gib:

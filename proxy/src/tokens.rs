@@ -13,6 +13,7 @@
 //! tenant (at most 2M ids, 8 MiB), so a prefix seen before (a system prompt, a shared
 //! document) is not tokenized again ([`ModelTokenizer::encode_prefix`]).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -21,7 +22,8 @@ use kvmesh_filters::chain::{token_chain, Digest, Namespace};
 use kvmesh_filters::request::Endpoint;
 use kvmesh_tokenize::gguf::Gguf;
 use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
-use serde_json::Value;
+use serde::de::{self, Deserializer as _, IgnoredAny, SeqAccess, Visitor};
+use serde_json::value::RawValue;
 
 use crate::config::TokenizerConfig;
 
@@ -137,33 +139,39 @@ impl TokenModes {
     ) -> Result<TokenChain, Fallback> {
         let m = self.models.get(model).ok_or(Fallback::Tokenizer)?;
         let want = max_blocks.saturating_mul(m.block_tokens);
-        let v: Value = serde_json::from_slice(body).map_err(|_| Fallback::Body)?;
+        let read: TokenFields = serde_json::from_slice(body).map_err(|_| Fallback::Body)?;
         let tokens_and_bytes = match endpoint {
             Endpoint::ChatCompletions => {
-                let turns = kvmesh_tokenize::chat::turns(v.get("messages"))
-                    .map_err(|_| Fallback::Template)?;
+                let turns = read.messages.map(turns).ok_or(Fallback::Template)??;
                 let text = m
                     .tokenizer
                     .render_chat(&turns)
                     .map_err(|_| Fallback::Template)?;
                 (m.encode(&text, want, ns)?, text.len())
             }
-            Endpoint::Completions => match v.get("prompt") {
-                Some(Value::String(s)) => (m.encode(s, want, ns)?, s.len()),
-                // Token ids, as vLLM accepts them: the engine's tokens already.
-                Some(Value::Array(ids)) if !ids.is_empty() => {
-                    let kept = ids
-                        .iter()
-                        .take(want)
-                        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                        .collect::<Option<Vec<u32>>>()
-                        .ok_or(Fallback::Prompt)?;
-                    // Four bytes of text per token: the scale text mode would see.
-                    let bytes = kept.len() * 4;
-                    ((kept, bytes), ids.len().saturating_mul(4))
+            Endpoint::Completions => {
+                let raw = read.prompt.ok_or(Fallback::Prompt)?;
+                match raw.get().as_bytes().first() {
+                    Some(b'"') => {
+                        let s: String =
+                            serde_json::from_str(raw.get()).map_err(|_| Fallback::Prompt)?;
+                        (m.encode(&s, want, ns)?, s.len())
+                    }
+                    // Token ids, as vLLM accepts them: the engine's tokens already.
+                    Some(b'[') => {
+                        let ids = serde_json::Deserializer::from_str(raw.get())
+                            .deserialize_seq(LeadingIds { want })
+                            .map_err(|_| Fallback::Prompt)?;
+                        if ids.total == 0 {
+                            return Err(Fallback::Prompt);
+                        }
+                        // Four bytes of text per token: the scale text mode would see.
+                        let bytes = ids.kept.len() * 4;
+                        ((ids.kept, bytes), ids.total.saturating_mul(4))
+                    }
+                    _ => return Err(Fallback::Prompt),
                 }
-                _ => return Err(Fallback::Prompt),
-            },
+            }
             // Embeddings reuse no KV cache; the caller keeps them in text mode.
             Endpoint::Embeddings => return Err(Fallback::Prompt),
         };
@@ -175,6 +183,151 @@ impl TokenModes {
             total_bytes,
             block_bytes,
         })
+    }
+}
+
+/// The members of a request body token mode reads, each kept as its raw JSON text: the other
+/// members are skipped as they are read, and these are read below element by element, so no
+/// tree of the body is built (the streaming parser that checked the body built none either;
+/// a `serde_json::Value` of a 32 MiB `[0,0,...]` would take about 0.5 GB).
+#[derive(serde::Deserialize)]
+struct TokenFields<'a> {
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+}
+
+/// A message's members the chat template sees.
+#[derive(serde::Deserialize)]
+struct MessageFields<'a> {
+    #[serde(borrow, default)]
+    role: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// A content part's members that carry text.
+#[derive(serde::Deserialize)]
+struct PartFields<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    text: Option<&'a RawValue>,
+}
+
+/// `raw` as a string, if it is one.
+fn string_of(raw: &RawValue) -> Option<Cow<'_, str>> {
+    serde_json::from_str(raw.get()).ok()
+}
+
+/// The `(role, content)` turns of `messages`, as [`kvmesh_tokenize::chat::turns`] reads them
+/// from a tree: a non-empty array of messages, each with a string role and a content that is a
+/// string, null (or absent), or an array whose `text` parts are joined; other parts and members
+/// are skipped.
+fn turns(messages: &RawValue) -> Result<Vec<(String, String)>, Fallback> {
+    let turns = serde_json::Deserializer::from_str(messages.get())
+        .deserialize_seq(Turns)
+        .map_err(|_| Fallback::Template)?;
+    if turns.is_empty() {
+        return Err(Fallback::Template);
+    }
+    Ok(turns)
+}
+
+/// Reads `messages` one message at a time ([`turns`]).
+struct Turns;
+
+impl<'de> Visitor<'de> for Turns {
+    type Value = Vec<(String, String)>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of messages")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Self::Value, A::Error> {
+        let bad = |what: &str| de::Error::custom(what);
+        let mut out = Vec::new();
+        while let Some(m) = a.next_element::<MessageFields<'de>>()? {
+            let role = m.role.and_then(string_of).ok_or_else(|| bad("role"))?;
+            let content = match m.content {
+                None => String::new(),
+                Some(raw) => match raw.get().as_bytes().first() {
+                    Some(b'"') => string_of(raw).ok_or_else(|| bad("content"))?.into_owned(),
+                    Some(b'n') => String::new(),
+                    Some(b'[') => serde_json::Deserializer::from_str(raw.get())
+                        .deserialize_seq(TextParts)
+                        .map_err(|_| bad("content"))?,
+                    _ => return Err(bad("content")),
+                },
+            };
+            out.push((role.into_owned(), content));
+        }
+        Ok(out)
+    }
+}
+
+/// Joins the `text` parts of a content array, one part at a time.
+struct TextParts;
+
+impl<'de> Visitor<'de> for TextParts {
+    type Value = String;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of content parts")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<String, A::Error> {
+        let mut text = String::new();
+        while let Some(raw) = a.next_element::<&'de RawValue>()? {
+            if !raw.get().starts_with('{') {
+                continue;
+            }
+            let p: PartFields<'_> = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
+            if p.kind.and_then(string_of).as_deref() == Some("text") {
+                if let Some(t) = p.text.and_then(string_of) {
+                    text.push_str(&t);
+                }
+            }
+        }
+        Ok(text)
+    }
+}
+
+/// A prompt of token ids: the first `want` kept (each a u32), the rest counted, not kept.
+struct LeadingIds {
+    want: usize,
+}
+
+/// What [`LeadingIds`] read.
+struct Ids {
+    kept: Vec<u32>,
+    total: usize,
+}
+
+impl<'de> Visitor<'de> for LeadingIds {
+    type Value = Ids;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an array of token ids")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<Ids, A::Error> {
+        let mut ids = Ids {
+            kept: Vec::new(),
+            total: 0,
+        };
+        loop {
+            let more = if ids.kept.len() < self.want {
+                a.next_element::<u32>()?.map(|t| ids.kept.push(t)).is_some()
+            } else {
+                a.next_element::<IgnoredAny>()?.is_some()
+            };
+            if !more {
+                return Ok(ids);
+            }
+            ids.total += 1;
+        }
     }
 }
 
@@ -191,5 +344,72 @@ impl ModelTokens {
         self.tokenizer
             .encode_prefix(text, want, &self.cache, ns.key())
             .map_err(|_| Fallback::Tokenizer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    /// The turns read member by member are those the tree reading gives (the one the engines'
+    /// side uses), for every shape a message can take; what the tree reading refuses is
+    /// refused.
+    #[test]
+    fn turns_read_without_a_tree_are_the_trees_turns() {
+        let good = json!([
+            {"role": "system", "content": "be brief, \"quoted\" é ✓ \n", "name": "x"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "a"},
+                {"type": "image_url", "image_url": {"url": "x"}},
+                7, "loose", null,
+                {"type": "text", "text": "b", "extra": [0, 0, 0]},
+                {"type": 3, "text": "no"},
+                {"type": "text", "text": 4}
+            ]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "t"}]},
+            {"role": "user"}
+        ]);
+        let raw = serde_json::to_string(&good).unwrap();
+        let raw: &RawValue = serde_json::from_str(&raw).unwrap();
+        let want = kvmesh_tokenize::chat::turns(Some(&good)).unwrap();
+        assert_eq!(turns(raw).unwrap(), want);
+        assert_eq!(want[1].1, "ab");
+        for bad in [
+            json!([]),
+            json!("text"),
+            json!({"role": "user"}),
+            json!([{"content": "no role"}]),
+            json!([{"role": 1, "content": "x"}]),
+            json!([{"role": "user", "content": 5}]),
+            json!([{"role": "user", "content": {"text": "x"}}]),
+            json!(["not a message"]),
+        ] {
+            assert!(kvmesh_tokenize::chat::turns(Some(&bad)).is_err(), "{bad}");
+            let text = serde_json::to_string(&bad).unwrap();
+            let raw: &RawValue = serde_json::from_str(&text).unwrap();
+            assert_eq!(turns(raw), Err(Fallback::Template), "{bad}");
+        }
+    }
+
+    /// Token ids: the first `want` kept and checked, the rest only counted.
+    #[test]
+    fn leading_ids_keep_want_and_count_the_rest() {
+        let read = |text: &str, want| {
+            serde_json::Deserializer::from_str(text)
+                .deserialize_seq(LeadingIds { want })
+                .map(|ids| (ids.kept, ids.total))
+                .ok()
+        };
+        assert_eq!(read("[1, 2, 3, 4]", 2), Some((vec![1, 2], 4)));
+        assert_eq!(read("[1, 2, \"x\", {}]", 2), Some((vec![1, 2], 4)));
+        assert_eq!(read("[1, -2]", 2), None);
+        assert_eq!(read("[4294967296]", 2), None);
+        assert_eq!(read("[]", 2), Some((vec![], 0)));
+        let body: Value = json!({"prompt": [1, 2], "pad": [0, 0, [0, {"a": 0}]]});
+        let text = serde_json::to_vec(&body).unwrap();
+        let fields: TokenFields<'_> = serde_json::from_slice(&text).unwrap();
+        assert_eq!(fields.prompt.map(RawValue::get), Some("[1,2]"));
+        assert!(fields.messages.is_none());
     }
 }
