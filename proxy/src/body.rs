@@ -341,12 +341,14 @@ impl Gateway {
         // Dropped (released) on any error; moved into the context with the body.
         let mut permit = BodyPermit::new(&self.limits);
         let too_large = || body_too_large(limit);
+        // Framed as Pingora frames it: it refuses (400) a request whose last transfer coding
+        // is not `chunked`, so any `Transfer-Encoding` left means a chunked body, whatever an
+        // earlier header line says (reading only the first line, as before, took
+        // `identity` + `chunked` for a Content-Length body and failed it with a 500).
         let chunked = session
             .req_header()
             .headers
-            .get(header::TRANSFER_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"));
+            .contains_key(header::TRANSFER_ENCODING);
         let content_length = if chunked {
             None
         } else {

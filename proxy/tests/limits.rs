@@ -231,6 +231,18 @@ fn a_huge_prompt_does_not_evict_earlier_prefixes() {
     assert_eq!(hits(), 2.0, "the earlier prefix was evicted");
 }
 
+/// `body` in HTTP/1.1 chunked encoding, in chunks of `size` bytes, with the last chunk.
+fn chunked_encoding(body: &[u8], size: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in body.chunks(size) {
+        out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        out.extend_from_slice(c);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
 fn raw_upload(addr: std::net::SocketAddr, head: &str, body: &[u8]) -> std::io::Result<Resp> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
@@ -257,13 +269,7 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
     assert_eq!(r.status, 413, "{}", String::from_utf8_lossy(&r.body));
     assert_eq!(r.json()["error"]["code"], "request_too_large");
     // Chunked: refused once past the limit, the rest drained.
-    let mut chunked = Vec::new();
-    for c in body.chunks(64 * 1024) {
-        chunked.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
-        chunked.extend_from_slice(c);
-        chunked.extend_from_slice(b"\r\n");
-    }
-    chunked.extend_from_slice(b"0\r\n\r\n");
+    let chunked = chunked_encoding(&body, 64 * 1024);
     let head = format!(
         "POST {CHAT} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
     );
@@ -305,6 +311,45 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
 /// fill it and a normal request still gets through; each is answered 408 (OpenAI-style JSON)
 /// once `body_read_timeout_secs` has passed, however it paces its bytes, and its connection is
 /// closed.
+/// Framed as Pingora frames it: the last transfer coding decides. `identity` then `chunked` is
+/// a chunked body, served whole (reading only the first header line took it for a body of
+/// Content-Length 0 and failed a 100 KB one with a 500); a last coding other than `chunked` is
+/// refused (400).
+#[test]
+fn the_last_transfer_coding_frames_the_body() {
+    let sim = Sim::instant("e0");
+    let proxy = Proxy::start("", &[&sim], true);
+    let ok = chat_body("sim-model", &text(8, 100_000), "");
+    let ok_chunked = chunked_encoding(&ok, 16 * 1024);
+    for (codings, status) in [
+        (
+            "Transfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\n",
+            200,
+        ),
+        (
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n",
+            400,
+        ),
+    ] {
+        let head = format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Type: application/json\r\n{codings}\r\n"
+        );
+        let r = raw_upload(proxy.addr, &head, &ok_chunked).expect("an answer");
+        assert_eq!(
+            r.status,
+            status,
+            "{codings}: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+        if status == 200 {
+            assert_eq!(
+                r.header("x-sim-body-len"),
+                Some(ok.len().to_string().as_str())
+            );
+        }
+    }
+}
+
 #[test]
 fn slow_uploads_cannot_hold_the_body_budget() {
     let sim = Sim::instant("e0");
