@@ -13,6 +13,9 @@ use crate::service::{Ctx, Gateway};
 const MAX_USAGE_BODY: usize = 4 << 20;
 /// Longest SSE line kept while looking for `usage`.
 const MAX_SSE_LINE: usize = 1 << 20;
+/// Most tokens one answer's usage counts, in each field (about 4 billion: far beyond any
+/// context, far below what would wrap a 64-bit counter).
+pub(crate) const MAX_USAGE_TOKENS: u64 = u32::MAX as u64;
 
 /// Where a successful response's `usage` is looked for while its body passes through: the SSE
 /// events of a stream, or the JSON document (at most 4 MiB of it; past that, nothing).
@@ -94,11 +97,17 @@ impl Gateway {
         u
     }
 
-    /// Counts the tokens `u` reports and confirms or refutes `p` in the residency index.
+    /// Counts the tokens `u` reports (each count at most [`MAX_USAGE_TOKENS`], cached at most
+    /// prompt) and confirms or refutes `p` in the residency index.
     pub(crate) fn settle(&self, u: Option<Usage>, p: &Prediction<'_>) {
-        let Some(u) = u else {
+        let Some(mut u) = u else {
             return;
         };
+        // The engine's numbers are its claim: one answer cannot wrap a counter, nor report
+        // more cached tokens than prompt tokens (the hit ratio stays within 0..=1).
+        u.prompt_tokens = u.prompt_tokens.min(MAX_USAGE_TOKENS);
+        u.completion_tokens = u.completion_tokens.map(|c| c.min(MAX_USAGE_TOKENS));
+        u.cached_tokens = u.cached_tokens.map(|c| c.min(u.prompt_tokens));
         self.metrics.prompt_tokens.inc_by(u.prompt_tokens);
         if let Some(c) = u.completion_tokens {
             self.metrics.completion_tokens.inc_by(c);
@@ -135,5 +144,62 @@ impl Gateway {
             .residency_verdicts
             .with_label_values(&[verdict.label()])
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ProxyConfig;
+    use crate::fleet::Fleet;
+    use crate::testing::{engine_addr, gateway_over};
+    use kvmesh_filters::route::PromptSize;
+
+    /// An engine's usage is its claim: more cached than prompt tokens counts as all of the
+    /// prompt, and a count near u64::MAX neither wraps the counters nor reaches them whole.
+    #[test]
+    fn hostile_usage_numbers_are_bounded_in_the_counters() {
+        let fleet = Fleet::new(
+            vec![engine_addr(
+                "a",
+                "http://127.0.0.1:1",
+                "127.0.0.1:1",
+                &["m"],
+            )],
+            std::time::Duration::from_secs(5),
+        );
+        let gw = gateway_over(ProxyConfig::default(), fleet);
+        let facts = RequestFacts {
+            model: "m".into(),
+            chain: Vec::new(),
+            size: PromptSize {
+                total_bytes: 0,
+                block_bytes: 1,
+            },
+            block_tokens: None,
+            session_key: None,
+            hop: false,
+        };
+        let p = Prediction {
+            facts: &facts,
+            engine: NodeId(0),
+            overlap_blocks: 0,
+            settled: true,
+        };
+        let usage = |prompt, cached, completion| Usage {
+            prompt_tokens: prompt,
+            cached_tokens: Some(cached),
+            completion_tokens: Some(completion),
+        };
+        gw.settle(Some(usage(10, u64::MAX, 3)), &p);
+        let m = &gw.metrics;
+        assert_eq!((m.prompt_tokens.get(), m.cached_tokens.get()), (10, 10));
+        for _ in 0..3 {
+            gw.settle(Some(usage(u64::MAX, u64::MAX, u64::MAX)), &p);
+        }
+        let big = 3 * MAX_USAGE_TOKENS;
+        assert_eq!(m.prompt_tokens.get(), 10 + big);
+        assert_eq!(m.cached_tokens.get(), 10 + big);
+        assert_eq!(m.completion_tokens.get(), 3 + big);
     }
 }
