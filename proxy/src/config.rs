@@ -965,8 +965,10 @@ impl ProxyConfig {
         if self.residency.capacity_per_node == 0 {
             p.push("`residency.capacity_per_node` must be > 0".into());
         }
-        if self.upstream.max_attempts == 0 {
-            p.push("`upstream.max_attempts` must be >= 1".into());
+        // Pingora retries a request at most 16 times (its `max_retries`): more would be
+        // silently fewer.
+        if !(1..=16).contains(&self.upstream.max_attempts) {
+            p.push("`upstream.max_attempts` must be in 1..=16".into());
         }
         if self.upstream.connect_timeout_ms == 0 || self.upstream.read_timeout_secs == 0 {
             p.push("`upstream` timeouts must be > 0".into());
@@ -1752,6 +1754,8 @@ mod tests {
             ("[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"\nkv_events_topic = \"t\"", "`kv_events_topic` is set without `kv_events`"),
             ("[sidecar]\nhome_choices = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`sidecar.home_choices` must be between 1 and 16"),
             ("[sidecar]\nhome_choices = 17\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`sidecar.home_choices` must be between 1 and 16"),
+            ("[upstream]\nmax_attempts = 0\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`upstream.max_attempts` must be in 1..=16"),
+            ("[upstream]\nmax_attempts = 17\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:1\"", "`upstream.max_attempts` must be in 1..=16"),
         ];
         for (text, needle) in cases {
             let msg = match ProxyConfig::from_toml(text) {
