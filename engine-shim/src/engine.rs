@@ -222,6 +222,9 @@ pub struct Stats {
     pub pagein_rejected: [AtomicU64; 5],
     /// Page-ins from kvagent that timed out (treated as misses).
     pub pagein_timeouts: AtomicU64,
+    /// Page-ins not asked for, because one timed out within the last
+    /// [`crate::kvstore::PAGEIN_PAUSE`] (treated as misses).
+    pub pagein_skipped: AtomicU64,
     /// Page-ins from kvagent that failed (treated as misses).
     pub pagein_errors: AtomicU64,
     /// Blocks whose write-through to kvagent was dropped: too many were in flight.

@@ -9,6 +9,8 @@
 //!
 //! The MAC key comes from the configuration (`kv_mac_key` or `kv_mac_key_file`) or is random per
 //! start: then blocks spilled by an earlier run (or by another engine) are rejected, not reused.
+//! Either way it is bound to the engine's weights ([`MacKey::for_weights`]): engines that share
+//! a key but not a model file and weight type do not take each other's blocks.
 //!
 //! Every kvagent call is bounded: a page-in waits at most `kvagent_fetch_timeout_ms` (then it is
 //! a miss, counted in `engine_shim_kv_pagein_timeouts_total`), and write-through batches in
@@ -88,6 +90,16 @@ impl MacKey {
         MacKey::from_hex(&text)
     }
 
+    /// This key bound to the weights an engine computes KV with (`fingerprint`, from
+    /// [`weights_fingerprint`]): blocks sealed by an engine with the same secret but other
+    /// weights (another model file under the same name, another weight type) fail the MAC,
+    /// since their KV is not what this engine would compute.
+    pub fn for_weights(&self, fingerprint: &[u8; 32]) -> MacKey {
+        MacKey {
+            key: *blake3::keyed_hash(&self.key, fingerprint).as_bytes(),
+        }
+    }
+
     /// A random key (a CSPRNG seeded by the OS): blocks sealed by any other key are rejected.
     pub fn random() -> Self {
         use rand::RngCore;
@@ -95,6 +107,17 @@ impl MacKey {
         rand::rng().fill_bytes(&mut secret);
         MacKey::from_bytes(&secret)
     }
+}
+
+/// What the KV of an engine depends on beyond the prompt: BLAKE3 of the model file's bytes
+/// (`model_file`, as the engine loaded it), then the weight type's name (`f32`, `bf16`,
+/// `q8_0`).
+pub fn weights_fingerprint(model_file: &[u8], weights: &str) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(model_file);
+    h.update(&(weights.len() as u64).to_le_bytes());
+    h.update(weights.as_bytes());
+    *h.finalize().as_bytes()
 }
 
 /// The MAC of a block: keyed BLAKE3 (the key derived from the secret under its own context) over
@@ -237,7 +260,14 @@ pub struct KvagentStore {
     /// The `kv_epoch`s kvagent answered writes with: a new one means it restarted or was
     /// cleared since.
     epoch: Arc<EpochWatch>,
+    /// No page-in is asked for before then: the last one timed out.
+    pagein_paused_until: Option<std::time::Instant>,
 }
+
+/// How long page-ins pause after one timed out. Each waits on the engine loop, so a kvagent
+/// that accepts connections but never answers would otherwise cost every admission a whole
+/// timeout while every running stream waits; paused, it costs one timeout per pause.
+pub const PAGEIN_PAUSE: Duration = Duration::from_secs(10);
 
 /// Epochs remembered, so that one seen again (answers arriving out of order, two agents
 /// behind one address) is no news.
@@ -321,6 +351,7 @@ impl KvagentStore {
             limits,
             stats,
             epoch: Arc::default(),
+            pagein_paused_until: None,
         }
     }
 }
@@ -389,6 +420,13 @@ impl BlockStore for KvagentStore {
     }
 
     fn get_leading(&mut self, digests: &[Digest]) -> Vec<Vec<u8>> {
+        if let Some(until) = self.pagein_paused_until {
+            if std::time::Instant::now() < until {
+                self.stats.pagein_skipped.fetch_add(1, Ordering::Relaxed);
+                return Vec::new();
+            }
+            self.pagein_paused_until = None;
+        }
         let mut client = self.client.clone();
         let req = kvagent::pb::GetBlocksRequest {
             digests: digests
@@ -443,9 +481,11 @@ impl BlockStore for KvagentStore {
             }
             Err(_) => {
                 stats.pagein_timeouts.fetch_add(1, Ordering::Relaxed);
+                self.pagein_paused_until = Some(std::time::Instant::now() + PAGEIN_PAUSE);
                 tracing::warn!(
                     timeout_ms = self.limits.fetch_timeout.as_millis() as u64,
-                    "kvagent GetBlocks timed out; computing instead"
+                    pause_s = PAGEIN_PAUSE.as_secs(),
+                    "kvagent GetBlocks timed out; computing instead, and asking for no page-in meanwhile"
                 );
                 Vec::new()
             }

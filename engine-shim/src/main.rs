@@ -462,6 +462,10 @@ fn run() -> anyhow::Result<()> {
         min_p = sampling.min_p,
         "default sampling (the model file's hints, else llama.cpp's defaults)"
     );
+    // Only where blocks go to kvagent, whose MAC key it binds; hashed from the bytes already
+    // loaded rather than read from disk again.
+    let fingerprint = (!cfg.kvagent_url.is_empty())
+        .then(|| engine_shim::kvstore::weights_fingerprint(g.bytes(), cfg.weights.as_str()));
     drop(g);
     let max_model_len = if cfg.max_model_len == 0 {
         model.cfg.context
@@ -522,7 +526,9 @@ fn run() -> anyhow::Result<()> {
             rt.handle().clone(),
             client,
             cfg.served_model_name.clone(),
-            mac_key(&cfg)?,
+            mac_key(&cfg)?.for_weights(
+                &fingerprint.context("the weights' fingerprint is taken where kvagent is set")?,
+            ),
             KvBlock::bytes(&model.cfg),
             Limits {
                 fetch_timeout,

@@ -200,6 +200,7 @@ fn metrics(app: &App) -> String {
          # TYPE engine_shim_requests_failed_total counter\nengine_shim_requests_failed_total {}\n\
          # TYPE engine_shim_kv_pagein_timeouts_total counter\nengine_shim_kv_pagein_timeouts_total {}\n\
          # TYPE engine_shim_kv_pagein_errors_total counter\nengine_shim_kv_pagein_errors_total {}\n\
+         # TYPE engine_shim_kv_pagein_skipped_total counter\nengine_shim_kv_pagein_skipped_total {}\n\
          # TYPE engine_shim_kv_writethrough_dropped_blocks_total counter\nengine_shim_kv_writethrough_dropped_blocks_total {}\n\
          # TYPE engine_shim_kv_writethrough_failed_total counter\nengine_shim_kv_writethrough_failed_total {}\n\
          # TYPE engine_shim_kv_writethrough_resyncs_total counter\nengine_shim_kv_writethrough_resyncs_total {}\n\
@@ -219,6 +220,7 @@ fn metrics(app: &App) -> String {
         s.requests_failed.load(Ordering::Relaxed),
         s.pagein_timeouts.load(Ordering::Relaxed),
         s.pagein_errors.load(Ordering::Relaxed),
+        s.pagein_skipped.load(Ordering::Relaxed),
         s.writethrough_dropped_blocks.load(Ordering::Relaxed),
         s.writethrough_failed.load(Ordering::Relaxed),
         s.writethrough_resyncs.load(Ordering::Relaxed),
@@ -874,6 +876,28 @@ async fn whole(
     ))
 }
 
+/// A streamed response's body, fed by the task that turns engine events into SSE frames. Its
+/// sender learns when hyper drops it (the client closed the connection) through
+/// [`mpsc::Sender::closed`], even while no frame is due: the body channel of `http-body-util`
+/// tells only at the next send.
+struct SseBody {
+    frames: mpsc::Receiver<Bytes>,
+}
+
+impl hyper::body::Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.frames
+            .poll_recv(cx)
+            .map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
 fn stream(
     app: Arc<App>,
     mut rx: mpsc::UnboundedReceiver<Event>,
@@ -881,7 +905,8 @@ fn stream(
     include_usage: bool,
 ) -> Response<Body> {
     let (chat, id) = (reply.chat, reply.id.clone());
-    let (mut tx, body) = http_body_util::channel::Channel::<Bytes, Infallible>::new(8);
+    let (tx, frames) = mpsc::channel::<Bytes>(8);
+    let body = SseBody { frames };
     tokio::spawn(async move {
         let created = now_secs();
         let object = if chat {
@@ -898,11 +923,21 @@ fn stream(
             let first = chunk(
                 json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}),
             );
-            if tx.send(Frame::data(first)).await.is_err() {
+            if tx.send(first).await.is_err() {
                 return;
             }
         }
-        while let Some(ev) = rx.recv().await {
+        loop {
+            // A client that leaves before its first token (queued, or prefilling) is noticed
+            // here: hyper drops the body when the connection closes, and dropping `rx` tells
+            // the engine, which drops the request before its next step.
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                () = tx.closed() => return,
+            };
+            let Some(ev) = ev else {
+                return;
+            };
             let frame = match ev {
                 Event::Started {
                     prompt_tokens,
@@ -927,19 +962,15 @@ fn stream(
                     } else {
                         json!({"index": 0, "text": "", "finish_reason": finish_reason})
                     });
-                    if tx.send(Frame::data(last)).await.is_err() {
+                    if tx.send(last).await.is_err() {
                         return;
                     }
                     if include_usage {
                         let v = json!({"id": id, "object": object, "created": created, "model": app.model_name,
                                        "choices": [], "usage": reply.usage(prompt, cached, completion_tokens, &eviction)});
-                        let _ = tx
-                            .send(Frame::data(Bytes::from(format!("data: {v}\n\n"))))
-                            .await;
+                        let _ = tx.send(Bytes::from(format!("data: {v}\n\n"))).await;
                     }
-                    let _ = tx
-                        .send(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))
-                        .await;
+                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                     return;
                 }
                 Event::Failed { message } => {
@@ -948,12 +979,12 @@ fn stream(
                     let mut b = b"data: ".to_vec();
                     b.extend_from_slice(&e.to_json());
                     b.extend_from_slice(b"\n\ndata: [DONE]\n\n");
-                    let _ = tx.send(Frame::data(Bytes::from(b))).await;
+                    let _ = tx.send(Bytes::from(b)).await;
                     return;
                 }
             };
             // A closed body means the client left: dropping `rx` stops the generation.
-            if tx.send(Frame::data(frame)).await.is_err() {
+            if tx.send(frame).await.is_err() {
                 return;
             }
         }

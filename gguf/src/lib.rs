@@ -239,6 +239,11 @@ impl<'a> Cursor<'a> {
 }
 
 impl Gguf {
+    /// The whole file as read.
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
     /// Reads and parses `path`.
     pub fn open(path: &Path) -> Result<Self, GgufError> {
         let data = std::fs::read(path).map_err(|source| GgufError::Io {
