@@ -114,6 +114,60 @@ pub struct SimConfig {
     pub tokenizer_gguf: Option<PathBuf>,
 }
 
+impl SimConfig {
+    /// The step-time model these settings give.
+    pub fn costs(&self) -> StepCosts {
+        StepCosts {
+            prefill_us_per_token: self.prefill_us_per_token,
+            decode_us_per_step: self.decode_us_per_step,
+            decode_us_per_seq: self.decode_us_per_seq,
+            max_batch_tokens: self.max_batch_tokens,
+        }
+    }
+}
+
+/// The simulator's step-time model (module docs), one definition for the scheduler and for
+/// the TTFT floor a benchmark reports beside its results.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCosts {
+    /// Microseconds of step time per prefilled prompt token.
+    pub prefill_us_per_token: f64,
+    /// Microseconds of step time when any request decodes.
+    pub decode_us_per_step: f64,
+    /// Extra microseconds of step time per decoding request.
+    pub decode_us_per_seq: f64,
+    /// Most prompt tokens prefilled in one step.
+    pub max_batch_tokens: u64,
+}
+
+impl StepCosts {
+    /// How long a step that prefills `prefill` tokens while `decoding` requests decode lasts,
+    /// in microseconds (before the scheduler's 1 ms timer rounds it up).
+    pub fn step_us(&self, prefill: u64, decoding: usize) -> f64 {
+        let mut us = prefill as f64 * self.prefill_us_per_token;
+        if decoding > 0 {
+            us += self.decode_us_per_step + decoding as f64 * self.decode_us_per_seq;
+        }
+        us
+    }
+
+    /// The least TTFT a request that computes `uncached` prompt tokens can get, in
+    /// microseconds: it waits for nothing, its chunks fill whole steps, and `decoding` other
+    /// requests decode throughout. A lower bound on what the scheduler gives it (which also
+    /// rounds each step up to its timer).
+    pub fn ttft_floor_us(&self, uncached: u64, decoding: usize) -> f64 {
+        let per_step = self.max_batch_tokens.max(1);
+        let uncached = uncached.max(1);
+        let full = uncached / per_step;
+        let rest = uncached % per_step;
+        let mut us = full as f64 * self.step_us(per_step, decoding);
+        if rest > 0 {
+            us += self.step_us(rest, decoding);
+        }
+        us
+    }
+}
+
 enum Event {
     Token(u64),
     Done,
@@ -405,10 +459,7 @@ impl Engine {
                 notified.await;
                 continue;
             };
-            let mut us = prefill as f64 * self.cfg.prefill_us_per_token;
-            if decoding > 0 {
-                us += self.cfg.decode_us_per_step + decoding as f64 * self.cfg.decode_us_per_seq;
-            }
+            let us = self.cfg.costs().step_us(prefill, decoding);
             if us >= 1.0 {
                 tokio::time::sleep(Duration::from_micros(us as u64)).await;
             } else {
@@ -766,18 +817,29 @@ async fn post(
         .unwrap_or_else(|_| error(500, "response build failed"))
 }
 
-/// The oracle: the token hit ratio one simulated engine with an infinite cache would reach on
-/// `bodies` sent one after another (with `tokenizer`, and the simulator's block size and
-/// at-least-one-token rule). No router can beat it.
-pub fn oracle_hit_ratio<'a>(
+/// What the oracle saw: one simulated engine with an infinite cache, `bodies` sent one after
+/// another (with the run's tokenizer, and the simulator's block size and at-least-one-token
+/// rule). No router can beat its hit ratio, nor its prompts' uncached tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Oracle {
+    /// Cached over prompt tokens, all requests together.
+    pub hit_ratio: f64,
+    /// Each request's prompt tokens the oracle had to compute, in order (requests that could
+    /// not be tokenized are left out).
+    pub uncached_tokens: Vec<u64>,
+}
+
+/// Runs the oracle (see [`Oracle`]) over `bodies`.
+pub fn oracle<'a>(
     model: &str,
     block_tokens: usize,
     tokenizer: &SimTokenizer,
     bodies: impl IntoIterator<Item = &'a Value>,
-) -> f64 {
+) -> Oracle {
     let ns = Namespace::new(model, b"");
     let mut seen = std::collections::HashSet::new();
     let (mut hit, mut total) = (0u64, 0u64);
+    let mut uncached_tokens = Vec::new();
     for body in bodies {
         let chat = body.get("messages").is_some();
         let Ok(tokens) = tokenizer.prompt_tokens(body, chat) else {
@@ -788,12 +850,16 @@ pub fn oracle_hit_ratio<'a>(
         let cached = cached_tokens(blocks, block_tokens, tokens.len());
         hit += cached;
         total += tokens.len() as u64;
+        uncached_tokens.push(tokens.len() as u64 - cached);
         seen.extend(chain);
     }
-    if total == 0 {
-        0.0
-    } else {
-        hit as f64 / total as f64
+    Oracle {
+        hit_ratio: if total == 0 {
+            0.0
+        } else {
+            hit as f64 / total as f64
+        },
+        uncached_tokens,
     }
 }
 
@@ -881,6 +947,60 @@ mod tests {
             tok.text(&solid),
             Ok(tokenizer.encode(&solid).expect("encodes"))
         );
+    }
+
+    #[test]
+    fn the_ttft_floor_sums_whole_steps_of_the_step_model() {
+        let c = StepCosts {
+            prefill_us_per_token: 5.0,
+            decode_us_per_step: 8000.0,
+            decode_us_per_seq: 100.0,
+            max_batch_tokens: 8192,
+        };
+        // Alone: only prefill, however many steps it spans.
+        assert_eq!(c.ttft_floor_us(10_000, 0), 50_000.0);
+        // Beside decoding requests every step of its prefill also pays the decode part:
+        // 8,192 + 1,808 tokens are two steps.
+        assert_eq!(c.ttft_floor_us(10_000, 1), 50_000.0 + 2.0 * 8100.0);
+        assert_eq!(c.ttft_floor_us(8192, 3), 8192.0 * 5.0 + 8300.0);
+        // At least one token is computed, as the scheduler does.
+        assert_eq!(c.ttft_floor_us(0, 1), 5.0 + 8100.0);
+        assert_eq!(c.step_us(100, 0), 500.0);
+        let zero_budget = StepCosts {
+            max_batch_tokens: 0,
+            ..c
+        };
+        assert_eq!(zero_budget.ttft_floor_us(3, 1), 3.0 * (5.0 + 8100.0));
+    }
+
+    #[test]
+    fn the_oracle_counts_each_requests_uncached_tokens() {
+        let tok = SimTokenizer::new(None).expect("the built-in tokenizer");
+        let doc = "a".repeat(4 * 64);
+        let first = json!({"messages": [{"role": "user", "content": doc}]});
+        let longer =
+            json!({"messages": [{"role": "user", "content": doc.clone() + &"b".repeat(4 * 40)}]});
+        let o = oracle("m", 16, &tok, [&first, &longer, &first]);
+        let t1 = tok.prompt_tokens(&first, true).expect("tokenizes");
+        let t2 = tok.prompt_tokens(&longer, true).expect("tokenizes");
+        let (n1, n2) = (t1.len() as u64, t2.len() as u64);
+        let shared = t1.iter().zip(&t2).take_while(|(a, b)| a == b).count() as u64;
+        let shared_blocks = shared / 16 * 16;
+        assert!(
+            shared_blocks >= 48,
+            "the two share their leading blocks: {shared}"
+        );
+        assert_eq!(o.uncached_tokens.len(), 3);
+        // All of the first; the second's tokens past the whole blocks it shares with the
+        // first; the repeat's tail past its own whole blocks, at least one token (as the
+        // engine computes).
+        let repeat_cached = (n1 / 16 * 16).min(n1 - 1);
+        assert_eq!(
+            o.uncached_tokens,
+            vec![n1, n2 - shared_blocks, n1 - repeat_cached]
+        );
+        let cached = shared_blocks + repeat_cached;
+        assert!((o.hit_ratio - cached as f64 / (2 * n1 + n2) as f64).abs() < 1e-12);
     }
 
     #[test]

@@ -79,7 +79,35 @@ fn compare_replays_a_trace_through_kvmesh() {
         hit > 0.8 * oracle,
         "kvmesh-prefix hit ratio {hit} vs oracle {oracle}"
     );
-    assert!(dir.join("result.md").exists());
+    // The TTFT floor: the oracle's uncached tokens under the engines' step model, with no
+    // wait. It is a lower bound on every target, and a decoding neighbour raises it.
+    let floors = v["ttft_floor"].as_array().unwrap();
+    let floor = |i: usize, k: &str| -> Vec<f64> {
+        match &floors[i][k] {
+            serde_json::Value::Array(a) => a.iter().map(|x| x.as_f64().unwrap()).collect(),
+            x => vec![x.as_f64().unwrap()],
+        }
+    };
+    assert_eq!(floors.len(), 2, "{floors:?}");
+    assert_eq!(floors[0]["decoding"], 0);
+    assert_eq!(floors[1]["decoding"], 1);
+    assert!(floor(0, "mean_ms")[0] > 0.0, "{floors:?}");
+    assert!(
+        floor(1, "mean_ms")[0] > floor(0, "mean_ms")[0],
+        "{floors:?}"
+    );
+    for r in results {
+        let s = &r["summary"];
+        let p99 = s["ttft_ms"][2].as_f64().unwrap();
+        let mean = s["mean_ttft_ms"].as_f64().unwrap();
+        assert!(floor(0, "ttft_ms")[2] <= p99, "{floors:?} vs {s}");
+        assert!(floor(0, "mean_ms")[0] <= mean, "{floors:?} vs {s}");
+    }
+    let md = std::fs::read_to_string(dir.join("result.md")).unwrap();
+    assert!(
+        md.contains("| floor: oracle's cache, no wait, 1 decoding beside |"),
+        "{md}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

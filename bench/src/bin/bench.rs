@@ -323,6 +323,16 @@ struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// The engines' step-time model.
+    fn costs(&self) -> sim::StepCosts {
+        sim::StepCosts {
+            prefill_us_per_token: self.prefill_us_per_token,
+            decode_us_per_step: self.decode_us_per_step,
+            decode_us_per_seq: self.decode_us_per_seq,
+            max_batch_tokens: self.max_batch_tokens,
+        }
+    }
+
     fn sim_args(&self, cache_blocks: usize) -> Vec<String> {
         [
             ("--cache-blocks", cache_blocks.to_string()),
@@ -713,12 +723,54 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
 }
 
 /// The oracle for a plan: one infinite-cache engine, requests in order.
-fn oracle(plan: &[workload::Planned], model: &str, tokenizer: &sim::SimTokenizer) -> f64 {
+fn oracle(plan: &[workload::Planned], model: &str, tokenizer: &sim::SimTokenizer) -> sim::Oracle {
     let bodies: Vec<serde_json::Value> = plan
         .iter()
         .filter_map(|p| serde_json::from_slice(&p.body(model)).ok())
         .collect();
-    sim::oracle_hit_ratio(model, 16, tokenizer, bodies.iter())
+    sim::oracle(model, 16, tokenizer, bodies.iter())
+}
+
+/// The TTFT no router can beat on a plan: each request computes only what the oracle computed
+/// and waits for nothing, with `decoding` other requests decoding on its engine throughout
+/// ([`sim::StepCosts::ttft_floor_us`]).
+#[derive(Debug, serde::Serialize)]
+struct TtftFloor {
+    /// Requests decoding beside each one.
+    decoding: usize,
+    /// Mean, ms.
+    mean_ms: f64,
+    /// p50 / p90 / p99, ms.
+    ttft_ms: [f64; 3],
+}
+
+impl TtftFloor {
+    fn of(oracle: &sim::Oracle, costs: sim::StepCosts, decoding: usize) -> Self {
+        let ms: Vec<f64> = oracle
+            .uncached_tokens
+            .iter()
+            .map(|&t| costs.ttft_floor_us(t, decoding) / 1e3)
+            .collect();
+        let mean_ms = if ms.is_empty() {
+            0.0
+        } else {
+            ms.iter().sum::<f64>() / ms.len() as f64
+        };
+        Self {
+            decoding,
+            mean_ms,
+            ttft_ms: load::percentiles(ms),
+        }
+    }
+
+    /// A row of the results' table (only the TTFT columns filled).
+    fn row(&self, oracle_hit: f64) -> String {
+        let [p50, p90, p99] = self.ttft_ms;
+        format!(
+            "| floor: oracle's cache, no wait, {} decoding beside | - | - | {oracle_hit:.3} | {:.1} | {p50:.1} | {p90:.1} | {p99:.1} | - | - | - | - | - |",
+            self.decoding, self.mean_ms
+        )
+    }
 }
 
 fn full_header() {
@@ -921,6 +973,9 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
     let e = &a.engines;
     let tokenizer = sim::SimTokenizer::new(e.engine_tokenizer.as_deref())?;
     let oracle = oracle(&plan, &a.spec.model, &tokenizer);
+    // Alone on an idle engine, and beside one decoding request (engines under load are
+    // seldom idle, and every step they decode in costs a decode step more).
+    let floors = [0, 1].map(|d| TtftFloor::of(&oracle, e.costs(), d));
     println!("workload: {what}");
     println!(
         "engines: {} x kvmesh-sim-engine per target, fresh for each run; {} us/prompt token, {} ms/decode step + {} us/decoding request, {} prompt tokens/step; tokens: {}",
@@ -930,13 +985,30 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
             |p| format!("the chat template and vocabulary of {}", p.display())
         )
     );
-    println!("oracle (one engine, infinite cache): token hit ratio {oracle:.3}\n");
+    println!(
+        "oracle (one engine, infinite cache): token hit ratio {:.3}",
+        oracle.hit_ratio
+    );
+    for f in &floors {
+        let [p50, p90, p99] = f.ttft_ms;
+        println!(
+            "TTFT floor (the oracle's uncached tokens, no wait, {} decoding beside): mean {:.1} ms, p50 {p50:.1}, p90 {p90:.1}, p99 {p99:.1}",
+            f.decoding, f.mean_ms
+        );
+    }
+    println!();
     let mut results = Vec::new();
     let mut markdown = String::new();
     for &cap in &e.cache_blocks {
         println!("### cache {cap} blocks (16 tokens) per replica\n");
         full_header();
         markdown.push_str(&format!("### cache {cap} blocks per replica\n\n"));
+        for f in &floors {
+            let row = f.row(oracle.hit_ratio);
+            println!("{row}");
+            markdown.push_str(&row);
+            markdown.push('\n');
+        }
         for target in &a.targets {
             let sims = (0..e.replicas)
                 .map(|i| procs::sim(&format!("engine-{i}"), &e.sim_args(cap)))
@@ -998,7 +1070,8 @@ async fn compare(a: CompareArgs) -> anyhow::Result<()> {
         "workload": what,
         "spec": a.spec,
         "engines": a.engines,
-        "oracle_hit_ratio": oracle,
+        "oracle_hit_ratio": oracle.hit_ratio,
+        "ttft_floor": floors,
         "results": results,
     });
     std::fs::write(&a.out, serde_json::to_vec_pretty(&json)?)?;
