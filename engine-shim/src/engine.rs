@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use crate::cache::{KvBlock, PrefixCache, BLOCK_TOKENS};
 use crate::evict::{self, Eviction, EvictionReport, Policy};
 use crate::model::{Chunk, KvCache, Llama};
-use crate::tokenizer::ModelTokenizer;
+use crate::tokenizer::{ModelTokenizer, TextStream};
 
 /// Sampling and stopping.
 #[derive(Debug, Clone)]
@@ -324,8 +324,13 @@ struct Seq {
     chain: Vec<Digest>,
     /// `None` while waiting (new or preempted).
     kv: Option<KvCache>,
-    generated: Vec<u32>,
-    /// Bytes of text already sent.
+    /// Tokens generated (EOS not counted).
+    generated: usize,
+    /// Their text so far, a piece at a time.
+    detok: TextStream,
+    /// Their text: every piece `detok` gave.
+    text: String,
+    /// Bytes of `text` already sent.
     sent: usize,
     rng: fastrand::Rng,
     /// Prompt tokens reused from the cache at first admission (`None`: not admitted yet).
@@ -526,7 +531,9 @@ impl Worker {
             tokens: job.prompt.clone(),
             chain,
             kv: None,
-            generated: Vec::new(),
+            generated: 0,
+            detok: TextStream::default(),
+            text: String::new(),
             sent: 0,
             rng: fastrand::Rng::with_seed(seed),
             cached: None,
@@ -920,14 +927,21 @@ impl Worker {
         let s = &mut self.running[i];
         let p = &s.job.params;
         let mut finish = None;
+        let before = s.text.len();
         if next == eos {
             finish = Some("stop");
         } else {
-            s.generated.push(next);
+            s.generated += 1;
             self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            match self.tokenizer.decode_step(&mut s.detok, next) {
+                Ok(Some(piece)) => s.text.push_str(&piece),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(token = next, "detokenising: {e}"),
+            }
         }
-        let text = self.tokenizer.decode(&s.generated).unwrap_or_default();
-        if finish.is_none() && p.stop.iter().any(|st| text.contains(st.as_str())) {
+        let text = &s.text;
+        // A stop string before `before` would have ended the request when it came.
+        if finish.is_none() && p.stop.iter().any(|st| ends_after(text, before, st)) {
             finish = Some("stop");
         }
         if finish.is_none() {
@@ -935,7 +949,7 @@ impl Worker {
             let hold = p
                 .stop
                 .iter()
-                .map(|st| longest_suffix_prefix(&text, st))
+                .map(|st| longest_suffix_prefix(text, st))
                 .max()
                 .unwrap_or(0);
             let mut upto = text.len() - hold;
@@ -952,7 +966,7 @@ impl Worker {
                 }
                 s.sent = upto;
             }
-            if s.generated.len() >= p.max_tokens {
+            if s.generated >= p.max_tokens {
                 finish = Some("length");
             }
         }
@@ -960,6 +974,12 @@ impl Worker {
             s.tokens.push(next);
             return Outcome::Continue;
         };
+        // Text held back for an incomplete UTF-8 sequence ends the answer as U+FFFD.
+        match self.tokenizer.decode_rest(&s.detok) {
+            Ok(rest) => s.text.push_str(&rest),
+            Err(e) => tracing::warn!("detokenising: {e}"),
+        }
+        let text = &s.text;
         let text = match p.stop.iter().filter_map(|st| text.find(st.as_str())).min() {
             Some(cut) => &text[..cut],
             None => &text[..],
@@ -970,7 +990,7 @@ impl Worker {
         }
         tracing::debug!(
             prompt = s.job.prompt.len(),
-            generated = s.generated.len(),
+            generated = s.generated,
             ms = s.started.elapsed().as_secs_f64() * 1e3,
             "request done"
         );
@@ -980,7 +1000,7 @@ impl Worker {
         }
         last.push(Event::Done {
             finish_reason,
-            completion_tokens: s.generated.len(),
+            completion_tokens: s.generated,
             eviction: s.evicted,
         });
         Outcome::Finish(last)
@@ -1076,6 +1096,16 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// Whether `stop` occurs in `text` ending after byte `old`: only such a match can be new
+/// since `text` was `old` bytes long, so the text is searched once, not after every token.
+fn ends_after(text: &str, old: usize, stop: &str) -> bool {
+    let mut from = old.saturating_sub(stop.len().saturating_sub(1));
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    text[from..].contains(stop)
+}
+
 /// Length of the longest suffix of `text` that is a proper prefix of `stop`.
 fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
     (1..stop.len().min(text.len() + 1))
@@ -1149,7 +1179,7 @@ fn pick(probs: &[f32], p: &SamplingParams, r: f64) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_suffix_prefix, pick, SamplingParams};
+    use super::{ends_after, longest_suffix_prefix, pick, SamplingParams};
 
     fn params(top_k: usize, top_p: f64, min_p: f64) -> SamplingParams {
         SamplingParams {
@@ -1201,5 +1231,18 @@ mod tests {
             0,
             "a full match is found, not held"
         );
+    }
+
+    #[test]
+    fn a_stop_string_is_found_once_it_ends_in_new_text() {
+        // "World" ends in the new "ld".
+        assert!(ends_after("Hello World", 9, "World"));
+        // Wholly before the new text: found when it came, not again.
+        assert!(!ends_after("World, hi", 7, "World"));
+        assert!(ends_after("World, hi", 4, "World"));
+        // The search starts on a character boundary (byte 1 is inside "é").
+        assert!(ends_after("éab", 2, "ab"));
+        assert!(!ends_after("né", 3, "x"));
+        assert!(ends_after("abc", 0, "abc"));
     }
 }

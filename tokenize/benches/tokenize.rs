@@ -1,7 +1,8 @@
 //! What token mode costs the proxy per request: rendering a 32 KiB chat prompt with the model's
 //! template and tokenizing it whole, against tokenizing only the leading blocks routing hashes
 //! (`encode_prefix`, at 64 and 1,024 blocks of 16 tokens), with nothing cached and with every
-//! chunk cached (a prompt whose prefix was seen). Needs the model (scripts/setup.sh).
+//! chunk cached (a prompt whose prefix was seen); and streaming an answer's text, decoding all
+//! its ids after each one against decoding each once. Needs the model (scripts/setup.sh).
 #![allow(missing_docs)] // criterion_group! generates undocumented public functions
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvmesh_tokenize::gguf::Gguf;
-use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
+use kvmesh_tokenize::{ModelTokenizer, PrefixCache, TextStream};
 
 fn tokenizer() -> ModelTokenizer {
     let path =
@@ -83,6 +84,34 @@ fn bench(c: &mut Criterion) {
             b.iter(|| {
                 tok.encode_prefix(&prompt, blocks * 16, &cache, b"")
                     .unwrap()
+            })
+        });
+    }
+    g.finish();
+
+    // What an engine pays to stream an answer's text: decoding all of its ids after each new
+    // one (engine-shim before `decode_step`), against decoding each id once.
+    let mut g = c.benchmark_group("detokenize_answer");
+    let ids = tok.encode(&passage()).unwrap();
+    for n in [256usize, 2048] {
+        let ids = &ids[..n];
+        g.bench_function(format!("whole_after_each_{n}_tokens"), |b| {
+            b.iter(|| {
+                (1..=ids.len())
+                    .map(|k| tok.decode(&ids[..k]).unwrap().len())
+                    .sum::<usize>()
+            })
+        });
+        g.bench_function(format!("decode_step_{n}_tokens"), |b| {
+            b.iter(|| {
+                let mut stream = TextStream::default();
+                ids.iter()
+                    .map(|&id| {
+                        tok.decode_step(&mut stream, id)
+                            .unwrap()
+                            .map_or(0, |p| p.len())
+                    })
+                    .sum::<usize>()
             })
         });
     }

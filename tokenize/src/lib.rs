@@ -11,4 +11,4 @@ pub mod chat;
 mod tokenizer;
 
 pub use kvmesh_gguf as gguf;
-pub use tokenizer::{ModelTokenizer, PrefixCache, TokenizerError, MAX_UNCUT_BYTES};
+pub use tokenizer::{ModelTokenizer, PrefixCache, TextStream, TokenizerError, MAX_UNCUT_BYTES};

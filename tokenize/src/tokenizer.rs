@@ -32,6 +32,15 @@ pub enum TokenizerError {
     Template(String),
 }
 
+/// The state of one sequence's text as its ids come ([`ModelTokenizer::decode_step`]): the ids
+/// since the last piece's start and that piece's text.
+#[derive(Debug, Default)]
+pub struct TextStream {
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
 /// ggml token type of control tokens (`<|im_start|>` and the like).
 const CONTROL: i64 = 3;
 
@@ -330,6 +339,37 @@ impl ModelTokenizer {
         self.tokenizer
             .decode(ids, true)
             .map_err(|e| TokenizerError::Tokenizers(e.to_string()))
+    }
+
+    /// The text `id` adds to the ids `stream` was given before, or `None` while that text ends
+    /// in an incomplete UTF-8 sequence (a later id completes it). Each call decodes only the
+    /// ids since the last piece's start (the tokenizers crate's stream decoding), so a sequence
+    /// of n ids costs O(n), where decoding all of them after each one cost O(n²). The pieces
+    /// joined, then [`ModelTokenizer::decode_rest`], are [`ModelTokenizer::decode`] of all ids.
+    pub fn decode_step(
+        &self,
+        stream: &mut TextStream,
+        id: u32,
+    ) -> Result<Option<String>, TokenizerError> {
+        tokenizers::tokenizer::step_decode_stream(
+            &self.tokenizer,
+            vec![id],
+            true,
+            &mut stream.ids,
+            &mut stream.prefix,
+            &mut stream.prefix_index,
+        )
+        .map_err(|e| TokenizerError::Tokenizers(e.to_string()))
+    }
+
+    /// What `stream` holds back at the end: the text of ids that ended in an incomplete UTF-8
+    /// sequence, with U+FFFD for it, as [`ModelTokenizer::decode`] gives it.
+    pub fn decode_rest(&self, stream: &TextStream) -> Result<String, TokenizerError> {
+        let whole = self.decode(&stream.ids)?;
+        Ok(whole
+            .strip_prefix(stream.prefix.as_str())
+            .unwrap_or_default()
+            .to_string())
     }
 
     /// Vocabulary size.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kvmesh_tokenize::gguf::Gguf;
-use kvmesh_tokenize::{ModelTokenizer, PrefixCache};
+use kvmesh_tokenize::{ModelTokenizer, PrefixCache, TextStream};
 use proptest::prelude::*;
 
 fn tokenizer() -> &'static ModelTokenizer {
@@ -90,6 +90,41 @@ proptest! {
                 prop_assert!(!has_cut(&t, bytes + c, bytes + 4 * c), "stopped at {bytes} before a cut");
             }
         }
+    }
+}
+
+/// The pieces [`ModelTokenizer::decode_step`] gives, then what it holds back, are the text of all
+/// the ids decoded at once.
+fn streamed(tok: &ModelTokenizer, ids: &[u32]) -> String {
+    let mut stream = TextStream::default();
+    let mut out = String::new();
+    for &id in ids {
+        if let Some(piece) = tok.decode_step(&mut stream, id).unwrap() {
+            assert!(!piece.is_empty(), "an empty piece after {id}");
+            out.push_str(&piece);
+        }
+    }
+    out + &tok.decode_rest(&stream).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Ids of real text (multi-byte characters split across tokens, control tokens skipped).
+    #[test]
+    fn streamed_text_is_the_whole_decoding(t in text()) {
+        let tok = tokenizer();
+        let ids = tok.encode(&t).unwrap();
+        prop_assert_eq!(streamed(tok, &ids), tok.decode(&ids).unwrap());
+    }
+
+    /// Any ids, so also byte tokens that never complete a character, mid-sequence and last.
+    #[test]
+    fn streamed_ids_are_the_whole_decoding(
+        ids in prop::collection::vec(0u32..tokenizer().vocab_size() as u32, 0..200),
+    ) {
+        let tok = tokenizer();
+        prop_assert_eq!(streamed(tok, &ids), tok.decode(&ids).unwrap());
     }
 }
 
