@@ -928,6 +928,9 @@ impl Worker {
         let p = &s.job.params;
         let mut finish = None;
         let before = s.text.len();
+        // Text the stream holds back for an incomplete UTF-8 sequence, with U+FFFD for it: a
+        // stop string may end in it (" \xe2\x80" completes ": ").
+        let mut held = String::new();
         if next == eos {
             finish = Some("stop");
         } else {
@@ -935,13 +938,13 @@ impl Worker {
             self.stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
             match self.tokenizer.decode_step(&mut s.detok, next) {
                 Ok(Some(piece)) => s.text.push_str(&piece),
-                Ok(None) => {}
+                Ok(None) => held = self.tokenizer.decode_rest(&s.detok).unwrap_or_default(),
                 Err(e) => tracing::warn!(token = next, "detokenising: {e}"),
             }
         }
         let text = &s.text;
         // A stop string before `before` would have ended the request when it came.
-        if finish.is_none() && p.stop.iter().any(|st| ends_after(text, before, st)) {
+        if finish.is_none() && p.stop.iter().any(|st| ends_after(text, &held, before, st)) {
             finish = Some("stop");
         }
         if finish.is_none() {
@@ -1096,14 +1099,19 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Whether `stop` occurs in `text` ending after byte `old`: only such a match can be new
-/// since `text` was `old` bytes long, so the text is searched once, not after every token.
-fn ends_after(text: &str, old: usize, stop: &str) -> bool {
+/// Whether `stop` occurs in `text` followed by `held`, ending after byte `old`: only such a
+/// match can be new since `text` was `old` bytes long, so the text is searched once, not
+/// after every token.
+fn ends_after(text: &str, held: &str, old: usize, stop: &str) -> bool {
     let mut from = old.saturating_sub(stop.len().saturating_sub(1));
     while !text.is_char_boundary(from) {
         from -= 1;
     }
-    text[from..].contains(stop)
+    if held.is_empty() {
+        text[from..].contains(stop)
+    } else {
+        [&text[from..], held].concat().contains(stop)
+    }
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of `stop`.
@@ -1236,13 +1244,16 @@ mod tests {
     #[test]
     fn a_stop_string_is_found_once_it_ends_in_new_text() {
         // "World" ends in the new "ld".
-        assert!(ends_after("Hello World", 9, "World"));
+        assert!(ends_after("Hello World", "", 9, "World"));
         // Wholly before the new text: found when it came, not again.
-        assert!(!ends_after("World, hi", 7, "World"));
-        assert!(ends_after("World, hi", 4, "World"));
+        assert!(!ends_after("World, hi", "", 7, "World"));
+        assert!(ends_after("World, hi", "", 4, "World"));
+        // Ending in text held back for an incomplete character (a token " \xe2\x80").
+        assert!(ends_after("Answer:", " \u{FFFD}", 7, ": "));
+        assert!(!ends_after("Answer:", " \u{FFFD}", 7, ":\n"));
         // The search starts on a character boundary (byte 1 is inside "é").
-        assert!(ends_after("éab", 2, "ab"));
-        assert!(!ends_after("né", 3, "x"));
-        assert!(ends_after("abc", 0, "abc"));
+        assert!(ends_after("éab", "", 2, "ab"));
+        assert!(!ends_after("né", "", 3, "x"));
+        assert!(ends_after("abc", "", 0, "abc"));
     }
 }
