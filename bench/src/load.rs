@@ -414,6 +414,15 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
+/// The mean of `values` (0 when there are none).
+pub fn mean(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
+}
+
 /// p50 / p90 / p99 of `values` (nearest rank).
 pub fn percentiles(mut values: Vec<f64>) -> [f64; 3] {
     values.sort_by(f64::total_cmp);
@@ -444,11 +453,7 @@ pub fn summarize(samples: &[Sample], wall: Duration) -> Summary {
         } else {
             cached as f64 / prompt as f64
         },
-        mean_ttft_ms: if ttft.is_empty() {
-            0.0
-        } else {
-            ttft.iter().sum::<f64>() / ttft.len() as f64
-        },
+        mean_ttft_ms: mean(&ttft),
         ttft_ms: percentiles(ttft),
         latency_ms: percentiles(ok.iter().map(|s| ms(s.latency)).collect()),
         rps: samples.len() as f64 / wall_s,

@@ -125,11 +125,6 @@ impl BlockDir {
         })
     }
 
-    /// The longest block file this directory may hold.
-    fn max_file_len(&self) -> u64 {
-        file_len(usize::from(u16::MAX), self.max_payload)
-    }
-
     /// The file that holds `digest`.
     pub fn path(&self, digest: &Digest) -> PathBuf {
         self.blocks.join(format!("{}.{EXT}", digest.to_hex()))
@@ -238,7 +233,8 @@ impl BlockDir {
     pub fn read(&self, digest: &Digest) -> Result<Option<DiskBlock>, DiskError> {
         let path = self.path(digest);
         let mut buf = Vec::new();
-        let f = match open_regular(&path, self.max_file_len()) {
+        let max_len = max_file_len(self.max_payload);
+        let f = match open_regular(&path, max_len) {
             Ok(f) => f,
             Err(Opened::Missing) => return Ok(None),
             Err(Opened::Io(e)) => return Err(DiskError::io(&path, e)),
@@ -247,7 +243,7 @@ impl BlockDir {
         let read = f.metadata().and_then(|m| {
             // One exact allocation: read_to_end's doubling would copy multi-MB payloads. The
             // length was checked; a file that grows meanwhile is read no further than it.
-            let len = m.len().min(self.max_file_len());
+            let len = m.len().min(max_len);
             buf.reserve_exact(usize::try_from(len).unwrap_or(0));
             f.take(len).read_to_end(&mut buf)
         });
@@ -365,6 +361,12 @@ enum Opened {
     Refused(&'static str),
 }
 
+/// The longest block file a directory whose payloads are at most `max_payload` bytes may hold
+/// (with the longest model name a header can give).
+fn max_file_len(max_payload: u64) -> u64 {
+    file_len(usize::from(u16::MAX), max_payload)
+}
+
 /// Opens `path` for reading if it is a regular file (not followed if a link) of at most
 /// `max_len` bytes: checked before opening, so that a FIFO is never opened (that would block),
 /// and again on the opened file.
@@ -403,7 +405,7 @@ fn scan_one(path: &Path, max_payload: u64) -> Result<Option<ScannedBlock>, &'sta
     if name != Some(format!("{}.{EXT}", name_digest.to_hex()).as_str()) {
         return Err("file name is not the digest's own");
     }
-    let mut f = match open_regular(path, file_len(usize::from(u16::MAX), max_payload)) {
+    let mut f = match open_regular(path, max_file_len(max_payload)) {
         Ok(f) => f,
         Err(Opened::Refused(why)) => return Err(why),
         Err(_) => return Err("cannot open"),

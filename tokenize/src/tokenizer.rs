@@ -631,26 +631,25 @@ mod tests {
     #[test]
     fn the_cache_is_bounded_by_the_ids_it_holds() {
         const E: usize = super::ENTRY_COST_IDS;
-        let e = E;
-        let c = PrefixCache::new(8, 2 * (4 + e) + 2);
+        let c = PrefixCache::new(8, 2 * (4 + E) + 2);
         let k = |i: u8| c.key(b"", &i.to_string());
         c.put(k(1), &[1; 4]);
         c.put(k(2), &[2; 4]);
-        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + e)));
+        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + E)));
         // A third pushes out the least recently used (1; 2 was just read).
         assert!(c.get(&k(2)).is_some());
         c.put(k(3), &[3; 4]);
-        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + e)));
+        assert_eq!((c.len(), c.ids()), (2, 2 * (4 + E)));
         assert!(c.get(&k(1)).is_none());
         // Larger than the whole bound: not kept.
         c.put(k(4), &[4; 2 * 4 + E + 3]);
         assert!(c.get(&k(4)).is_none());
         // Chunks of no ids at all still count: many of them stay bounded.
-        let empty = PrefixCache::new(8, 10 * e);
+        let empty = PrefixCache::new(8, 10 * E);
         for i in 0..1000u32 {
             empty.put(empty.key(b"", &i.to_string()), &[]);
         }
-        assert_eq!((empty.len(), empty.ids()), (10, 10 * e));
+        assert_eq!((empty.len(), empty.ids()), (10, 10 * E));
         // Scopes do not share entries.
         assert_ne!(c.key(b"a", "x"), c.key(b"b", "x"));
         assert_eq!(PrefixCache::new(8, 0).len(), 0);

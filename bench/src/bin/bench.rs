@@ -751,14 +751,9 @@ impl TtftFloor {
             .iter()
             .map(|&t| costs.ttft_floor_us(t, decoding) / 1e3)
             .collect();
-        let mean_ms = if ms.is_empty() {
-            0.0
-        } else {
-            ms.iter().sum::<f64>() / ms.len() as f64
-        };
         Self {
             decoding,
-            mean_ms,
+            mean_ms: load::mean(&ms),
             ttft_ms: load::percentiles(ms),
         }
     }
