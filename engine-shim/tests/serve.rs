@@ -33,7 +33,14 @@ fn engine(extra: &[&str]) -> Proc {
 }
 
 /// Starts `cmd` (engine-shim, or a shell that execs it) with the test's arguments and `extra`.
+///
+/// One libtorch thread unless `extra` says otherwise, as the demo and compose stacks run their
+/// engines: tests run two at a time, and two engines with a thread per core each, on a 2-core
+/// machine, took 3-7x as long for the same requests (libgomp's threads spin between ops).
 fn start(mut cmd: Command, extra: &[&str]) -> Proc {
+    if !extra.contains(&"--threads") {
+        cmd.args(["--threads", "1"]);
+    }
     let mut child = cmd
         .current_dir(root())
         .args(["--listen", "127.0.0.1:0", "--cache-blocks", "256"])
@@ -1563,7 +1570,9 @@ mod batching {
         // Whatever policy the caller's environment sets, this engine must choose its own.
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine-shim"));
         cmd.env_remove("OMP_WAIT_POLICY");
-        let e = start(cmd, &["--weights", "q8_0"]);
+        // Two libtorch threads: decode steps drop to one and give the second back after.
+        let args = ["--weights", "q8_0", "--threads", "2"];
+        let e = start(cmd, &args);
         let environ = std::fs::read(format!("/proc/{}/environ", e.child.id())).unwrap();
         assert!(
             environ
@@ -1574,7 +1583,7 @@ mod batching {
         let v = chat(e.addr, "What is the capital of France?", json!({}));
         assert_eq!(answer(&v), "The capital of France is Paris.");
         drop(e);
-        concurrent_streams_match_alone(&["--weights", "q8_0"], Prefix::Own);
+        concurrent_streams_match_alone(&args, Prefix::Own);
     }
 
     /// Whether the questions of [`concurrent_streams_match_alone`] share their leading blocks.
