@@ -7,6 +7,7 @@
 #   scripts/fuzz.sh gguf config     only these targets
 #   KVMESH_FUZZ_SECS=600 scripts/fuzz.sh openai_request
 #   KVMESH_FUZZ_SEED=0 scripts/fuzz.sh   a random seed (the default, 1, repeats a run's inputs)
+#   KVMESH_FUZZ_PROFILE=dev scripts/fuzz.sh   the quick build scripts/test.sh uses (fuzz/Cargo.toml)
 #
 # A crash, a failed check, a timeout (10 s on one input), more than 1 GiB allocated at once
 # (fuzz/src/lib.rs) or an RSS over 2 GiB fails the run; the input that did it is kept under
@@ -17,12 +18,17 @@ cd "$(dirname "$0")/.."
 
 secs="${KVMESH_FUZZ_SECS:-20}"
 seed="${KVMESH_FUZZ_SEED:-1}"
+profile="${KVMESH_FUZZ_PROFILE:-release}"
 # 0 would mean "no limit" to libFuzzer: never a bounded run.
 case "$secs" in
   '' | *[!0-9]* | 0) echo "fuzz.sh: KVMESH_FUZZ_SECS must be a whole number of seconds >= 1, not '$secs'" >&2; exit 2 ;;
 esac
 case "$seed" in
   '' | *[!0-9]*) echo "fuzz.sh: KVMESH_FUZZ_SEED must be a whole number (0: random), not '$seed'" >&2; exit 2 ;;
+esac
+case "$profile" in
+  release | dev) ;;
+  *) echo "fuzz.sh: KVMESH_FUZZ_PROFILE must be release or dev, not '$profile'" >&2; exit 2 ;;
 esac
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
@@ -35,7 +41,7 @@ fi
 # dependencies (blake3, chacha20poly1305, serde_json, ...) is not checked for memory errors. Overflow
 # checks are on (fuzz/Cargo.toml), which is what catches arithmetic on hostile lengths.
 fuzz=(cargo fuzz)
-build_flags=(-s none --release)
+build_flags=(-s none "--$profile")
 limits=(-timeout=10 -rss_limit_mb=2048 -max_len=65536)
 
 # The committed lock must be complete: a build never re-resolves dependencies silently.
