@@ -9,7 +9,7 @@
 #   KVMESH_FUZZ_SEED=0 scripts/fuzz.sh   a random seed (the default, 1, repeats a run's inputs)
 #   KVMESH_FUZZ_PROFILE=dev scripts/fuzz.sh   the quick build scripts/test.sh uses (fuzz/Cargo.toml)
 #
-# A crash, a failed check, a timeout (10 s on one input), more than 1 GiB allocated at once
+# A crash, a failed check, a timeout (10 s on one input), more than 256 MiB allocated at once
 # (fuzz/src/lib.rs) or an RSS over 2 GiB fails the run; the input that did it is kept under
 # fuzz/artifacts/<target>/, and the line to replay it is printed. docs/fuzzing.md has the
 # targets and what each one checks.

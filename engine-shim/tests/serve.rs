@@ -34,11 +34,12 @@ fn engine(extra: &[&str]) -> Proc {
 
 /// Starts `cmd` (engine-shim, or a shell that execs it) with the test's arguments and `extra`.
 ///
-/// One libtorch thread unless `extra` says otherwise, as the demo and compose stacks run their
-/// engines: tests run two at a time, and two engines with a thread per core each, on a 2-core
-/// machine, took 3-7x as long for the same requests (libgomp's threads spin between ops).
+/// One libtorch thread unless `extra` says otherwise (the flag overrides a config file's
+/// `threads`), as the demo and the gateway compose stack run their engines: tests run one per
+/// core at a time, and two engines with a thread per core each, on a 2-core machine, took 3-7x
+/// as long for the same requests (libgomp's threads spin between ops).
 fn start(mut cmd: Command, extra: &[&str]) -> Proc {
-    if !extra.contains(&"--threads") {
+    if !sets_threads(extra) {
         cmd.args(["--threads", "1"]);
     }
     let mut child = cmd
@@ -62,6 +63,12 @@ fn start(mut cmd: Command, extra: &[&str]) -> Proc {
         .parse()
         .unwrap_or_else(|_| panic!("engine did not start: {line:?}"));
     Proc { child, addr }
+}
+
+/// Whether `args` choose engine-shim's thread count.
+fn sets_threads(args: &[&str]) -> bool {
+    args.iter()
+        .any(|a| *a == "--threads" || a.starts_with("--threads="))
 }
 
 fn kvagent(dir: &std::path::Path) -> Proc {
@@ -1570,7 +1577,8 @@ mod batching {
         // Whatever policy the caller's environment sets, this engine must choose its own.
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_engine-shim"));
         cmd.env_remove("OMP_WAIT_POLICY");
-        // Two libtorch threads: decode steps drop to one and give the second back after.
+        // Two threads: decode steps drop libtorch to one and give the second back after, and
+        // candle's pool has a worker to share the decode attention out to.
         let args = ["--weights", "q8_0", "--threads", "2"];
         let e = start(cmd, &args);
         let environ = std::fs::read(format!("/proc/{}/environ", e.child.id())).unwrap();

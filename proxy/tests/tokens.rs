@@ -46,20 +46,20 @@ fn engine() -> Engine {
     engine_with(&[])
 }
 
-/// engine-shim with `extra` arguments, on one libtorch thread: tests run two at a time, and
-/// engines with a thread per core each slow each other several times over (libgomp's threads
-/// spin between ops).
+/// engine-shim with `extra` arguments, on one libtorch thread unless `extra` chooses: tests run
+/// one per core at a time, and engines with a thread per core each slow each other several
+/// times over (libgomp's threads spin between ops).
 fn engine_with(extra: &[&str]) -> Engine {
-    let mut child = Command::new(bin("engine-shim"))
+    let mut cmd = Command::new(bin("engine-shim"));
+    if !extra
+        .iter()
+        .any(|a| *a == "--threads" || a.starts_with("--threads="))
+    {
+        cmd.args(["--threads", "1"]);
+    }
+    let mut child = cmd
         .current_dir(root())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--cache-blocks",
-            "512",
-            "--threads",
-            "1",
-        ])
+        .args(["--listen", "127.0.0.1:0", "--cache-blocks", "512"])
         .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
