@@ -22,7 +22,7 @@ cargo test --workspace --locked
 cargo run -q --locked -p kvmesh-bench --bin kvmesh-bench -- soak --minutes 2 --sample-secs 5
 # Every parser of outside input under libFuzzer, KVMESH_FUZZ_SECS (here 10) seconds per target,
 # from the committed corpus (installs cargo-fuzz when missing; docs/fuzzing.md). The quick build
-# optimises only the parsers' code: about 40% less building than release (docs/fuzzing.md).
+# optimises mainly the parsers' code: about 40% less building than release (docs/fuzzing.md).
 KVMESH_FUZZ_SECS="${KVMESH_FUZZ_SECS:-10}" KVMESH_FUZZ_PROFILE="${KVMESH_FUZZ_PROFILE:-dev}" scripts/fuzz.sh
 # The images, the compose stacks and the Kubernetes manifests on a real Docker engine (starts
 # one if none runs, and stops it again). The images package the debug binaries built above: a
