@@ -369,7 +369,8 @@ fn max_file_len(max_payload: u64) -> u64 {
 
 /// Opens `path` for reading if it is a regular file (not followed if a link) of at most
 /// `max_len` bytes: checked before opening, so that a FIFO is never opened (that would block),
-/// and again on the opened file.
+/// and again on the opened file. A link or FIFO swapped in between the check and the open is
+/// not followed, nor waited on ([`open_no_follow`]).
 fn open_regular(path: &Path, max_len: u64) -> Result<File, Opened> {
     let check = |m: &fs::Metadata| {
         if !m.file_type().is_file() {
@@ -388,9 +389,26 @@ fn open_regular(path: &Path, max_len: u64) -> Result<File, Opened> {
         }
     };
     check(&fs::symlink_metadata(path).map_err(io)?)?;
-    let f = File::open(path).map_err(io)?;
+    let f = open_no_follow(path).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            Opened::Refused("not a regular file")
+        } else {
+            io(e)
+        }
+    })?;
     check(&f.metadata().map_err(io)?)?;
     Ok(f)
+}
+
+/// Opens `path` read-only without following a final symbolic link (`ELOOP` instead) and
+/// without waiting for a writer if it is a FIFO (`O_NONBLOCK`, which reads of a regular file
+/// ignore), so that what is opened can then be checked.
+fn open_no_follow(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
 }
 
 /// `Ok(None)`: not a block file (ignored). `Err`: a block file that must be dropped.
@@ -487,6 +505,29 @@ mod tests {
             assert!(fs::symlink_metadata(&p).is_err(), "{} stays", p.display());
         }
         assert!(d.read(&digest(0xab)).expect("read").is_some());
+    }
+
+    /// The open itself, past the checks before it (a link or FIFO swapped in after them):
+    /// a link is not followed, a FIFO does not block, a regular file opens.
+    #[test]
+    fn the_open_neither_follows_a_link_nor_waits_on_a_fifo() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("/dev/zero", &link).expect("symlink");
+        let err = open_no_follow(&link).expect_err("a link is not followed");
+        assert_eq!(err.raw_os_error(), Some(libc::ELOOP));
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .expect("mkfifo runs");
+        assert!(made.success());
+        // Without O_NONBLOCK this open waits for a writer that never comes.
+        let f = open_no_follow(&fifo).expect("a FIFO opens at once");
+        assert!(!f.metadata().expect("fstat").file_type().is_file());
+        let file = dir.path().join("file");
+        fs::write(&file, b"x").expect("write");
+        assert!(open_no_follow(&file).is_ok());
     }
 
     #[test]

@@ -100,8 +100,8 @@ fn update_count(change: &ResidencyChange) -> usize {
         .max(1)
 }
 
-/// Message `i` of `change`, built only when it is sent: a watcher holds one message at a time,
-/// never a whole snapshot's worth of protobuf.
+/// Message `i` of `change`, built only when it is sent: a watcher holds one message queued and
+/// one being built, never a whole snapshot's worth of protobuf (the change itself is shared).
 fn update(change: &ResidencyChange, i: usize) -> pb::ResidencyUpdate {
     let part = |ds: &[Digest]| -> Vec<bytes::Bytes> {
         ds.chunks(DIGESTS_PER_UPDATE)
@@ -313,7 +313,9 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
             count: self.watchers.clone(),
             gauge: self.store.metrics.watchers.clone(),
         };
-        let (tx, rx) = mpsc::channel(16);
+        // One message queued while the next is built: a watcher that stops reading holds two
+        // (up to 2 x DIGESTS_PER_UPDATE digests), not a queue of them, whatever the store holds.
+        let (tx, rx) = mpsc::channel(1);
         let store = self.store.clone();
         let mut stopping = self.stopping.clone();
         tokio::spawn(async move {

@@ -363,7 +363,7 @@ impl BlockStore {
     /// Stores blocks in RAM, waiting for a spill first when they would not fit under the RAM
     /// capacity (blocks are charged [`ram_charge`]). A digest given twice is stored once, with
     /// its last copy. Returns the number of blocks given and the epoch.
-    pub async fn put(&self, blocks: Vec<Block>) -> Result<(u32, u64), StoreError> {
+    pub async fn put(self: &Arc<Self>, blocks: Vec<Block>) -> Result<(u32, u64), StoreError> {
         if let Some(b) = blocks
             .iter()
             .find(|b| b.payload.len() as u64 > self.cfg.max_block_bytes)
@@ -456,7 +456,7 @@ impl BlockStore {
 
     /// Reads one block: from RAM, or from SSD (verifying its checksum and promoting it to RAM when
     /// it fits under the RAM capacity). `None` when absent, expired or corrupt.
-    pub async fn get(&self, digest: Digest) -> Option<(Block, Tier)> {
+    pub async fn get(self: &Arc<Self>, digest: Digest) -> Option<(Block, Tier)> {
         let now = now_ms();
         {
             let mut st = self.state.lock();
@@ -609,7 +609,7 @@ impl BlockStore {
 
     /// Deletes the listed digests, or everything (which starts a new epoch). Block files are
     /// removed before this returns. Returns the number deleted and the epoch.
-    pub async fn delete(&self, digests: &[Digest], all: bool) -> (u32, u64) {
+    pub async fn delete(self: &Arc<Self>, digests: &[Digest], all: bool) -> (u32, u64) {
         let (deleted, epoch) = {
             let mut st = self.state.lock();
             if all {
@@ -687,7 +687,23 @@ impl BlockStore {
 
     /// One maintenance pass, serialised with every other: delete queued files, spill RAM down to
     /// `ram_target` bytes, hold the SSD tier to its capacity.
-    pub async fn maintain(&self, ram_target: u64) {
+    ///
+    /// The pass runs on a task of its own and always to its end, whether or not the caller
+    /// still waits: a gRPC handler that waits here is dropped when its client gives up, and a
+    /// pass dropped between writing a batch of block files and indexing them would leave files
+    /// that no index holds (never deleted, over the SSD capacity, served again after a
+    /// restart).
+    pub async fn maintain(self: &Arc<Self>, ram_target: u64) {
+        let store = Arc::clone(self);
+        if let Err(e) = tokio::spawn(async move { store.maintain_pass(ram_target).await }).await {
+            // A panic is a bug: it reaches the caller as it did when the pass ran inline.
+            if e.is_panic() {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        }
+    }
+
+    async fn maintain_pass(&self, ram_target: u64) {
         let _only_one = self.maintenance.lock().await;
         self.drain_unlinks().await;
         loop {
@@ -853,7 +869,7 @@ impl BlockStore {
     }
 
     /// Spills every RAM block to SSD (as far as the SSD capacity allows), for a graceful stop.
-    pub async fn flush(&self) {
+    pub async fn flush(self: &Arc<Self>) {
         self.maintain(0).await;
     }
 }
@@ -896,6 +912,8 @@ fn write_batch(dir: &BlockDir, batch: &[(Digest, Arc<str>, u32, Bytes)], m: &Met
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::task::Poll;
 
     fn cfg(ram: u64, ssd: u64) -> StoreConfig {
         StoreConfig {
@@ -963,6 +981,66 @@ mod tests {
             .unwrap()
             .count();
         assert_eq!(files, 5, "a trimmed block's file stayed");
+    }
+
+    /// A put that waits for a spill and is dropped mid-write (its gRPC client gave up) still
+    /// indexes the files the spill writes: every file on disk is in the SSD index, and a
+    /// Delete(all) leaves none behind.
+    #[tokio::test]
+    async fn a_put_dropped_while_its_spill_writes_leaves_no_file_unindexed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = with_ssd(cfg(10_000, 1 << 20), dir.path());
+        for i in 0..7 {
+            s.put(vec![block(i, 1000)]).await.expect("put");
+        }
+        assert_eq!(s.occupancy().2, 0, "nothing spilled yet");
+        // RAM is full: this put must spill first. Polled once, it reaches the spill's file
+        // writes (on a blocking thread) and is dropped there.
+        let mut put = Box::pin(s.put(vec![block(100, 2000)]));
+        let first = std::future::poll_fn(|cx| Poll::Ready(put.as_mut().poll(cx))).await;
+        assert!(
+            first.is_pending(),
+            "the put had to wait for a spill: {first:?}"
+        );
+        drop(put);
+        // Wait for that spill's writes to land: files staged under tmp/, renamed into blocks/.
+        let list = |sub: &str| -> Vec<String> {
+            std::fs::read_dir(dir.path().join(sub))
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let files = || list("blocks");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut seen = Vec::new();
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = files();
+            if !now.is_empty() && list("tmp").is_empty() && now == seen {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the spill wrote nothing"
+            );
+            seen = now;
+        }
+        s.maintain(u64::MAX).await;
+        assert_eq!(
+            files().len() as u64,
+            s.occupancy().2,
+            "files on disk: {:?}",
+            files()
+        );
+        s.delete(&[], true).await;
+        assert_eq!(
+            files(),
+            Vec::<String>::new(),
+            "Delete(all) left files behind"
+        );
     }
 
     /// A block read back from SSD (its old file queued for unlinking) and spilled again before
