@@ -352,7 +352,7 @@ pub fn sentences(text: &str) -> Vec<(usize, usize)> {
 /// relevant first: BM25 of `question` over them, ties broken later first (a segment otherwise
 /// goes from its end). Empty when the segment is one sentence.
 fn ranked_sentences(
-    question: &str,
+    question: &Bm25Query,
     text: &str,
     span: impl Fn(usize, usize) -> Option<(usize, usize)>,
 ) -> Vec<(usize, usize)> {
@@ -361,7 +361,7 @@ fn ranked_sentences(
         return Vec::new();
     }
     let texts: Vec<&str> = ranges.iter().map(|&(a, b)| &text[a..b]).collect();
-    let scores = bm25(question, &texts);
+    let scores = question.scores(&texts);
     let mut ranked: Vec<(f64, (usize, usize))> = ranges
         .iter()
         .zip(scores)
@@ -376,49 +376,72 @@ fn ranked_sentences(
 /// the crates that offer it bring stemmers and language detection that passages of a prompt do
 /// not need.
 pub fn bm25(query: &str, docs: &[&str]) -> Vec<f64> {
-    use std::collections::{HashMap, HashSet};
-    const K1: f64 = 1.2;
-    const B: f64 = 0.75;
-    let words = |s: &str| -> Vec<String> {
-        s.split(|c: char| !c.is_alphanumeric())
-            .filter(|w| !w.is_empty())
-            .map(str::to_lowercase)
-            .collect()
-    };
-    let terms: HashSet<String> = words(query).into_iter().collect();
-    // Per document: its length in words and how often each query term occurs in it.
-    let docs: Vec<(usize, HashMap<&str, usize>)> = docs
-        .iter()
-        .map(|d| {
-            let ws = words(d);
-            let mut tf = HashMap::new();
-            for w in &ws {
-                if let Some(t) = terms.get(w) {
-                    *tf.entry(t.as_str()).or_insert(0) += 1;
-                }
-            }
-            (ws.len(), tf)
-        })
-        .collect();
-    let mut df: HashMap<&str, usize> = HashMap::new();
-    for (_, tf) in &docs {
-        for t in tf.keys() {
-            *df.entry(t).or_insert(0) += 1;
+    Bm25Query::new(query).scores(docs)
+}
+
+/// A query's terms for [`bm25`], split once: the segment policy scores every segment's
+/// sentences against the same question, and splitting it again per segment made a request
+/// with many segments and a long question cost their product.
+pub struct Bm25Query {
+    terms: std::collections::HashSet<String>,
+}
+
+/// Lower-cased alphanumeric words of `s`.
+fn words(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(str::to_lowercase)
+        .collect()
+}
+
+impl Bm25Query {
+    /// The terms of `query`.
+    pub fn new(query: &str) -> Self {
+        Bm25Query {
+            terms: words(query).into_iter().collect(),
         }
     }
-    let n = docs.len() as f64;
-    let avg = (docs.iter().map(|d| d.0).sum::<usize>() as f64 / n.max(1.0)).max(1.0);
-    docs.iter()
-        .map(|(len, tf)| {
-            tf.iter()
-                .map(|(t, &count)| {
-                    let (tf, df) = (count as f64, df.get(t).copied().unwrap_or(0) as f64);
-                    let idf = ((n - df + 0.5) / (df + 0.5) + 1.0).ln().max(0.0);
-                    idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * *len as f64 / avg))
-                })
-                .sum()
-        })
-        .collect()
+
+    /// [`bm25`] of this query against each of `docs`.
+    pub fn scores(&self, docs: &[&str]) -> Vec<f64> {
+        use std::collections::HashMap;
+        const K1: f64 = 1.2;
+        const B: f64 = 0.75;
+        let terms = &self.terms;
+        // Per document: its length in words and how often each query term occurs in it.
+        let docs: Vec<(usize, HashMap<&str, usize>)> = docs
+            .iter()
+            .map(|d| {
+                let ws = words(d);
+                let mut tf = HashMap::new();
+                for w in &ws {
+                    if let Some(t) = terms.get(w) {
+                        *tf.entry(t.as_str()).or_insert(0) += 1;
+                    }
+                }
+                (ws.len(), tf)
+            })
+            .collect();
+        let mut df: HashMap<&str, usize> = HashMap::new();
+        for (_, tf) in &docs {
+            for t in tf.keys() {
+                *df.entry(t).or_insert(0) += 1;
+            }
+        }
+        let n = docs.len() as f64;
+        let avg = (docs.iter().map(|d| d.0).sum::<usize>() as f64 / n.max(1.0)).max(1.0);
+        docs.iter()
+            .map(|(len, tf)| {
+                tf.iter()
+                    .map(|(t, &count)| {
+                        let (tf, df) = (count as f64, df.get(t).copied().unwrap_or(0) as f64);
+                        let idf = ((n - df + 0.5) / (df + 0.5) + 1.0).ln().max(0.0);
+                        idf * tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * *len as f64 / avg))
+                    })
+                    .sum()
+            })
+            .collect()
+    }
 }
 
 /// The segment policy's spans for a rendered chat prompt: each non-reserved unit's tokens
@@ -468,7 +491,8 @@ pub fn spans(
         .filter(|u| !u.reserved && u.end > u.start)
         .collect();
     let texts: Vec<&str> = segs.iter().map(|u| text_of(u)).collect();
-    let scores = bm25(&question, &texts);
+    let question = Bm25Query::new(&question);
+    let scores = question.scores(&texts);
     let mut out = Vec::new();
     for (u, score) in segs.iter().zip(scores) {
         let Some(&base) = starts.get(u.message) else {
@@ -655,10 +679,14 @@ mod tests {
         let text = "The sky is blue. The magic number for Lisbon is 42. The sun is yellow.";
         // One token per byte, starting at byte 100.
         let span = |a: usize, b: usize| Some((100 + a, 100 + b));
-        let ranked = ranked_sentences("What is the magic number for Lisbon?", text, span);
+        let ranked = ranked_sentences(
+            &Bm25Query::new("What is the magic number for Lisbon?"),
+            text,
+            span,
+        );
         // The two that share no rare word tie: the later one goes first.
         assert_eq!(ranked, [(151, 170), (100, 116), (116, 151)]);
-        assert!(ranked_sentences("q", "One sentence only.", span).is_empty());
+        assert!(ranked_sentences(&Bm25Query::new("q"), "One sentence only.", span).is_empty());
     }
 
     #[test]
