@@ -101,6 +101,9 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, when known (OpenAI's `param`).
     pub param: Option<String>,
+    /// With [`ErrorKind::MethodNotAllowed`]: the methods the path takes, for the `Allow`
+    /// header a 405 must carry (RFC 9110, 15.5.6).
+    pub allow: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -124,6 +127,18 @@ impl ApiError {
             kind,
             message: message.into(),
             param: None,
+            allow: None,
+        }
+    }
+
+    /// 405: `path` takes only `allow` (one method, or a list as the `Allow` header spells it).
+    pub fn method_not_allowed(path: &str, allow: &'static str) -> Self {
+        ApiError {
+            allow: Some(allow),
+            ..ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                format!("{path} accepts {allow} only"),
+            )
         }
     }
 

@@ -70,6 +70,160 @@ fn rfind(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).rposition(|w| w == needle)
 }
 
+/// Finds the top-level `usage` of a JSON response body fed chunk by chunk, as it passes
+/// through, keeping only that value's bytes (at most `max_value` of them): memory stays
+/// bounded whatever the body's size, and `usage` counts wherever it stands among the keys.
+///
+/// It follows strings, escapes and nesting, not the rest of JSON's grammar: a body that is
+/// not JSON yields whatever its last top-level `"usage":` value parses to, or nothing. A
+/// `usage` key written with escapes (`"\u0075sage"`) is not recognised. Of repeated
+/// top-level `usage` keys the last counts, as in a full parse.
+#[derive(Debug)]
+pub struct JsonUsageScanner {
+    max_value: usize,
+    /// Nesting depth outside strings.
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    /// The depth-1 container is an object (so its strings after `{` and `,` are keys).
+    top_object: bool,
+    /// At depth 1 of the object, where the next string is a key.
+    key_next: bool,
+    /// The depth-1 key being read, while it can still spell `usage`.
+    key: Option<Vec<u8>>,
+    /// The last depth-1 key read was `usage` (its `:` not yet seen).
+    usage_key: bool,
+    capture: Capture,
+    /// The bytes of the last complete top-level `usage` value (`None` when it was too long).
+    value: Option<Vec<u8>>,
+}
+
+#[derive(Debug)]
+enum Capture {
+    Off,
+    On(Vec<u8>),
+    /// The value passed `max_value` bytes.
+    TooLong,
+}
+
+impl JsonUsageScanner {
+    /// A scanner that keeps at most `max_value` bytes of the `usage` value.
+    pub fn new(max_value: usize) -> Self {
+        JsonUsageScanner {
+            max_value,
+            depth: 0,
+            in_string: false,
+            escaped: false,
+            top_object: false,
+            key_next: false,
+            key: None,
+            usage_key: false,
+            capture: Capture::Off,
+            value: None,
+        }
+    }
+
+    /// Feeds the next chunk of the body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        for &b in chunk {
+            self.step(b);
+        }
+    }
+
+    fn step(&mut self, b: u8) {
+        if self.in_string {
+            self.keep(b);
+            if self.escaped {
+                self.escaped = false;
+                // An escape in a key: not the plain spelling of `usage`.
+                self.key = None;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+                if let Some(key) = self.key.take() {
+                    self.usage_key = key == b"usage";
+                }
+            } else if let Some(key) = self.key.as_mut() {
+                if key.len() < b"usage".len() {
+                    key.push(b);
+                } else {
+                    self.key = None;
+                }
+            }
+            return;
+        }
+        match b {
+            b'"' => {
+                self.in_string = true;
+                if self.depth == 1 && self.key_next {
+                    self.key_next = false;
+                    self.key = Some(Vec::new());
+                }
+            }
+            b'{' | b'[' => {
+                self.depth = self.depth.saturating_add(1);
+                if self.depth == 1 {
+                    self.top_object = b == b'{';
+                    self.key_next = self.top_object;
+                }
+            }
+            b'}' | b']' if self.depth == 1 => {
+                self.end_value();
+                self.depth = 0;
+                return;
+            }
+            b'}' | b']' => self.depth = self.depth.saturating_sub(1),
+            b',' if self.depth == 1 => {
+                self.end_value();
+                self.key_next = self.top_object;
+                return;
+            }
+            b':' if self.depth == 1 && self.usage_key => {
+                self.usage_key = false;
+                self.capture = Capture::On(Vec::new());
+                return;
+            }
+            _ => {}
+        }
+        self.keep(b);
+    }
+
+    /// Keeps `b` if it is part of a `usage` value.
+    fn keep(&mut self, b: u8) {
+        if let Capture::On(v) = &mut self.capture {
+            if v.len() < self.max_value {
+                v.push(b);
+            } else {
+                self.capture = Capture::TooLong;
+            }
+        }
+    }
+
+    /// A depth-1 value ended (at `,` or the closing bracket).
+    fn end_value(&mut self) {
+        match std::mem::replace(&mut self.capture, Capture::Off) {
+            Capture::Off => {}
+            Capture::On(v) => self.value = Some(v),
+            Capture::TooLong => self.value = None,
+        }
+    }
+
+    /// The usage of the body fed so far: of the last complete top-level `usage` value.
+    pub fn usage(&self) -> Option<Usage> {
+        from_usage_value(self.value.as_deref()?)
+    }
+}
+
+/// The usage a `usage` value (its JSON bytes alone) holds: none for `null` or anything that is
+/// not a usage object.
+pub fn from_usage_value(value: &[u8]) -> Option<Usage> {
+    serde_json::from_slice::<Option<RawUsage>>(value)
+        .ok()
+        .flatten()
+        .map(Usage::from)
+}
+
 /// Finds the usage in a server-sent-event stream fed chunk by chunk, as it passes through.
 /// Lines longer than `max_line` bytes are skipped, so memory stays bounded.
 #[derive(Debug)]
@@ -175,6 +329,87 @@ mod tests {
         assert_eq!(from_json(br#"{"usage":null}"#), None);
         // No usage key at the end, but one in text: falls back to the full parse.
         assert_eq!(from_json(br#"{"choices":[{"text":"\"usage\": 5"}]}"#), None);
+    }
+
+    fn scan(body: &[u8], max_value: usize) -> Option<Usage> {
+        let mut s = JsonUsageScanner::new(max_value);
+        s.feed(body);
+        s.usage()
+    }
+
+    #[test]
+    fn json_usage_scanned_in_chunks_wherever_it_stands() {
+        let full = Usage {
+            prompt_tokens: 10,
+            cached_tokens: Some(8),
+            completion_tokens: Some(2),
+        };
+        let usage = br#"{"prompt_tokens":10,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":8}}"#;
+        let u = String::from_utf8_lossy(usage);
+        let bodies = [
+            format!(r#"{{"id":"x","choices":[{{"text":"a"}}],"usage":{u}}}"#),
+            // First, then a long field after it (vLLM's prompt_token_ids, say).
+            format!(
+                r#"{{"usage" : {u} , "prompt_token_ids":[{}1]}}"#,
+                "1,".repeat(5000)
+            ),
+            // Decoys: in a string, escaped, nested, in an array.
+            format!(
+                r#"{{"choices":[{{"text":"\"usage\":{{\"prompt_tokens\":9}}","usage":{{"prompt_tokens":9}}}}],"\u0075sage":{{"prompt_tokens":9}},"usage":{u},"x":[{{"usage":1}}]}}"#
+            ),
+        ];
+        for body in &bodies {
+            let body = body.as_bytes();
+            assert!(
+                serde_json::from_slice::<serde_json::Value>(body).is_ok(),
+                "not JSON"
+            );
+            assert_eq!(
+                scan(body, 1 << 10),
+                Some(full),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            for split in (1..body.len()).step_by(7) {
+                let mut s = JsonUsageScanner::new(1 << 10);
+                s.feed(&body[..split]);
+                s.feed(&body[split..]);
+                assert_eq!(s.usage(), Some(full), "split {split}");
+            }
+        }
+        // Escapes: a quote or a backslash escaped in a string does not end it; a key spelt
+        // with escapes is not `usage`.
+        let escaped = br#"{"a":"\"usage\":{\"prompt_tokens\":9},\\","b\"usage":{"prompt_tokens":9},"\u0075sage":{"prompt_tokens":9},"usage":{"prompt_tokens":4}}"#;
+        assert!(serde_json::from_slice::<serde_json::Value>(escaped).is_ok());
+        assert_eq!(scan(escaped, 64).map(|u| u.prompt_tokens), Some(4));
+        let only_escaped = br#"{"a":"x\\","\u0075sage":{"prompt_tokens":9}}"#;
+        assert!(serde_json::from_slice::<serde_json::Value>(only_escaped).is_ok());
+        assert_eq!(scan(only_escaped, 64), None);
+        // The last top-level usage counts, as in a full parse.
+        assert_eq!(
+            scan(
+                br#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#,
+                64
+            )
+            .map(|u| u.prompt_tokens),
+            Some(2)
+        );
+        // Too long to keep, absent, null, unfinished, not JSON: none.
+        assert_eq!(scan(bodies[0].as_bytes(), 16), None);
+        for body in [
+            &br#"{"choices":[]}"#[..],
+            br#"{"usage":null}"#,
+            br#"{"usage":{"prompt_tokens":10"#,
+            br#"[{"usage":{"prompt_tokens":10}}]"#,
+            b"not json",
+        ] {
+            assert_eq!(
+                scan(body, 1 << 10),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]

@@ -1,12 +1,17 @@
-//! The SSE usage scanner, fed an engine's event stream in fuzzer-chosen chunks, and the JSON
-//! usage reader. First byte: the line bound; second: the chunk size.
+//! The SSE usage scanner, fed an engine's event stream in fuzzer-chosen chunks, the JSON body
+//! usage scanner the same way, and the JSON usage reader. First byte: the line bound; second:
+//! the chunk size.
 //!
 //! Checked: no panic; the usage found is the same whether the stream arrives whole, in
-//! fuzzer-sized chunks, or byte by byte.
+//! fuzzer-sized chunks, or byte by byte; for a body that is a JSON object without `\u` escapes,
+//! the body scanner finds what a full parse finds in its top-level `usage`.
 #![no_main]
 
-use kvmesh_filters::usage::{from_json, SseUsageScanner};
+use std::collections::HashMap;
+
+use kvmesh_filters::usage::{from_json, from_usage_value, JsonUsageScanner, SseUsageScanner};
 use libfuzzer_sys::fuzz_target;
+use serde_json::value::RawValue;
 // The capped allocator (src/lib.rs).
 use kvmesh_fuzz as _;
 
@@ -33,4 +38,30 @@ fuzz_target!(|data: &[u8]| {
     }
     assert_eq!(whole.usage(), bytewise.usage());
     let _ = from_json(stream);
+
+    // Bound well above any value a fuzzer input holds: only the scan is compared.
+    let bound = stream.len() + 1;
+    let mut whole = JsonUsageScanner::new(bound);
+    whole.feed(stream);
+    let mut cut = JsonUsageScanner::new(bound);
+    for piece in stream.chunks(chunk) {
+        cut.feed(piece);
+    }
+    assert_eq!(
+        whole.usage(),
+        cut.usage(),
+        "the usage depends on the chunking"
+    );
+    // Without `\u` escapes: the scanner does not decode a key spelt with them (documented);
+    // other escapes cannot spell `usage`, and stay in.
+    let plain = !stream.windows(2).any(|w| w == b"\\u");
+    let top = serde_json::from_slice::<HashMap<String, Box<RawValue>>>(stream);
+    if let (true, Ok(top)) = (plain, top) {
+        // The full parse's top-level usage (the last of repeated keys, as a map keeps it),
+        // read from its own bytes as the scanner reads the bytes it kept.
+        let truth = top
+            .get("usage")
+            .and_then(|u| from_usage_value(u.get().as_bytes()));
+        assert_eq!(whole.usage(), truth, "the scan and a full parse disagree");
+    }
 });

@@ -3,27 +3,30 @@
 
 use std::time::Instant;
 
-use kvmesh_filters::usage::{self, SseUsageScanner, Usage};
+use kvmesh_filters::usage::{JsonUsageScanner, SseUsageScanner, Usage};
 use kvmesh_filters::NodeId;
 
 use crate::plan::RequestFacts;
 use crate::service::{Ctx, Gateway};
 
-/// Most bytes of a non-streamed response kept to read its `usage`.
-const MAX_USAGE_BODY: usize = 4 << 20;
-/// Longest SSE line kept while looking for `usage`.
-const MAX_SSE_LINE: usize = 1 << 20;
+/// Most bytes of a non-streamed response's `usage` value kept while the body passes through
+/// (the rest of the body is not kept).
+const MAX_USAGE_VALUE: usize = 64 << 10;
+/// Longest SSE line kept while looking for `usage` (a longer line is passed through unread:
+/// usage events are short, and each stream in flight may hold this much).
+const MAX_SSE_LINE: usize = 64 << 10;
 /// Most tokens one answer's usage counts, in each field (about 4 billion: far beyond any
 /// context, far below what would wrap a 64-bit counter).
 pub(crate) const MAX_USAGE_TOKENS: u64 = u32::MAX as u64;
 
 /// Where a successful response's `usage` is looked for while its body passes through: the SSE
-/// events of a stream, or the JSON document (at most 4 MiB of it; past that, nothing).
+/// events of a stream, or the JSON document's top-level `usage` value. Either keeps a bounded
+/// number of bytes per response (a line, a value), not the body.
 pub(crate) enum UsageScan {
     /// `text/event-stream`.
     Sse(SseUsageScanner),
-    /// Anything else: the body, kept until it passes the bound (`None` after).
-    Json(Option<Vec<u8>>),
+    /// Anything else.
+    Json(JsonUsageScanner),
 }
 
 impl UsageScan {
@@ -32,7 +35,7 @@ impl UsageScan {
         if content_type.is_some_and(|v| v.starts_with("text/event-stream")) {
             UsageScan::Sse(SseUsageScanner::new(MAX_SSE_LINE))
         } else {
-            UsageScan::Json(Some(Vec::new()))
+            UsageScan::Json(JsonUsageScanner::new(MAX_USAGE_VALUE))
         }
     }
 
@@ -40,15 +43,7 @@ impl UsageScan {
     pub(crate) fn feed(&mut self, chunk: &[u8]) {
         match self {
             UsageScan::Sse(s) => s.feed(chunk),
-            UsageScan::Json(body) => {
-                let fits = body
-                    .as_ref()
-                    .is_some_and(|j| j.len() + chunk.len() <= MAX_USAGE_BODY);
-                match body.as_mut() {
-                    Some(j) if fits => j.extend_from_slice(chunk),
-                    _ => *body = None,
-                }
-            }
+            UsageScan::Json(j) => j.feed(chunk),
         }
     }
 
@@ -56,9 +51,19 @@ impl UsageScan {
     pub(crate) fn usage(&self) -> Option<Usage> {
         match self {
             UsageScan::Sse(s) => s.usage(),
-            UsageScan::Json(body) => body.as_deref().and_then(usage::from_json),
+            UsageScan::Json(j) => j.usage(),
         }
     }
+}
+
+/// `u` with each count at most [`MAX_USAGE_TOKENS`] and cached at most prompt. The engine's
+/// numbers are its claim (or a peer's, passed through): one answer cannot wrap a counter, nor
+/// report more cached tokens than prompt tokens (the hit ratio stays within 0..=1).
+fn bounded(mut u: Usage) -> Usage {
+    u.prompt_tokens = u.prompt_tokens.min(MAX_USAGE_TOKENS);
+    u.completion_tokens = u.completion_tokens.map(|c| c.min(MAX_USAGE_TOKENS));
+    u.cached_tokens = u.cached_tokens.map(|c| c.min(u.prompt_tokens));
+    u
 }
 
 /// The prediction a response settles: where the request went and what the index expected.
@@ -78,7 +83,7 @@ impl Gateway {
     /// The response is complete: confirm or refute the residency prediction from `usage`
     /// (returned, when the response carried one).
     pub(crate) fn settle_usage(&self, ctx: &Ctx) -> Option<Usage> {
-        let u = ctx.usage.as_ref().and_then(UsageScan::usage);
+        let u = ctx.usage.as_ref().and_then(UsageScan::usage).map(bounded);
         let (Some(plan), Some(d)) = (ctx.plan.as_ref(), ctx.dispatch.as_ref()) else {
             return u;
         };
@@ -100,14 +105,9 @@ impl Gateway {
     /// Counts the tokens `u` reports (each count at most [`MAX_USAGE_TOKENS`], cached at most
     /// prompt) and confirms or refutes `p` in the residency index.
     pub(crate) fn settle(&self, u: Option<Usage>, p: &Prediction<'_>) {
-        let Some(mut u) = u else {
+        let Some(u) = u.map(bounded) else {
             return;
         };
-        // The engine's numbers are its claim: one answer cannot wrap a counter, nor report
-        // more cached tokens than prompt tokens (the hit ratio stays within 0..=1).
-        u.prompt_tokens = u.prompt_tokens.min(MAX_USAGE_TOKENS);
-        u.completion_tokens = u.completion_tokens.map(|c| c.min(MAX_USAGE_TOKENS));
-        u.cached_tokens = u.cached_tokens.map(|c| c.min(u.prompt_tokens));
         self.metrics.prompt_tokens.inc_by(u.prompt_tokens);
         if let Some(c) = u.completion_tokens {
             self.metrics.completion_tokens.inc_by(c);
