@@ -109,10 +109,13 @@ fn json_response(status: u16, v: &Value) -> Response<Body> {
 }
 
 fn error_response(e: &ApiError) -> Response<Body> {
-    Response::builder()
+    let mut resp = Response::builder()
         .status(e.status())
-        .header("content-type", "application/json")
-        .body(full(e.to_json()))
+        .header("content-type", "application/json");
+    if let Some(allow) = e.allow {
+        resp = resp.header("allow", allow);
+    }
+    resp.body(full(e.to_json()))
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
 }
 
@@ -173,10 +176,15 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             .unwrap_or_else(|_| Response::new(full(Bytes::new()))),
         (Method::POST, "/v1/chat/completions") => complete(app, req, true).await,
         (Method::POST, "/v1/completions") => complete(app, req, false).await,
-        (_, "/v1/chat/completions" | "/v1/completions") => error_response(&ApiError::new(
-            ErrorKind::MethodNotAllowed,
-            format!("{path} accepts POST only"),
-        )),
+        (_, "/v1/chat/completions" | "/v1/completions") => {
+            error_response(&ApiError::method_not_allowed(&path, "POST"))
+        }
+        (_, "/health" | "/v1/models" | "/server_info" | "/metrics") => {
+            error_response(&ApiError::method_not_allowed(&path, "GET"))
+        }
+        (_, p) if p.starts_with("/v1/models/") => {
+            error_response(&ApiError::method_not_allowed("/v1/models/{id}", "GET"))
+        }
         (m, _) => error_response(&ApiError::new(
             ErrorKind::NotFound,
             format!("no route for {m} {path}"),

@@ -580,13 +580,17 @@ fn refused_start(config: &std::path::Path, started: &str) -> String {
 #[test]
 fn bad_requests_get_openai_errors() {
     let e = engine(&[]);
-    let cases: [(&str, &[u8], u16, &str); 6] = [
+    let cases: [(&str, &[u8], u16, &str); 9] = [
         ("/v1/chat/completions", b"{not json", 400, "invalid_request"),
         ("/v1/chat/completions", br#"{"model":"gpt-4","messages":[{"role":"user","content":"hi"}]}"#, 404, "model_not_found"),
         ("/v1/chat/completions", br#"{"model":"SmolLM2-135M-Instruct","messages":[]}"#, 400, "invalid_request"),
         ("/v1/chat/completions", br#"{"model":"SmolLM2-135M-Instruct","messages":[{"role":"user","content":"hi"}],"temperature":"hot"}"#, 400, "invalid_request"),
         ("/v1/completions", br#"{"model":"SmolLM2-135M-Instruct","prompt":"hi","max_tokens":9000}"#, 400, "invalid_request"),
         ("/v1/embeddings", b"{}", 404, "not_found"),
+        // Known paths, wrong method.
+        ("/v1/models", b"{}", 405, "method_not_allowed"),
+        ("/v1/models/SmolLM2-135M-Instruct", b"{}", 405, "method_not_allowed"),
+        ("/health", b"{}", 405, "method_not_allowed"),
     ];
     for (path, body, status, code) in cases {
         let (s, b) = post(e.addr, path, body);
@@ -604,6 +608,15 @@ fn bad_requests_get_openai_errors() {
         br#"{"model":"SmolLM2-135M-Instruct","prompt":"hi","max_tokens":9000}"#,
     );
     assert!(String::from_utf8_lossy(&b).contains("maximum context length is 8192"));
+    // A 405 names the methods the path takes.
+    let mut raw = String::new();
+    send(e.addr, "/v1/models", b"{}")
+        .read_to_string(&mut raw)
+        .unwrap();
+    assert!(
+        raw.to_ascii_lowercase().contains("\r\nallow: get\r\n"),
+        "{raw}"
+    );
     // Still serving after all that.
     assert_eq!(
         answer(&chat(e.addr, "What is the capital of France?", json!({}))),

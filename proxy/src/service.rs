@@ -356,6 +356,9 @@ async fn respond_error(session: &mut Session, ctx: &mut Ctx, e: ApiError) -> Res
     if e.kind == ErrorKind::Unauthorized {
         extra.push(("www-authenticate", "Bearer"));
     }
+    if let Some(allow) = e.allow {
+        extra.push(("allow", allow));
+    }
     // The body may be unread: do not reuse this connection.
     session.set_keepalive(None);
     respond(
@@ -420,7 +423,7 @@ impl ProxyHttp for Gateway {
         ctx.access.client = session
             .client_addr()
             .and_then(|a| a.as_inet())
-            .map_or_else(String::new, |a| a.ip().to_string());
+            .map_or_else(String::new, |a| a.ip().to_canonical().to_string());
         if self.local(session, ctx, &path).await? {
             return Ok(true);
         }
@@ -456,11 +459,7 @@ impl ProxyHttp for Gateway {
         };
         ctx.route = endpoint.label();
         if session.req_header().method != http::Method::POST {
-            let e = ApiError::new(
-                ErrorKind::MethodNotAllowed,
-                format!("{path} accepts POST only"),
-            );
-            return respond_error(session, ctx, e).await;
+            return respond_error(session, ctx, ApiError::method_not_allowed(&path, "POST")).await;
         }
         if session.req_header().headers.contains_key(HOP_HEADER) {
             if !self.hop_trusted(session) {

@@ -25,10 +25,12 @@ impl Gateway {
                 _ => false,
             };
         }
+        // An IPv4 client of a dual-stack (`[::]`) listener arrives as `::ffff:a.b.c.d`; peers'
+        // and gossip's addresses are plain IPv4.
         let Some(ip) = session
             .client_addr()
             .and_then(|a| a.as_inet())
-            .map(|a| a.ip())
+            .map(|a| a.ip().to_canonical())
         else {
             return false;
         };
@@ -56,7 +58,7 @@ const GOSSIP_TRUST_WINDOW: std::time::Duration = std::time::Duration::from_secs(
 /// Whether a request with the hop header from `ip` is trusted under `trust`; `member` says
 /// whether `ip` is a live peer's (asked only when needed).
 fn hop_allowed(ip: std::net::IpAddr, trust: HopTrust, member: impl FnOnce() -> bool) -> bool {
-    ip.is_loopback() || (trust == HopTrust::Members && member())
+    ip.to_canonical().is_loopback() || (trust == HopTrust::Members && member())
 }
 
 #[cfg(test)]
@@ -75,5 +77,8 @@ mod tests {
         assert!(!hop_allowed(peer, HopTrust::Loopback, members(peer)));
         assert!(hop_allowed(peer, HopTrust::Members, members(peer)));
         assert!(!hop_allowed(stranger, HopTrust::Members, members(stranger)));
+        // IPv4 loopback through a dual-stack listener.
+        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        assert!(hop_allowed(mapped, HopTrust::Loopback, members(mapped)));
     }
 }

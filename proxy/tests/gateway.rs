@@ -319,7 +319,9 @@ fn bad_input_gets_openai_style_errors() {
         );
     }
     let r = request(proxy.addr, "GET", CHAT, b"", Framing::Length, &[]).unwrap();
-    assert_eq!(r.status, 405);
+    assert_eq!((r.status, r.header("allow")), (405, Some("POST")));
+    let r = request(proxy.addr, "POST", "/v1/models", b"", Framing::Length, &[]).unwrap();
+    assert_eq!((r.status, r.header("allow")), (405, Some("GET")));
     // Engine errors pass through unchanged: the simulator rejects an empty prompt itself.
     let r = post(
         proxy.addr,

@@ -280,7 +280,13 @@ fn over_limit_body_written_whole_gets_413_not_a_reset() {
     // client sees the error; a large one is cut off (the short drain: such refusals hold no
     // `max_inflight` slot, so they must cost little).
     let small = chat_body("sim-model", &text(6, 100_000), "");
-    for (method, path, status) in [("POST", "/v1/nothing", 404), ("GET", CHAT, 405)] {
+    for (method, path, status) in [
+        ("POST", "/v1/nothing", 404),
+        ("GET", CHAT, 405),
+        ("POST", "/v1/models", 405),
+        ("DELETE", "/v1/models/sim-model", 405),
+        ("POST", "/health", 405),
+    ] {
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: kvmesh.test\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
             small.len()

@@ -253,9 +253,12 @@ pub fn trailers(dir: Direction) -> ProcessingResponse {
 pub fn immediate(e: &ApiError, request_id: &str) -> ProcessingResponse {
     let mut r = local_json(e.status(), e.to_json(), request_id);
     if let Some(Reply::ImmediateResponse(i)) = r.response.as_mut() {
-        if e.status() == 429 || e.status() == 503 {
-            if let Some(h) = i.headers.as_mut() {
+        if let Some(h) = i.headers.as_mut() {
+            if e.status() == 429 || e.status() == 503 {
                 h.set_headers.push(set_header("retry-after", "1"));
+            }
+            if let Some(allow) = e.allow {
+                h.set_headers.push(set_header("allow", allow));
             }
         }
         i.details = format!("kvmesh_picker_{}", e.kind.code());

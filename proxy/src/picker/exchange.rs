@@ -251,11 +251,7 @@ impl Exchange {
             ));
         }
         if method != "POST" {
-            let e = ApiError::new(
-                ErrorKind::MethodNotAllowed,
-                format!("{path} accepts POST only"),
-            );
-            return Ok(self.refuse(e));
+            return Ok(self.refuse(ApiError::method_not_allowed(path, "POST")));
         }
         let cfg = &self.gw.live().cfg;
         self.subset = envoy::subset_hint(req);
@@ -295,10 +291,7 @@ impl Exchange {
         }
         self.route = "models";
         if method != "GET" {
-            return self.refuse(ApiError::new(
-                ErrorKind::MethodNotAllowed,
-                "/v1/models accepts GET only",
-            ));
+            return self.refuse(ApiError::method_not_allowed("/v1/models", "GET"));
         }
         self.status = 200;
         self.answer_locally();
