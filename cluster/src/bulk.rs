@@ -31,7 +31,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -51,6 +51,11 @@ pub const MAX_CONCURRENT_SERVES: usize = 2;
 pub const MAX_PENDING_HANDSHAKES: usize = 16;
 /// Challenges of served requests remembered against replays.
 const MAX_SEEN_CHALLENGES: usize = 4096;
+/// How long a serialised snapshot serves further transfers: building one copies the whole
+/// state under chitchat's lock, and a key holder asking again and again (each request with a
+/// fresh challenge) must not keep a node doing that. A joiner gets state this much older at
+/// most, which gossip then brings up to date.
+pub const SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
 
 const MAGIC: &[u8] = b"kvmesh bulk v1";
 /// Bytes of the random challenge a request carries and every chunk repeats.
@@ -138,6 +143,7 @@ pub struct BulkStats {
     pub(crate) pull_failed: AtomicU64,
     served: AtomicU64,
     refused: AtomicU64,
+    built: AtomicU64,
 }
 
 impl BulkStats {
@@ -156,6 +162,11 @@ impl BulkStats {
     /// Requests this node refused (unauthenticated, malformed, or too many at once).
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+    /// Snapshots of the state this node built to serve transfers (one serves every transfer
+    /// within [`SNAPSHOT_REUSE`] of it).
+    pub fn snapshots_built(&self) -> u64 {
+        self.built.load(Ordering::Relaxed)
     }
 }
 
@@ -433,8 +444,11 @@ pub(crate) async fn serve(
     // Connections still sending their request hold a handshake slot only; a serve permit is
     // taken once the request has authenticated, so unauthenticated hosts cannot hold them.
     let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_SERVES));
-    let seen = Arc::new(Mutex::new(SeenChallenges::default()));
+    let shared = Arc::new(Serving {
+        permits: tokio::sync::Semaphore::new(MAX_CONCURRENT_SERVES),
+        seen: Mutex::new(SeenChallenges::default()),
+        recent: tokio::sync::Mutex::new(None),
+    });
     let mut conns = tokio::task::JoinSet::new();
     loop {
         while conns.try_join_next().is_some() {}
@@ -452,11 +466,9 @@ pub(crate) async fn serve(
             tracing::debug!(%from, "bulk transfer refused: too many requests pending");
             continue;
         };
-        let (ep, own, current) = (ep.clone(), own.clone(), current.clone());
-        let (permits, seen) = (permits.clone(), seen.clone());
+        let (ep, own, current, shared) = (ep.clone(), own.clone(), current.clone(), shared.clone());
         conns.spawn(async move {
-            let result =
-                serve_one(stream, from, &ep, own, &current, handshake, &permits, &seen).await;
+            let result = serve_one(stream, from, &ep, own, &current, handshake, &shared).await;
             match result {
                 Ok(bytes) => {
                     ep.stats.served.fetch_add(1, Ordering::Relaxed);
@@ -495,7 +507,19 @@ impl SeenChallenges {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What the connections a server serves share.
+struct Serving {
+    /// Transfers under way ([`MAX_CONCURRENT_SERVES`]).
+    permits: tokio::sync::Semaphore,
+    seen: Mutex<SeenChallenges>,
+    /// The last serialised snapshot and when it was built ([`SNAPSHOT_REUSE`]); held while
+    /// one is built, so concurrent transfers wait for it rather than build their own.
+    recent: tokio::sync::Mutex<Option<Built>>,
+}
+
+/// A serialised snapshot and when it was built.
+type Built = (Instant, Arc<Vec<u8>>);
+
 async fn serve_one(
     mut s: TcpStream,
     from: SocketAddr,
@@ -503,8 +527,7 @@ async fn serve_one(
     mut own: Vec<SocketAddr>,
     current: &CurrentChitchat,
     handshake: tokio::sync::OwnedSemaphorePermit,
-    permits: &Arc<tokio::sync::Semaphore>,
-    seen: &Mutex<SeenChallenges>,
+    shared: &Serving,
 ) -> Result<usize, BulkError> {
     own.push(s.local_addr()?);
     let frame = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME))
@@ -527,38 +550,58 @@ async fn serve_one(
         .strip_prefix(MAGIC)
         .and_then(|c| c.try_into().ok())
         .ok_or(BulkError::Protocol("not a bulk transfer request"))?;
-    if sealed && !lock(seen).first_time(challenge) {
+    if sealed && !lock(&shared.seen).first_time(challenge) {
         return Err(BulkError::Refused(Rejection::Replayed));
     }
     drop(handshake);
-    let Ok(_permit) = permits.try_acquire() else {
+    let Ok(_permit) = shared.permits.try_acquire() else {
         return Err(BulkError::Protocol("too many transfers at once"));
     };
-    tokio::time::timeout(
-        TRANSFER_TIMEOUT,
-        send_snapshot(&mut s, from, ep, current, &challenge, sealer.as_mut()),
-    )
+    tokio::time::timeout(TRANSFER_TIMEOUT, async {
+        let body = snapshot_body(ep, current, &shared.recent).await?;
+        send_snapshot(&mut s, from, &body, &challenge, sealer.as_mut()).await
+    })
     .await
     .map_err(|_| BulkError::Timeout)?
+}
+
+/// The serialised state to send: the last one built, if within [`SNAPSHOT_REUSE`], else a new
+/// one.
+async fn snapshot_body(
+    ep: &Endpoint,
+    current: &CurrentChitchat,
+    recent: &tokio::sync::Mutex<Option<Built>>,
+) -> Result<Arc<Vec<u8>>, BulkError> {
+    let mut recent = recent.lock().await;
+    let body = match recent.as_ref() {
+        Some((at, body)) if at.elapsed() < SNAPSHOT_REUSE => body.clone(),
+        _ => {
+            let chitchat = lock(current).clone();
+            let snapshot = collect(&*chitchat.lock().await);
+            let body =
+                serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
+            ep.stats.built.fetch_add(1, Ordering::Relaxed);
+            let body = Arc::new(body);
+            *recent = Some((Instant::now(), body.clone()));
+            body
+        }
+    };
+    // The server holds what it sends in memory: bounded like what it would accept.
+    if body.len() > ep.max_bytes {
+        return Err(BulkError::TooLarge { max: ep.max_bytes });
+    }
+    Ok(body)
 }
 
 async fn send_snapshot(
     s: &mut TcpStream,
     from: SocketAddr,
-    ep: &Endpoint,
-    current: &CurrentChitchat,
+    body: &[u8],
     challenge: &[u8; CHALLENGE_LEN],
     mut sealer: Option<&mut Sealer>,
 ) -> Result<usize, BulkError> {
-    let chitchat = lock(current).clone();
-    let snapshot = collect(&*chitchat.lock().await);
-    let body = serde_json::to_vec(&snapshot).map_err(|e| BulkError::Malformed(e.to_string()))?;
-    // The server holds what it sends in memory: bounded like what it would accept.
-    if body.len() > ep.max_bytes {
-        return Err(BulkError::TooLarge { max: ep.max_bytes });
-    }
     let pieces: Vec<&[u8]> = if body.is_empty() {
-        vec![&body[..]]
+        vec![body]
     } else {
         body.chunks(MAX_CHUNK).collect()
     };

@@ -587,6 +587,8 @@ pub struct SyncReport {
     pub misnamed: usize,
     /// Peers whose state came, wholly or partly, from a bulk transfer rather than gossip.
     pub from_bulk: usize,
+    /// Residency shards copied out of gossip's state (only peers' are).
+    pub shards_read: usize,
 }
 
 struct PeerSnapshot {
@@ -595,7 +597,9 @@ struct PeerSnapshot {
     generation: u64,
     record_version: u64,
     record: Option<NodeRecord>,
-    /// Shards whose version changed (or all, for a new peer or epoch): index, version, value.
+    /// Shards whose version changed (or all, for a new generation or epoch): index, version,
+    /// value. None for a node that is not a peer yet: its shards are read only once it has
+    /// been admitted ([`ResidencySync::sync`]).
     shards: Vec<(usize, u64, String)>,
 }
 
@@ -796,11 +800,13 @@ impl ResidencySync {
                 );
             }
         }
-        let (snapshots, from_bulk) = self.snapshot(cluster).await;
+        let (snapshots, from_bulk) = self.snapshot(cluster, None).await;
+        let shards_read = snapshots.iter().map(|s| s.shards.len()).sum();
         let live_ids: Vec<&str> = snapshots.iter().map(|s| s.node_id.as_str()).collect();
         membership.live(&live_ids);
         let mut report = SyncReport {
             from_bulk,
+            shards_read,
             ..SyncReport::default()
         };
         let now = Instant::now();
@@ -821,6 +827,8 @@ impl ResidencySync {
                 tracing::info!(peer = %id, "peer left: its residency is dropped");
             }
         }
+        // Peers new or reset in this pass: their shards are read next, whole.
+        let mut reread = std::collections::HashSet::new();
         for snap in snapshots {
             let Some(record) = snap.record.as_ref() else {
                 // Record unchanged: only shards may have moved.
@@ -848,6 +856,15 @@ impl ResidencySync {
                 continue;
             }
             let Some(node) = membership.upsert(record, &snap.origin) else {
+                // Not (or no longer) usable, e.g. its URL changed and is being checked: a peer
+                // it was goes, residency and all, so that it costs no shard copies meanwhile
+                // and is read whole once it is admitted again.
+                if let Some(p) = self.peers.remove(&snap.node_id) {
+                    report.removed += p.published_len();
+                    index.drop_node(p.node);
+                    membership.remove(&snap.node_id, p.node);
+                    report.dropped += 1;
+                }
                 continue;
             };
             report.peers += 1;
@@ -860,6 +877,9 @@ impl ResidencySync {
                 None => true,
             };
             if reset {
+                // Its shards are read whole next (this look copied only those that moved
+                // when the peer moved without a new generation or epoch, none when new).
+                reread.insert(snap.node_id.clone());
                 if let Some(old) = self.peers.get(&snap.node_id) {
                     report.removed += old.published_len();
                     report.dropped += 1;
@@ -895,6 +915,20 @@ impl ResidencySync {
                 apply_shards(p, snap.shards, index, now, &mut report);
             }
         }
+        if !reread.is_empty() {
+            // A second, narrower look under the lock: only those peers' shards are copied.
+            let (again, _) = self.snapshot(cluster, Some(&reread)).await;
+            report.shards_read += again.iter().map(|s| s.shards.len()).sum::<usize>();
+            for snap in again {
+                if let Some(p) = self
+                    .peers
+                    .get_mut(&snap.node_id)
+                    .filter(|p| p.generation == snap.generation)
+                {
+                    apply_shards(p, snap.shards, index, now, &mut report);
+                }
+            }
+        }
         cluster.beacon.set_peers(
             self.peers
                 .iter()
@@ -904,8 +938,15 @@ impl ResidencySync {
         report
     }
 
-    /// What changed per live peer, and how many peers' views used a bulk transfer.
-    async fn snapshot(&mut self, cluster: &Cluster) -> (Vec<PeerSnapshot>, usize) {
+    /// What changed per live node (of `only`, when given), and how many nodes' views used a
+    /// bulk transfer. Shards are copied only for nodes that are peers already: a node that is
+    /// not (its URL not checked yet, over `max_peers`, misnamed, no engine) costs its record's
+    /// parse each pass, not a copy of its residency under chitchat's lock.
+    async fn snapshot(
+        &mut self,
+        cluster: &Cluster,
+        only: Option<&std::collections::HashSet<String>>,
+    ) -> (Vec<PeerSnapshot>, usize) {
         let now = Instant::now();
         // Only for nodes gossip has not listed live yet: once it has, the transfer's values
         // stay until gossip holds them too (they never override a newer gossip value).
@@ -955,6 +996,9 @@ impl ResidencySync {
         );
         from_bulk += views.len() - before;
         let mut out = Vec::new();
+        if let Some(only) = only {
+            views.retain(|v| only.contains(v.node_id));
+        }
         for v in views {
             let known = self.peers.get(v.node_id);
             // Versions only grow within an incarnation: an older value (a lagging source)
@@ -972,14 +1016,15 @@ impl ResidencySync {
             } else {
                 None
             };
-            // All shards for a new peer, a new generation or a new epoch; else those that moved.
+            // All shards for a new generation or a new epoch; else those that moved; none for
+            // a node that is not a peer (yet).
             let fresh = match (known, record.as_ref()) {
-                (None, _) => true,
+                (None, _) => false,
                 (Some(k), Some(r)) => k.generation != v.generation || k.kv_epoch != r.kv_epoch,
                 (Some(_), None) => false,
             };
             let mut shard_values = Vec::new();
-            for (i, shard) in v.shards.iter().enumerate() {
+            for (i, shard) in v.shards.iter().enumerate().filter(|_| known.is_some()) {
                 let Some((version, value)) = shard else {
                     continue;
                 };

@@ -19,8 +19,10 @@
 //!   other (`misdirected`).
 //! - The session is random per socket (a restart is a new session), the counter grows by one
 //!   per frame; the receiver keeps a 128-frame window per session and refuses a counter it has
-//!   seen, or one older than the window (`replayed`). A session is pinned to the source address
-//!   it first came from.
+//!   seen, or one older than the window (`replayed`). A session keeps the source address of
+//!   its newest frame: from another address only a frame newer than every one of the session
+//!   is taken (and moves it), so a replay from elsewhere is refused and cannot lock the sender
+//!   out.
 //! - Every frame's timestamp must be within `max_clock_skew` of the receiver's clock
 //!   (`stale`), which bounds how old a replayed capture can be once its session is forgotten.
 //! - The key id (a hash of the key) picks the one key to try, so a forged frame costs one
@@ -175,8 +177,8 @@ pub enum Rejection {
     Malformed,
     /// A frame that no installed key opens: forged, altered, another cluster, or a wrong key.
     Forged,
-    /// A frame already received, older than the replay window of its session, or its session
-    /// seen from another source address.
+    /// A frame already received, older than the replay window of its session, or from another
+    /// source address than the session's and not newer than all of its frames.
     Replayed,
     /// A frame whose timestamp is too far from this node's clock.
     Stale,
@@ -473,9 +475,16 @@ impl Opener {
         let now = Instant::now();
         match self.sessions.get_mut(&session) {
             Some(w) => {
-                if w.from != from || !w.accept(counter) {
+                // From another address, only a frame newer than any of the session moves it
+                // there (a sender whose address changed). Were the session pinned to the first
+                // address for good, one captured frame replayed from elsewhere just after this
+                // node restarted would lock the sender out until it restarted too; this way its
+                // next frame takes its session back, and replays from elsewhere stay refused.
+                let moved = w.from != from;
+                if (moved && counter <= w.top) || !w.accept(counter) {
                     return Err(Rejection::Replayed);
                 }
+                w.from = from;
                 w.last_seen = now;
             }
             None => {
@@ -669,9 +678,40 @@ mod tests {
             assert!(o.open(&f, addr(A)).is_ok());
         }
         assert_eq!(o.open(&old, addr(A)), Err(Rejection::Replayed));
-        // A session is pinned to its source: a fresh frame of it from elsewhere is refused.
-        let fresh = one(&mut s, b"fresh");
-        assert_eq!(o.open(&fresh, addr(9)), Err(Rejection::Replayed));
+        // From another source, a frame of the session no newer than its last is refused,
+        // even unseen (within the window, out of order)...
+        let early = one(&mut s, b"early");
+        let late = one(&mut s, b"late");
+        assert!(o.open(&late, addr(A)).is_ok());
+        assert_eq!(o.open(&early, addr(9)), Err(Rejection::Replayed));
+        // ...and a newer one moves the session there; the old source's older frames are then
+        // refused, its newer ones take the session back.
+        let (x, y, z) = (one(&mut s, b"x"), one(&mut s, b"y"), one(&mut s, b"z"));
+        assert_eq!(o.open(&y, addr(9)), Ok(Some(b"y".to_vec())));
+        assert_eq!(o.open(&x, addr(A)), Err(Rejection::Replayed));
+        assert_eq!(o.open(&z, addr(A)), Ok(Some(b"z".to_vec())));
+        assert_eq!(o.open(&early, addr(A)), Ok(Some(b"early".to_vec())));
+    }
+
+    // Defect: a session stayed pinned to the address its first frame came from. A frame
+    // captured before this node restarted, replayed from elsewhere before the sender's next
+    // one, pinned the sender's session there, and its own frames were refused until it
+    // restarted too.
+    #[test]
+    fn a_replay_after_a_restart_does_not_lock_the_sender_out() {
+        let (mut s, mut before) = pair("c");
+        let captured = one(&mut s, b"captured");
+        assert!(before.open(&captured, addr(A)).is_ok());
+        let (_, mut restarted) = pair("c");
+        assert!(
+            restarted.open(&captured, addr(9)).is_ok(),
+            "within the clock skew"
+        );
+        for i in 0..3u8 {
+            let next = one(&mut s, &[i]);
+            assert_eq!(restarted.open(&next, addr(A)), Ok(Some(vec![i])));
+        }
+        assert_eq!(restarted.open(&captured, addr(9)), Err(Rejection::Replayed));
     }
 
     #[test]

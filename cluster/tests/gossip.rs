@@ -10,7 +10,7 @@ fn local(port: u16) -> SocketAddr {
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use kvmesh_cluster::bulk::transfer_domain;
+use kvmesh_cluster::bulk::{transfer_domain, SNAPSHOT_REUSE};
 use kvmesh_cluster::seal::Sealer;
 use kvmesh_cluster::testing::{beacon_plaintext, crafted_ack};
 use kvmesh_cluster::{
@@ -27,10 +27,15 @@ struct Members {
     removed: Mutex<Vec<String>>,
     /// Every proxy URL ever accepted (what routing would send traffic to).
     urls: Mutex<Vec<String>>,
+    /// Node ids not admitted (as a proxy does while it checks their URL).
+    refused: Mutex<Vec<String>>,
 }
 
 impl Membership for Members {
     fn upsert(&self, record: &NodeRecord, _origin: &PeerOrigin) -> Option<NodeId> {
+        if self.refused.lock().unwrap().contains(&record.node_id) {
+            return None;
+        }
         self.urls.lock().unwrap().push(record.proxy_url.clone());
         let mut k = self.known.lock().unwrap();
         // A node id at a new URL is a new fleet entry (as the proxy's fleet does it).
@@ -245,6 +250,65 @@ async fn residency_spreads_is_withdrawn_and_dies_with_its_node_or_epoch() {
         .contains(&"c".to_string()));
     assert_eq!(nodes[0].cluster.live_peers().await, 1);
     assert!(nodes[0].cluster.stats().bytes_received() > 0);
+}
+
+// Defect: every pass copied all the residency of live nodes that were not peers (URL being
+// checked, over the cap, misnamed) under chitchat's lock, and again the next pass. Now a node
+// costs no shard copy until it is admitted, and its residency arrives in the pass that admits
+// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_not_admitted_costs_no_residency_copy_until_it_is() {
+    let ports = [udp_port(), udp_port()];
+    let mut nodes = [
+        node("a", ports[0], ports[0]).await,
+        node("c", ports[1], ports[0]).await,
+    ];
+    nodes[0].members.refused.lock().unwrap().push("c".into());
+    let ns = Namespace::new("m", b"");
+    let chain = text_chain(&ns, &[b'x'; 256 * 40], 256);
+    nodes[1]
+        .index
+        .record(NodeId(0), &chain, Source::Reported, Instant::now());
+    // c and its residency reach a's gossip state: a sync of a's state that admits everyone
+    // (a probe beside a's own) sees it.
+    let mut probe = ResidencySync::new();
+    let probe_index = ResidencyIndex::new(ResidencyConfig::default());
+    let everyone = Members::default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        probe.sync(&nodes[0].cluster, &probe_index, &everyone).await;
+        if probe_index
+            .overlap(&chain, Instant::now())
+            .first()
+            .map(|o| o.1)
+            == Some(40)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out: a holds c's residency"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let a = &mut nodes[0];
+    for _ in 0..3 {
+        let report = a.sync.sync(&a.cluster, &a.index, &a.members).await;
+        assert_eq!((report.peers, report.shards_read), (0, 0), "{report:?}");
+    }
+    assert!(a.index.overlap(&chain, Instant::now()).is_empty());
+    a.members.refused.lock().unwrap().clear();
+    let report = a.sync.sync(&a.cluster, &a.index, &a.members).await;
+    assert_eq!(report.peers, 1);
+    assert!(report.shards_read > 0, "{report:?}");
+    assert_eq!(
+        a.index.overlap(&chain, Instant::now()).first().map(|o| o.1),
+        Some(40),
+        "c's residency arrives in the pass that admits it"
+    );
 }
 
 /// Nodes `a` and `b`, each publishing its residency whole only once an hour.
@@ -808,6 +872,9 @@ async fn loaded_pair(blocks: usize) -> (Vec<Node>, u16) {
         n.iter().all(|x| peer_entries(x) == blocks)
     })
     .await;
+    // b's join built a snapshot of a's state before it was loaded, and a serves that one for
+    // SNAPSHOT_REUSE: the tests' transfers must see the loaded state.
+    tokio::time::sleep(SNAPSHOT_REUSE).await;
     (nodes, pa)
 }
 
@@ -998,6 +1065,30 @@ async fn bulk_requests_without_the_key_get_nothing() {
         "the reply is not sealed"
     );
     assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 1);
+    // Two more keyholder requests at once, each with a fresh challenge: both are served from
+    // one snapshot (the state is not copied again for each request within SNAPSHOT_REUSE).
+    let built = nodes[0].cluster.bulk_stats().snapshots_built();
+    let ask = |challenge: u8| {
+        let mut request = BULK_MAGIC.to_vec();
+        request.extend_from_slice(&[challenge; 32]);
+        let frame = Sealer::new(keyring(KEY), &transfer_domain("test"))
+            .seal(&request, server)
+            .pop()
+            .unwrap();
+        async move {
+            let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
+            write_frame(&mut s, &frame).await;
+            read_all(&mut s).await.len()
+        }
+    };
+    let (x, y) = tokio::join!(ask(8), ask(9));
+    assert!(x > 1_000 * 8 && y > 1_000 * 8, "{x} and {y} bytes");
+    assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 3);
+    assert!(
+        nodes[0].cluster.bulk_stats().snapshots_built() <= built + 1,
+        "a snapshot built per request"
+    );
+    let served = served + 2;
     // The same request captured and replayed on a new connection: refused.
     let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
     write_frame(&mut s, &genuine).await;

@@ -6,8 +6,8 @@
 //! advertises for gossip, and only once this node has received authenticated gossip from that
 //! IP itself), and answering a health probe.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,39 @@ const REFUSED_RETRY: Duration = Duration::from_secs(10);
 /// How long a peer whose gossip address has not been heard from waits before it is asked
 /// again (direct contact usually follows within a few gossip rounds).
 const UNVERIFIED_RETRY: Duration = Duration::from_secs(1);
+
+/// Most peer-URL checks resolving a host name at once, and one per gossip address. Each
+/// lookup holds one of tokio's blocking threads until the system resolver answers or gives up,
+/// which may be long after the check's own timeout: a key holder that publishes a new
+/// unanswerable host name every round must not be able to take the whole blocking pool, nor
+/// every slot (a URL with an IP address needs none).
+const MAX_LOOKUPS: usize = 16;
+
+/// A lookup of [`MAX_LOOKUPS`] for a peer gossiping from an address, held until the lookup
+/// has returned (not merely timed out).
+struct LookupSlot {
+    held: Arc<parking_lot::Mutex<HashSet<IpAddr>>>,
+    by: IpAddr,
+}
+
+impl LookupSlot {
+    fn take(held: &Arc<parking_lot::Mutex<HashSet<IpAddr>>>, by: IpAddr) -> Option<LookupSlot> {
+        let mut h = held.lock();
+        if h.len() >= MAX_LOOKUPS || !h.insert(by) {
+            return None;
+        }
+        Some(LookupSlot {
+            held: held.clone(),
+            by,
+        })
+    }
+}
+
+impl Drop for LookupSlot {
+    fn drop(&mut self) {
+        self.held.lock().remove(&self.by);
+    }
+}
 
 /// What this proxy decided about a peer's published URL.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +81,8 @@ pub struct PeerAdmission {
     timeout: Duration,
     metrics: Arc<Metrics>,
     max_entries: usize,
+    /// Gossip addresses whose peer URL's host name is being looked up ([`MAX_LOOKUPS`]).
+    lookups: Arc<parking_lot::Mutex<HashSet<IpAddr>>>,
 }
 
 impl PeerAdmission {
@@ -65,6 +100,7 @@ impl PeerAdmission {
             timeout: Duration::from_millis(cfg.health.timeout_ms),
             metrics,
             max_entries: cfg.cluster.max_peers.saturating_mul(2),
+            lookups: Arc::default(),
         })
     }
 
@@ -98,11 +134,21 @@ impl PeerAdmission {
             self.refuse_count("unverified");
             return None;
         }
+        let named = engine_url_host(url).is_ok_and(|(host, _)| host.parse::<IpAddr>().is_err());
+        let slot = match named.then(|| LookupSlot::take(&self.lookups, gossip_addr.ip())) {
+            Some(None) => {
+                // Asked again at the next pass.
+                self.refuse_count("busy");
+                return None;
+            }
+            Some(slot) => slot,
+            None => None,
+        };
         verdicts.insert(key.clone(), Verdict::Pending);
         drop(verdicts);
         let this = self.clone();
         tokio::spawn(async move {
-            let verdict = match this.check(&key.1, gossip_addr, via_peer).await {
+            let verdict = match this.check(&key.1, gossip_addr, via_peer, slot).await {
                 Ok(addr) => {
                     tracing::info!(peer = %key.0, url = %key.1, %addr, "peer admitted");
                     Verdict::Admitted(addr)
@@ -129,21 +175,34 @@ impl PeerAdmission {
             .inc();
     }
 
-    /// Resolves `url` (asynchronously: never on the gossip loop), checks the address against
-    /// the allowed networks, and probes it.
+    /// Resolves `url` (a host name on a blocking thread, holding `slot` until the resolver
+    /// returns: never on the gossip loop), checks the address against the allowed networks,
+    /// and probes it.
     async fn check(
         &self,
         url: &str,
         gossip_addr: SocketAddr,
         via_peer: bool,
+        slot: Option<LookupSlot>,
     ) -> Result<SocketAddr, &'static str> {
         let (host, port) = engine_url_host(url).map_err(|_| "url")?;
-        let addrs: Vec<SocketAddr> =
-            tokio::time::timeout(self.timeout, tokio::net::lookup_host((host.as_str(), port)))
-                .await
-                .map_err(|_| "url")?
-                .map_err(|_| "url")?
-                .collect();
+        let addrs = match (host.parse::<IpAddr>(), slot) {
+            (Ok(ip), _) => vec![SocketAddr::new(ip, port)],
+            (Err(_), None) => return Err("url"),
+            (Err(_), Some(slot)) => {
+                let name = host.clone();
+                let lookup = tokio::task::spawn_blocking(move || {
+                    let _slot = slot;
+                    std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), port))
+                        .map(|a| a.collect::<Vec<SocketAddr>>())
+                });
+                tokio::time::timeout(self.timeout, lookup)
+                    .await
+                    .map_err(|_| "url")?
+                    .map_err(|_| "url")?
+                    .map_err(|_| "url")?
+            }
+        };
         let addr = addrs
             .into_iter()
             .find(|a| self.allowed(a.ip(), gossip_addr.ip()))
@@ -220,8 +279,35 @@ struct FleetMembership<'a> {
     metrics: &'a Metrics,
 }
 
+/// Most models a peer's record may list, and the longest model name it may hold: each model
+/// of each peer has its own metric series, so a record past either is not used (`models`).
+pub const MAX_PEER_MODELS: usize = 64;
+/// See [`MAX_PEER_MODELS`].
+pub const MAX_PEER_MODEL_NAME_BYTES: usize = 256;
+
 impl Membership for FleetMembership<'_> {
     fn upsert(&self, r: &NodeRecord, origin: &PeerOrigin) -> Option<NodeId> {
+        let held = self.fleet.peer_models(&r.node_id);
+        if r.models.len() > MAX_PEER_MODELS
+            || r.models.iter().any(|m| m.len() > MAX_PEER_MODEL_NAME_BYTES)
+        {
+            self.admission.refuse_count("models");
+            if let Some(held) = held {
+                self.metrics.per_engine.forget(&r.node_id, &held);
+                self.fleet.remove_peer(&r.node_id);
+            }
+            return None;
+        }
+        // Series of models the peer no longer lists go (a peer that renames its models every
+        // round must not grow /metrics).
+        let dropped: Vec<String> = held
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|m| !r.models.contains(m))
+            .collect();
+        if !dropped.is_empty() {
+            self.metrics.per_engine.forget_models(&r.node_id, &dropped);
+        }
         let url = if self.via_peer {
             &r.proxy_url
         } else {
@@ -254,14 +340,7 @@ impl Membership for FleetMembership<'_> {
     }
 
     fn remove(&self, node_id: &str, _node: NodeId) {
-        let models = self
-            .fleet
-            .engines()
-            .iter()
-            .find(|e| e.peer.is_some() && e.name == node_id)
-            .and_then(|e| e.models())
-            .map(|m| m.to_vec())
-            .unwrap_or_default();
+        let models = self.fleet.peer_models(node_id).unwrap_or_default();
         self.metrics.per_engine.forget(node_id, &models);
         self.fleet.remove_peer(node_id);
         self.admission.forget(node_id);
@@ -670,6 +749,114 @@ mod tests {
                 .with_label_values(&["unverified"])
                 .get(),
             1
+        );
+    }
+
+    // A key holder publishing a new host name every round: a check that must look a name up
+    // takes a slot (held until the lookup returns), one per gossip address and 16 in all, so
+    // lookups cannot take every blocking thread, nor one peer every slot. A URL with an IP
+    // address needs none.
+    #[tokio::test]
+    async fn lookups_in_flight_are_capped_per_gossip_address_and_in_all() {
+        let a = admission(64, &["10.0.0.0/8"]);
+        let busy = |a: &PeerAdmission| {
+            a.metrics
+                .gossip_peers_refused
+                .with_label_values(&["busy"])
+                .get()
+        };
+        let peer = origin([10, 0, 0, 9], true);
+        // This peer's address has a lookup in flight: its next host name waits.
+        let in_flight = LookupSlot::take(&a.lookups, peer.gossip_addr.ip()).expect("a slot");
+        assert!(LookupSlot::take(&a.lookups, peer.gossip_addr.ip()).is_none());
+        assert_eq!(
+            a.admitted("n", "http://host-1.invalid:1", &peer, true),
+            None
+        );
+        assert!(a.verdicts.lock().is_empty(), "no check started");
+        assert_eq!(busy(&a), 1);
+        // Every slot taken, by other addresses: a host name waits, an IP address does not.
+        let others: Vec<LookupSlot> = (1..MAX_LOOKUPS)
+            .map(|i| {
+                LookupSlot::take(&a.lookups, IpAddr::from([10, 1, 0, i as u8])).expect("a slot")
+            })
+            .collect();
+        let other = origin([10, 0, 0, 10], true);
+        assert_eq!(
+            a.admitted("m", "http://host-2.invalid:1", &other, true),
+            None
+        );
+        assert_eq!(busy(&a), 2);
+        assert_eq!(a.admitted("m", "http://10.0.0.10:1", &other, true), None);
+        assert!(matches!(
+            a.verdicts.lock().values().next(),
+            Some(Verdict::Pending)
+        ));
+        assert_eq!(busy(&a), 2);
+        drop((in_flight, others));
+        assert!(a.lookups.lock().is_empty(), "slots are given back");
+    }
+
+    // A key holder renaming its models every round, or listing thousands: /metrics keeps one
+    // set of series per model a peer lists now, and a record past the caps is not used.
+    #[test]
+    fn a_peers_model_series_follow_its_list_and_its_list_is_capped() {
+        let a = admission(8, &[]);
+        let url = "http://127.0.0.1:9";
+        let from = origin([127, 0, 0, 1], true);
+        a.verdicts.lock().insert(
+            ("p".into(), url.into(), from.gossip_addr),
+            Verdict::Admitted(SocketAddr::from(([127, 0, 0, 1], 9))),
+        );
+        let fleet = Fleet::new(Vec::new(), Duration::from_secs(5));
+        let index = ResidencyIndex::new(Default::default());
+        let metrics = a.metrics.clone();
+        let m = FleetMembership {
+            fleet: &fleet,
+            via_peer: true,
+            admission: &a,
+            metrics: &metrics,
+        };
+        let series = |model: &str| {
+            let text = String::from_utf8(metrics.render(&fleet, &index)).expect("utf-8");
+            text.lines()
+                .filter(|l| l.contains("engine=\"p\"") && l.contains(&format!("model=\"{model}\"")))
+                .count()
+        };
+        let record = |models: Vec<String>| NodeRecord {
+            node_id: "p".into(),
+            proxy_url: url.into(),
+            engine_url: url.into(),
+            models,
+            ..NodeRecord::default()
+        };
+        assert!(m.upsert(&record(vec!["a".into()]), &from).is_some());
+        assert!(series("a") > 0);
+        assert!(m.upsert(&record(vec!["b".into()]), &from).is_some());
+        assert_eq!(
+            series("a"),
+            0,
+            "the series of a model the peer dropped stayed"
+        );
+        assert!(series("b") > 0);
+        for models in [
+            (0..=MAX_PEER_MODELS).map(|i| format!("m{i}")).collect(),
+            vec!["x".repeat(MAX_PEER_MODEL_NAME_BYTES + 1)],
+        ] {
+            assert!(m.upsert(&record(models), &from).is_none());
+            assert!(
+                fleet.peer_models("p").is_none(),
+                "the peer stayed in the fleet"
+            );
+            assert_eq!(series("b"), 0);
+            assert!(m.upsert(&record(vec!["b".into()]), &from).is_some());
+        }
+        assert_eq!(
+            metrics
+                .gossip_peers_refused
+                .with_label_values(&["models"])
+                .get(),
+            2
         );
     }
 

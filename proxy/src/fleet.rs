@@ -558,6 +558,15 @@ impl Fleet {
             .any(|e| e.peer.as_ref().is_some_and(|l| l.node_id == node_id) && e.url != url)
     }
 
+    /// The models of the engine peer `node_id` published, when it is in the fleet.
+    pub fn peer_models(&self, node_id: &str) -> Option<Vec<String>> {
+        self.engines
+            .load()
+            .iter()
+            .find(|e| e.peer.as_ref().is_some_and(|l| l.node_id == node_id))
+            .map(|e| e.models().map(|m| m.to_vec()).unwrap_or_default())
+    }
+
     /// Forgets a peer's engine (it left).
     pub fn remove_peer(&self, node_id: &str) {
         let _one_writer = self.change.lock();

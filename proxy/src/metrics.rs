@@ -569,6 +569,11 @@ impl EngineSeries {
         for kind in TOKEN_KINDS {
             let _ = self.tokens.remove_label_values(&[engine, kind]);
         }
+        self.forget_models(engine, models);
+    }
+
+    /// Drops `engine`'s series of `models` (those it no longer serves).
+    pub fn forget_models(&self, engine: &str, models: &[String]) {
         for m in models {
             for class in STATUS_CLASSES {
                 let _ = self.requests.remove_label_values(&[engine, m, class]);
