@@ -598,7 +598,7 @@ struct PeerSnapshot {
     record_version: u64,
     record: Option<NodeRecord>,
     /// Shards whose version changed (or all, for a new generation or epoch): index, version,
-    /// value. None for a node that is not a peer yet: its shards are read only once it has
+    /// value. Empty for a node that is not a peer yet: its shards are read only once it has
     /// been admitted ([`ResidencySync::sync`]).
     shards: Vec<(usize, u64, String)>,
 }

@@ -125,8 +125,29 @@ impl JsonUsageScanner {
 
     /// Feeds the next chunk of the body.
     pub fn feed(&mut self, chunk: &[u8]) {
-        for &b in chunk {
+        let mut rest = chunk;
+        while let Some((&b, tail)) = rest.split_first() {
             self.step(b);
+            rest = tail;
+            // Bytes that cannot change anything are skipped in bulk: an engine's answer is
+            // mostly text and numbers (a long completion, an embedding's floats), and this
+            // runs over every byte of it.
+            if matches!(self.capture, Capture::Off) {
+                let skip = if self.in_string {
+                    if self.escaped || self.key.is_some() {
+                        0
+                    } else {
+                        memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len())
+                    }
+                } else if self.depth > 1 {
+                    // The next byte that opens a string or changes the depth.
+                    let brace = memchr::memchr3(b'"', b'{', b'}', rest).unwrap_or(rest.len());
+                    memchr::memchr2(b'[', b']', &rest[..brace]).unwrap_or(brace)
+                } else {
+                    0
+                };
+                rest = &rest[skip..];
+            }
         }
     }
 
