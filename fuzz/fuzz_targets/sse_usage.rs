@@ -21,35 +21,37 @@ fuzz_target!(|data: &[u8]| {
     };
     let max_line = usize::from(*max_line) * 4;
     let chunk = usize::from(*chunk).max(1);
-    let mut whole = SseUsageScanner::new(max_line);
-    whole.feed(stream);
-    let mut cut = SseUsageScanner::new(max_line);
-    for piece in stream.chunks(chunk) {
-        cut.feed(piece);
-    }
+    let sse = |piece| {
+        fed(
+            stream,
+            piece,
+            || SseUsageScanner::new(max_line),
+            SseUsageScanner::feed,
+        )
+    };
+    let whole = sse(stream.len().max(1)).usage();
     assert_eq!(
-        whole.usage(),
-        cut.usage(),
+        whole,
+        sse(chunk).usage(),
         "the usage depends on the chunking"
     );
-    let mut bytewise = SseUsageScanner::new(max_line);
-    for b in stream {
-        bytewise.feed(std::slice::from_ref(b));
-    }
-    assert_eq!(whole.usage(), bytewise.usage());
+    assert_eq!(whole, sse(1).usage());
     let _ = from_json(stream);
 
     // Bound well above any value a fuzzer input holds: only the scan is compared.
     let bound = stream.len() + 1;
-    let mut whole = JsonUsageScanner::new(bound);
-    whole.feed(stream);
-    let mut cut = JsonUsageScanner::new(bound);
-    for piece in stream.chunks(chunk) {
-        cut.feed(piece);
-    }
+    let json = |piece| {
+        fed(
+            stream,
+            piece,
+            || JsonUsageScanner::new(bound),
+            JsonUsageScanner::feed,
+        )
+    };
+    let whole = json(stream.len().max(1)).usage();
     assert_eq!(
-        whole.usage(),
-        cut.usage(),
+        whole,
+        json(chunk).usage(),
         "the usage depends on the chunking"
     );
     // Without `\u` escapes: the scanner does not decode a key spelt with them (documented);
@@ -62,6 +64,15 @@ fuzz_target!(|data: &[u8]| {
         let truth = top
             .get("usage")
             .and_then(|u| from_usage_value(u.get().as_bytes()));
-        assert_eq!(whole.usage(), truth, "the scan and a full parse disagree");
+        assert_eq!(whole, truth, "the scan and a full parse disagree");
     }
 });
+
+/// A scanner `make` builds, fed `stream` in pieces of `piece` bytes.
+fn fed<S>(stream: &[u8], piece: usize, make: impl Fn() -> S, feed: impl Fn(&mut S, &[u8])) -> S {
+    let mut s = make();
+    for p in stream.chunks(piece) {
+        feed(&mut s, p);
+    }
+    s
+}

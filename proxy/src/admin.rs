@@ -412,15 +412,9 @@ impl Gateway {
             respond(session, a.status, a.content_type, a.body, &headers).await?;
             return Ok(true);
         }
-        let local_path = matches!(path, "/v1/models" | "/health" | "/ready" | "/metrics")
-            || model_id.is_some()
-            || dashboard::is_dashboard_path(path);
-        if !get && local_path {
-            ctx.route = if model_id.is_some() || path == "/v1/models" {
-                "models"
-            } else {
-                "admin"
-            };
+        let models = path == "/v1/models" || model_id.is_some();
+        if !get && (models || operators || path == "/health") {
+            ctx.route = if models { "models" } else { "admin" };
             let e = ApiError::method_not_allowed(path, "GET");
             return self.refuse_local(session, ctx, e).await;
         }
