@@ -4,7 +4,8 @@
 //! - `node`: its [`NodeRecord`] as JSON (engine, load, `kv_epoch`, readiness);
 //! - `r.000` .. `r.127`: the residency of the engine it fronts, in compact shards ([`shards`]),
 //!   re-sent whole every [`ClusterConfig::residency_full_interval`];
-//! - `r.128`: what that residency gained since the shards were last sent ([`shards::RECENT`]).
+//! - `r.128` .. `r.143`: what that residency gained since the shards were last sent, each
+//!   publication's gains in a key of their own ([`shards::RECENT`]).
 //!
 //! [`ResidencySync::sync`] reads what peers published and applies the changes to the proxy's
 //! [`ResidencyIndex`] (source [`Source::Gossip`]) and to its view of the fleet (through
@@ -151,8 +152,14 @@ struct Published {
     /// The shorts of the last full publication, sorted.
     full: Vec<u64>,
     /// The shorts given then that did not fit their shard ([`shards::MAX_PER_SHARD`]), sorted:
-    /// not gains since, so never in the recent key.
+    /// not gains since, so never in a recent key.
     truncated: Vec<u64>,
+    /// The shorts published in recent keys since then, sorted.
+    recent: Vec<u64>,
+    /// Recent keys written since then.
+    recent_used: usize,
+    /// The shorts of the last recent key written, sorted.
+    last_recent: Vec<u64>,
     /// When it was made.
     full_at: Option<Instant>,
     /// Removals since then: the next full publication is owed.
@@ -210,6 +217,9 @@ impl Cluster {
                 shards: vec![String::new(); shards::SLOTS],
                 full: Vec::new(),
                 truncated: Vec::new(),
+                recent: Vec::new(),
+                recent_used: 0,
+                last_recent: Vec::new(),
                 full_at: None,
                 owed: false,
                 version: None,
@@ -456,39 +466,62 @@ impl Cluster {
     }
 
     /// Publishes `shorts` (distinct, most important first). Within
-    /// [`ClusterConfig::residency_full_interval`] of the last full publication only the recent
-    /// key is set (the shorts gained since; a removal waits). Otherwise the shards that changed
-    /// are set and the recent key emptied; so too when more were gained than the key holds, or
-    /// when more than half of the last full publication went (a dropped or restarted engine:
-    /// peers must not keep routing by what it no longer holds). An unchanged key costs no
-    /// gossip.
+    /// [`ClusterConfig::residency_full_interval`] of the last full publication only a recent
+    /// key is set: the next unused one, with the shorts gained since the last publication (the
+    /// last key, once all are used, takes them beside its own); a removal waits. Otherwise the
+    /// shards that changed are set and the recent keys emptied; so too when more were gained
+    /// than a key holds, or when more than half of the last full publication went (a dropped or
+    /// restarted engine: peers must not keep routing by what it no longer holds). An unchanged
+    /// key costs no gossip.
     async fn publish_shorts(&self, published: &mut Published, shorts: &[u64]) {
         let mut values: Vec<(usize, String)> = Vec::new();
-        if !self.full_due(published) {
-            let mut kept = 0usize;
+        let mut full = self.full_due(published);
+        if !full {
+            let (mut kept, mut kept_recent) = (0usize, 0usize);
             let mut added: Vec<u64> = shorts
                 .iter()
                 .copied()
                 .filter(|s| {
-                    let in_full = published.full.binary_search(s).is_ok();
-                    kept += usize::from(in_full);
+                    if published.full.binary_search(s).is_ok() {
+                        kept += 1;
+                        return false;
+                    }
+                    if published.recent.binary_search(s).is_ok() {
+                        kept_recent += 1;
+                        return false;
+                    }
                     // A short that did not fit its shard then is no gain (nor, gone, a loss).
-                    !in_full && published.truncated.binary_search(s).is_err()
+                    published.truncated.binary_search(s).is_err()
                 })
                 .collect();
             added.sort_unstable();
             added.dedup();
             let removed = published.full.len().saturating_sub(kept);
-            if added.len() <= shards::MAX_PER_SHARD && removed <= published.full.len() / 2 {
-                published.owed = removed > 0;
-                values.push((shards::RECENT, shards::encode(&added)));
+            let removed_recent = published.recent.len().saturating_sub(kept_recent);
+            published.owed |= removed + removed_recent > 0;
+            full = removed > published.full.len() / 2;
+            if !full && !added.is_empty() {
+                let (slot, value) = if published.recent_used < shards::RECENT_SLOTS {
+                    published.recent_used += 1;
+                    (shards::RECENT + published.recent_used - 1, added.clone())
+                } else {
+                    (shards::SLOTS - 1, merged(&published.last_recent, &added))
+                };
+                if value.len() > shards::MAX_PER_SHARD {
+                    full = true;
+                } else {
+                    values.push((slot, shards::encode(&value)));
+                    published.recent = merged(&published.recent, &added);
+                    published.last_recent = value;
+                }
             }
         }
-        if values.is_empty() {
+        if full {
+            values.clear();
             let split = shards::split(shorts);
             values.extend(split.iter().map(|s| shards::encode(s)).enumerate());
-            // Set after the shards (a higher version): a peer that sees it emptied has them.
-            values.push((shards::RECENT, String::new()));
+            // Set after the shards (higher versions): a peer that sees them emptied has them.
+            values.extend(shards::recent_slots().map(|i| (i, String::new())));
             let mut full: Vec<u64> = split.into_iter().flatten().collect();
             full.sort_unstable();
             let mut truncated: Vec<u64> = shorts
@@ -499,6 +532,9 @@ impl Cluster {
             truncated.sort_unstable();
             published.full = full;
             published.truncated = truncated;
+            published.recent = Vec::new();
+            published.recent_used = 0;
+            published.last_recent = Vec::new();
             published.full_at = Some(Instant::now());
             published.owed = false;
         }
@@ -1054,30 +1090,51 @@ impl ResidencySync {
 }
 
 impl PeerState {
-    /// Whether `short` is published in a slot other than `slot` (its shard, or the recent key).
+    /// Whether `short` is published in a slot other than `slot`: its own shard, or a recent
+    /// key.
     fn held_elsewhere(&self, slot: usize, short: u64) -> bool {
-        let other = match slot {
-            shards::RECENT => shards::shard_of(short),
-            _ => shards::RECENT,
+        let holds = |i: usize| {
+            self.shards
+                .get(i)
+                .is_some_and(|s| s.binary_search(&short).is_ok())
         };
-        self.shards
-            .get(other)
-            .is_some_and(|s| s.binary_search(&short).is_ok())
+        let own = shards::shard_of(short);
+        (own != slot && holds(own)) || shards::recent_slots().any(|i| i != slot && holds(i))
     }
 
-    /// Distinct shorts the peer publishes (its shards and its recent key).
+    /// Distinct shorts the peer publishes (its shards and its recent keys).
     fn published_len(&self) -> usize {
-        let recent = self
-            .shards
-            .get(shards::RECENT)
-            .map_or(&[][..], Vec::as_slice);
-        let only_recent = recent
-            .iter()
-            .filter(|&&s| !self.held_elsewhere(shards::RECENT, s))
-            .count();
         let in_shards: usize = self.shards.iter().take(shards::SHARDS).map(Vec::len).sum();
+        // A short counts in the first recent key that holds it, unless its shard does.
+        let only_recent: usize = shards::recent_slots()
+            .map(|i| {
+                self.shards.get(i).map_or(0, |keyed| {
+                    keyed
+                        .iter()
+                        .filter(|&&s| {
+                            let held = |j: usize| {
+                                self.shards
+                                    .get(j)
+                                    .is_some_and(|o| o.binary_search(&s).is_ok())
+                            };
+                            !held(shards::shard_of(s)) && !(shards::RECENT..i).any(held)
+                        })
+                        .count()
+                })
+            })
+            .sum();
         in_shards + only_recent
     }
+}
+
+/// The union of two sorted sets of distinct shorts, sorted.
+fn merged(a: &[u64], b: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    out.extend_from_slice(a);
+    out.extend_from_slice(b);
+    out.sort_unstable();
+    out.dedup();
+    out
 }
 
 /// Applies changed slots to the peer's entries in the index, which hold the union of its

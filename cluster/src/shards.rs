@@ -7,13 +7,17 @@
 //! encoded), well under chitchat's one-datagram value limit, so a node publishes at most
 //! 512,000 digests.
 //!
-//! Between two full publications a node sets only one more key, [`RECENT`] (`r.128`): the
-//! shorts it gained since the last full one, whatever their shard. Each request adds digests to
-//! nearly every shard, so re-sending the changed shards each round re-sent the whole set; the
-//! recent key costs what was added. Removals wait for the next full publication, unless more
-//! than half of the last one went (a dropped or restarted engine), which publishes at once. A node's
-//! published set is the union of its shards and its recent key; a node that does not know the
-//! recent key (an older version) reads the shards alone and only learns later.
+//! Between two full publications a node sets only the recent keys ([`RECENT_SLOTS`] of them,
+//! `r.128` .. `r.143`): each publication in between writes what was gained since the one before
+//! into the next unused recent key, whatever the shorts' shards. Each request adds digests to
+//! nearly every shard, so re-sending the changed shards each round re-sent the whole set; and one
+//! recent key holding every gain since the full publication was re-sent whole each round it grew.
+//! A recent key is written once between two full publications (the last one, when all are used,
+//! takes later gains too), so each gain crosses the network about once. Removals wait for the
+//! next full publication, unless more than half of the last one went (a dropped or restarted
+//! engine), which publishes at once; a full publication then empties the recent keys. A node's
+//! published set is the union of its shards and its recent keys; a node that does not know the
+//! recent keys (an older version) reads the shards alone and only learns later.
 //!
 //! [`Digest::short`]: kvmesh_filters::chain::Digest::short
 
@@ -22,14 +26,28 @@ use base64::Engine as _;
 
 /// Number of residency shards per node.
 pub const SHARDS: usize = 128;
-/// Most shorts in one shard (and in the recent key).
+/// Most shorts in one shard (and in one recent key).
 pub const MAX_PER_SHARD: usize = 4000;
-/// The slot of the recent key: shorts added since the last full publication, of any shard.
+/// The slot of the first recent key: shorts added since the last full publication, of any
+/// shard. The recent keys are the slots from here to [`SLOTS`].
 pub const RECENT: usize = SHARDS;
-/// Residency keys per node: the shards and the recent key.
-pub const SLOTS: usize = SHARDS + 1;
+/// Number of recent keys: at the default 200 ms gossip round and 2 s between full
+/// publications, a node writes about 10 of them between two full ones.
+pub const RECENT_SLOTS: usize = 16;
+/// Residency keys per node: the shards and the recent keys.
+pub const SLOTS: usize = SHARDS + RECENT_SLOTS;
 
-/// The gossip key of slot `i` (a shard, or [`RECENT`]).
+/// Whether slot `i` is a recent key.
+pub fn is_recent(i: usize) -> bool {
+    recent_slots().contains(&i)
+}
+
+/// The slots of the recent keys.
+pub fn recent_slots() -> std::ops::Range<usize> {
+    RECENT..SLOTS
+}
+
+/// The gossip key of slot `i` (a shard, or a recent key).
 pub fn key(i: usize) -> String {
     format!("r.{i:03}")
 }
@@ -147,7 +165,11 @@ mod tests {
         assert!(decode(&STANDARD_NO_PAD.encode([1u8, 2, 3])).is_none());
         assert_eq!(parse_key(&key(7)), Some(7));
         assert_eq!(parse_key(&key(RECENT)), Some(RECENT));
-        assert_eq!(parse_key("r.129"), None);
+        assert_eq!(key(SLOTS - 1), "r.143");
+        assert_eq!(parse_key("r.143"), Some(SLOTS - 1));
+        assert_eq!(parse_key("r.144"), None);
+        assert!(is_recent(RECENT) && is_recent(SLOTS - 1));
+        assert!(!is_recent(RECENT - 1) && !is_recent(SLOTS));
         assert_eq!(parse_key("r.999"), None);
         assert_eq!(parse_key("node"), None);
     }

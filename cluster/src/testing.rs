@@ -73,3 +73,11 @@ pub fn crafted_ack_for(
 pub fn beacon_plaintext(node_id: &str, session: u64, seq: u64, load: crate::Load) -> Vec<u8> {
     crate::beacon::plaintext(node_id, session, seq, load).unwrap_or_default()
 }
+
+/// The value this node has set for gossip key `key` (`None`: never set): what its peers are
+/// sent for it.
+pub async fn own_value(cluster: &crate::Cluster, key: &str) -> Option<String> {
+    let chitchat = cluster.chitchat().await;
+    let mut chitchat = chitchat.lock().await;
+    chitchat.self_node_state().get(key).map(str::to_string)
+}

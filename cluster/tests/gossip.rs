@@ -329,9 +329,9 @@ async fn hourly_pair() -> Vec<Node> {
     vec![hourly("a", pa, pa).await, hourly("b", pb, pa).await]
 }
 
-// Between full publications a node sends only what it gained (the recent key, `r.128`): peers
-// learn additions at once, hold the union of shards and recent key, and learn removals at the
-// next full publication, here forced by gaining more than the recent key holds.
+// Between full publications a node sends only what it gained (the recent keys, `r.128` on):
+// peers learn additions at once, hold the union of shards and recent keys, and learn removals
+// at the next full publication, here forced by gaining more than a recent key holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn additions_spread_by_the_recent_key_and_removals_with_the_next_full_publication() {
     // No full publication is due within the test: only an overflowing recent key forces one.
@@ -372,7 +372,7 @@ async fn additions_spread_by_the_recent_key_and_removals_with_the_next_full_publ
     };
     nodes[1].index.remove_keys(NodeId(0), shorts(&first[20..]));
     nodes[1].index.remove_keys(NodeId(0), shorts(&third));
-    // More gains than the recent key holds force the full publication.
+    // More gains than a recent key holds force the full publication.
     let mut rng = fastrand::Rng::with_seed(3);
     let many: Vec<u64> = (0..kvmesh_cluster::shards::MAX_PER_SHARD + 1)
         .map(|_| rng.u64(..))
@@ -391,6 +391,92 @@ async fn additions_spread_by_the_recent_key_and_removals_with_the_next_full_publ
     assert_eq!(overlap_on_a(&nodes, &first), 20);
     assert_eq!(overlap_on_a(&nodes, &second), 16);
     assert_eq!(overlap_on_a(&nodes, &third), 0);
+}
+
+// Each publication between two full ones writes only its own gains, into the next recent key
+// (`r.128`, `r.129`, ...), so a gain crosses the network once rather than with every later
+// round; once all recent keys are used, the last one takes later gains beside its own. Peers
+// hold the union, and a removal of a recent gain waits for the next full publication too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_publication_writes_its_gains_to_a_recent_key_of_their_own() {
+    use kvmesh_cluster::shards::{self, RECENT, RECENT_SLOTS, SLOTS};
+    use kvmesh_cluster::testing::own_value;
+    let mut nodes = hourly_pair().await;
+    let mut rng = fastrand::Rng::with_seed(11);
+    let first: Vec<u64> = (0..50).map(|_| rng.u64(..)).collect();
+    nodes[1]
+        .index
+        .record_keys(NodeId(0), first, Source::Reported, Instant::now());
+    until(&mut nodes, "a learns b's first (full) publication", |n| {
+        peer_entries(&n[0]) == 50
+    })
+    .await;
+    // RECENT_SLOTS + 2 publications, each of 10 new shorts.
+    let mut gains: Vec<Vec<u64>> = Vec::new();
+    for _ in 0..RECENT_SLOTS + 2 {
+        let mut g: Vec<u64> = (0..10).map(|_| rng.u64(..)).collect();
+        nodes[1]
+            .index
+            .record_keys(NodeId(0), g.clone(), Source::Reported, Instant::now());
+        nodes[1].tick().await;
+        g.sort_unstable();
+        gains.push(g);
+    }
+    for (i, slot) in (RECENT..SLOTS - 1).enumerate() {
+        let value = own_value(&nodes[1].cluster, &shards::key(slot)).await;
+        assert_eq!(
+            value.as_deref(),
+            Some(shards::encode(&gains[i]).as_str()),
+            "recent key {slot} holds its publication's gains alone"
+        );
+    }
+    let mut tail: Vec<u64> = gains[RECENT_SLOTS - 1..].concat();
+    tail.sort_unstable();
+    assert_eq!(
+        own_value(&nodes[1].cluster, &shards::key(SLOTS - 1)).await,
+        Some(shards::encode(&tail)),
+        "the last recent key takes the gains that come after all are used"
+    );
+    let total = 50 + 10 * (RECENT_SLOTS + 2);
+    until(
+        &mut nodes,
+        "a holds the union of b's shards and recent keys",
+        |n| peer_entries(&n[0]) == total,
+    )
+    .await;
+    // b drops one gain of the second recent key: a keeps it until a full publication.
+    nodes[1].index.remove_keys(NodeId(0), gains[1].clone());
+    for _ in 0..10 {
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(peer_entries(&nodes[0]), total, "a removal waits");
+    // Gains over one recent key's room force the full publication, which carries the removal
+    // and empties the recent keys.
+    let many: Vec<u64> = (0..shards::MAX_PER_SHARD + 1)
+        .map(|_| rng.u64(..))
+        .collect();
+    nodes[1]
+        .index
+        .record_keys(NodeId(0), many, Source::Reported, Instant::now());
+    let expected = total - 10 + shards::MAX_PER_SHARD + 1;
+    until(
+        &mut nodes,
+        "a holds b's set after the full publication",
+        |n| peer_entries(&n[0]) == expected,
+    )
+    .await;
+    for slot in RECENT..SLOTS {
+        assert_eq!(
+            own_value(&nodes[1].cluster, &shards::key(slot))
+                .await
+                .as_deref(),
+            Some(""),
+            "recent key {slot} emptied by the full publication"
+        );
+    }
 }
 
 // A restarted engine (new kv_epoch, its entries dropped) is published at once, not at the next
