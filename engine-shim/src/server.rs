@@ -139,7 +139,12 @@ fn model_object(app: &App) -> Value {
 /// Handles one HTTP request.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
-    let resp = match (req.method().clone(), path.as_str()) {
+    // HEAD answers as GET does; hyper leaves the body out.
+    let method = match req.method() {
+        &Method::HEAD => Method::GET,
+        m => m.clone(),
+    };
+    let resp = match (method, path.as_str()) {
         (Method::GET, "/health") => Response::new(full("ok\n")),
         (Method::GET, "/v1/models") => json_response(
             200,
@@ -180,11 +185,12 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Result<Response<Bo
             error_response(&ApiError::method_not_allowed(&path, "POST"))
         }
         (_, "/health" | "/v1/models" | "/server_info" | "/metrics") => {
-            error_response(&ApiError::method_not_allowed(&path, "GET"))
+            error_response(&ApiError::method_not_allowed(&path, ApiError::READ_ONLY))
         }
-        (_, p) if p.starts_with("/v1/models/") => {
-            error_response(&ApiError::method_not_allowed("/v1/models/{id}", "GET"))
-        }
+        (_, p) if p.starts_with("/v1/models/") => error_response(&ApiError::method_not_allowed(
+            "/v1/models/{id}",
+            ApiError::READ_ONLY,
+        )),
         (m, _) => error_response(&ApiError::new(
             ErrorKind::NotFound,
             format!("no route for {m} {path}"),

@@ -303,10 +303,15 @@ fn serves_json_and_sse_with_usage() {
 }
 
 fn get(addr: SocketAddr, path: &str) -> String {
+    bodiless(addr, "GET", path)
+}
+
+/// A request without a body on a connection the engine closes after it: the whole answer.
+fn bodiless(addr: SocketAddr, method: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).unwrap();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();
@@ -614,9 +619,39 @@ fn bad_requests_get_openai_errors() {
         .read_to_string(&mut raw)
         .unwrap();
     assert!(
-        raw.to_ascii_lowercase().contains("\r\nallow: get\r\n"),
+        raw.to_ascii_lowercase()
+            .contains("\r\nallow: get, head\r\n"),
         "{raw}"
     );
+    // HEAD answers as GET, with GET's length and no body.
+    for path in [
+        "/health",
+        "/v1/models",
+        "/v1/models/SmolLM2-135M-Instruct",
+        "/metrics",
+    ] {
+        let full = get(e.addr, path);
+        let head = bodiless(e.addr, "HEAD", path);
+        let (h, rest) = head.split_once("\r\n\r\n").unwrap_or((&head, "?"));
+        assert!(h.starts_with("HTTP/1.1 200"), "HEAD {path}: {head}");
+        assert_eq!(rest, "", "HEAD {path} sent a body");
+        let length = |a: &str| {
+            a.lines().find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().to_string())
+            })
+        };
+        let body = full.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        if path != "/metrics" {
+            // (Metrics move between the two requests.)
+            assert_eq!(
+                length(h),
+                Some(body.len().to_string()),
+                "HEAD {path}: {head}"
+            );
+        }
+    }
     // Still serving after all that.
     assert_eq!(
         answer(&chat(e.addr, "What is the capital of France?", json!({}))),

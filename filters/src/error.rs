@@ -131,6 +131,10 @@ impl ApiError {
         }
     }
 
+    /// The `Allow` list of a path that is only read: `GET`, and `HEAD`, which answers as `GET`
+    /// without the body (RFC 9110, 9.3.2).
+    pub const READ_ONLY: &'static str = "GET, HEAD";
+
     /// 405: `path` takes only `allow` (one method, or a list as the `Allow` header spells it).
     pub fn method_not_allowed(path: &str, allow: &'static str) -> Self {
         ApiError {

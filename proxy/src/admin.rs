@@ -215,10 +215,21 @@ impl Observed {
     }
 
     fn answer<B>(&self, req: &hyper::Request<B>) -> hyper::Response<Full<Bytes>> {
-        let a = (req.method() == hyper::Method::GET)
-            .then(|| self.operator_get(req.uri().path(), true))
-            .flatten()
-            .unwrap_or(OperatorAnswer::plain(404, b"not found\n"));
+        // HEAD answers as GET does; hyper leaves the body out.
+        let read = matches!(*req.method(), hyper::Method::GET | hyper::Method::HEAD);
+        let path = req.uri().path();
+        let a = if read {
+            self.operator_get(path, true)
+        } else {
+            // Known paths only, without building their answers.
+            (matches!(path, "/health" | "/ready" | "/metrics")
+                || dashboard::is_dashboard_path(path))
+            .then_some(OperatorAnswer {
+                headers: &[("allow", ApiError::READ_ONLY)],
+                ..OperatorAnswer::plain(405, b"method not allowed: GET or HEAD only\n")
+            })
+        }
+        .unwrap_or(OperatorAnswer::plain(404, b"not found\n"));
         let mut resp = hyper::Response::new(Full::new(a.body));
         *resp.status_mut() = hyper::StatusCode::from_u16(a.status).unwrap_or_default();
         let headers = [("content-type", a.content_type)]
@@ -389,7 +400,11 @@ impl Gateway {
         ctx: &mut Ctx,
         path: &str,
     ) -> Result<bool> {
-        let get = session.req_header().method == http::Method::GET;
+        // HEAD answers as GET does; pingora leaves the body out.
+        let get = matches!(
+            session.req_header().method,
+            http::Method::GET | http::Method::HEAD
+        );
         let model_id = path.strip_prefix("/v1/models/");
         // `/health` stays: peers admit a node by `GET {proxy_url}/health` on this listener.
         let operators = matches!(path, "/ready" | "/metrics") || dashboard::is_dashboard_path(path);
@@ -415,7 +430,7 @@ impl Gateway {
         let models = path == "/v1/models" || model_id.is_some();
         if !get && (models || operators || path == "/health") {
             ctx.route = if models { "models" } else { "admin" };
-            let e = ApiError::method_not_allowed(path, "GET");
+            let e = ApiError::method_not_allowed(path, ApiError::READ_ONLY);
             return self.refuse_local(session, ctx, e).await;
         }
         let answer = match (get, path) {

@@ -321,7 +321,17 @@ fn bad_input_gets_openai_style_errors() {
     let r = request(proxy.addr, "GET", CHAT, b"", Framing::Length, &[]).unwrap();
     assert_eq!((r.status, r.header("allow")), (405, Some("POST")));
     let r = request(proxy.addr, "POST", "/v1/models", b"", Framing::Length, &[]).unwrap();
-    assert_eq!((r.status, r.header("allow")), (405, Some("GET")));
+    assert_eq!((r.status, r.header("allow")), (405, Some("GET, HEAD")));
+    // HEAD answers as GET, without the body.
+    for path in ["/v1/models", "/v1/models/sim-model", "/health"] {
+        let full = get(proxy.addr, path).unwrap();
+        assert_eq!(full.status, 200, "GET {path}");
+        assert_eq!(
+            head(proxy.addr, path),
+            (200, Some(full.body.len()), 0),
+            "HEAD {path}: GET's status and length, no body"
+        );
+    }
     // Engine errors pass through unchanged: the simulator rejects an empty prompt itself.
     let r = post(
         proxy.addr,
@@ -812,6 +822,15 @@ fn an_admin_listener_serves_the_operators_endpoints_and_can_take_them_off_the_ap
         );
     }
     assert_eq!(get(admin, "/dashboard/nothing").unwrap().status, 404);
+    // HEAD answers as GET without the body; other methods on a known path get a 405 naming
+    // the two, and on an unknown one a 404.
+    let (status, length, after) = head(admin, "/metrics");
+    assert_eq!((status, after), (200, 0), "HEAD /metrics on the admin port");
+    assert!(length.is_some_and(|n| n > 0), "{length:?}");
+    let r = request(admin, "POST", "/metrics", b"", Framing::Length, &[]).unwrap();
+    assert_eq!((r.status, r.header("allow")), (405, Some("GET, HEAD")));
+    let r = request(admin, "DELETE", "/nothing", b"", Framing::Length, &[]).unwrap();
+    assert_eq!(r.status, 404);
     // A refusal: the operators' port names its client (the API listener would not).
     assert_eq!(
         post(proxy.addr, CHAT, &chat_body("no-such-model", "x", "")).status,

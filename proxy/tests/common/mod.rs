@@ -568,6 +568,39 @@ pub fn request(
     start_request(addr, method, path, body, framing, extra)?.into_resp()
 }
 
+/// A HEAD request on a connection the server is asked to close: its status, its
+/// `Content-Length`, and how many bytes came after the header section (none from a server that
+/// leaves the body out, as it must).
+pub fn head(addr: SocketAddr, path: &str) -> (u16, Option<usize>, usize) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "HEAD {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).expect("read to close");
+    let end = all
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a header section")
+        + 4;
+    let head = String::from_utf8_lossy(&all[..end]).to_string();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let length = head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case("content-length")
+            .then(|| v.trim().parse().ok())?
+    });
+    (status, length, all.len() - end)
+}
+
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<Resp> {
     request(addr, "GET", path, b"", Framing::Length, &[])
 }
