@@ -97,8 +97,8 @@ pub struct ClusterConfig {
     pub bulk_sync: bool,
     /// The most bytes of state one transfer may carry, sent or pulled.
     pub bulk_max_bytes: usize,
-    /// How often the residency shards are published whole; in between only the recent key
-    /// changes (additions), so removals reach peers up to this late. Zero: whole every time.
+    /// How often the residency shards are published whole; in between only recent keys are
+    /// written (additions), so removals reach peers up to this late. Zero: whole every time.
     pub residency_full_interval: Duration,
 }
 
@@ -499,7 +499,9 @@ impl Cluster {
             let removed = published.full.len().saturating_sub(kept);
             let removed_recent = published.recent.len().saturating_sub(kept_recent);
             published.owed |= removed + removed_recent > 0;
-            full = removed > published.full.len() / 2;
+            // Counting what went from the recent keys too: a sidecar that started cold has
+            // all its residency there.
+            full = removed + removed_recent > (published.full.len() + published.recent.len()) / 2;
             if !full && !added.is_empty() {
                 let (slot, value) = if published.recent_used < shards::RECENT_SLOTS {
                     published.recent_used += 1;

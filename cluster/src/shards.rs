@@ -5,7 +5,8 @@
 //! (`r.000` .. `r.127`) whose value is the sorted shorts, little-endian, base64. A change
 //! re-sends one shard, not the set; a shard holds at most [`MAX_PER_SHARD`] shorts (about 43 KB
 //! encoded), well under chitchat's one-datagram value limit, so a node publishes at most
-//! 512,000 digests.
+//! 512,000 digests in its shards (and up to [`RECENT_SLOTS`] x 4,000 more in its recent keys,
+//! gained since the last full publication).
 //!
 //! Between two full publications a node sets only the recent keys ([`RECENT_SLOTS`] of them,
 //! `r.128` .. `r.143`): each publication in between writes what was gained since the one before

@@ -483,10 +483,23 @@ async fn each_publication_writes_its_gains_to_a_recent_key_of_their_own() {
 // full publication: peers that reset on the new epoch must not index the old shards again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_epoch_publishes_the_emptied_residency_at_once() {
+    // The old residency in the full publication, or only in recent keys (the full one was
+    // made before the engine held anything: a sidecar that started cold).
+    for old_in_recent_keys in [false, true] {
+        new_epoch_case(old_in_recent_keys).await;
+    }
+}
+
+async fn new_epoch_case(old_in_recent_keys: bool) {
     let mut nodes = hourly_pair().await;
     let ns = Namespace::new("m", b"");
     let old = text_chain(&ns, &[b'o'; 256 * 40], 256);
     let new = text_chain(&ns, &[b'n'; 256 * 4], 256);
+    if old_in_recent_keys {
+        // b's first publication (full, no full one due for an hour after it) while its
+        // engine holds nothing.
+        nodes[1].tick().await;
+    }
     nodes[1]
         .index
         .record(NodeId(0), &old, Source::Reported, Instant::now());
