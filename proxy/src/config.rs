@@ -52,6 +52,9 @@ pub const MAX_BULK_SYNC_BYTES: usize = 1 << 30;
 const MAX_LOAD_BEACON_INTERVAL_MS: u64 = 250;
 /// The largest `cluster.residency_full_interval_ms` accepted: removals reach peers this late.
 pub const MAX_RESIDENCY_FULL_INTERVAL_MS: u64 = 60_000;
+/// The largest `residency.capacity_per_node`: maps sized by it are allocated up front (a KV
+/// events feed's hash map), so a typo must not take gigabytes.
+pub const MAX_CAPACITY_PER_NODE: usize = 10_000_000;
 
 /// The whole `kvmesh-proxy` configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -962,8 +965,10 @@ impl ProxyConfig {
         if self.routing.balance_rel_threshold.is_nan() || self.routing.balance_rel_threshold < 1.0 {
             p.push("`routing.balance_rel_threshold` must be >= 1.0".into());
         }
-        if self.residency.capacity_per_node == 0 {
-            p.push("`residency.capacity_per_node` must be > 0".into());
+        if !(1..=MAX_CAPACITY_PER_NODE).contains(&self.residency.capacity_per_node) {
+            p.push(format!(
+                "`residency.capacity_per_node` must be between 1 and {MAX_CAPACITY_PER_NODE}"
+            ));
         }
         // Pingora retries a request at most 16 times (its `max_retries`): more would be
         // silently fewer.
@@ -1043,6 +1048,14 @@ impl ProxyConfig {
         }
         if self.mode == Mode::Picker {
             let pk = &self.picker;
+            if !self.tls.client_ca_file.is_empty() && !self.tls.require_client_cert {
+                p.push(
+                    "in picker mode `tls.client_ca_file` needs `tls.require_client_cert = true`: \
+                     the picker never looks at who a client is, so a certificate it may leave \
+                     out protects nothing"
+                        .into(),
+                );
+            }
             if pk.fallbacks > MAX_PICKER_FALLBACKS {
                 p.push(format!(
                     "`picker.fallbacks` ({}) must be at most {MAX_PICKER_FALLBACKS}",
@@ -1504,6 +1517,34 @@ mod tests {
             err.contains("KVMESH_POLICY") && err.contains("policy"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_pickers_client_ca_needs_required_certificates_and_capacity_is_bounded() {
+        let base = "mode = \"picker\"\n[[engines]]\nname = \"a\"\nurl = \"http://127.0.0.1:9\"\n";
+        let tls =
+            "[tls]\ncert_file = \"c.pem\"\nkey_file = \"k.pem\"\nclient_ca_file = \"ca.pem\"\n";
+        let mentions = |toml: String, needle: &str| {
+            ProxyConfig::from_toml(&toml)
+                .unwrap()
+                .problems()
+                .iter()
+                .any(|p| p.contains(needle))
+        };
+        assert!(mentions(format!("{base}{tls}"), "require_client_cert"));
+        assert!(!mentions(
+            format!("{base}{tls}require_client_cert = true\n"),
+            "require_client_cert"
+        ));
+        let capacity = |n: usize| format!("{base}[residency]\ncapacity_per_node = {n}\n");
+        assert!(mentions(
+            capacity(MAX_CAPACITY_PER_NODE + 1),
+            "capacity_per_node"
+        ));
+        assert!(!mentions(
+            capacity(MAX_CAPACITY_PER_NODE),
+            "capacity_per_node"
+        ));
     }
 
     #[test]

@@ -225,6 +225,7 @@ fn main() -> anyhow::Result<()> {
     let upstream_tls =
         Arc::new(UpstreamTls::from_config(&cfg.upstream).context("`[upstream]` TLS")?);
     if cfg.mode == Mode::Picker {
+        warn_if_open(&cfg);
         let source = ConfigSource {
             path: cli.config.clone(),
             overrides,
@@ -499,6 +500,15 @@ fn warn_if_open(cfg: &ProxyConfig) {
         addr.parse::<std::net::SocketAddr>()
             .is_ok_and(|a| !a.ip().is_loopback())
     };
+    if cfg.mode == Mode::Picker {
+        if beyond_loopback(&cfg.picker.listen) && cfg.tls.client_ca_file.is_empty() {
+            tracing::warn!(picker_listen = %cfg.picker.listen, "the ext_proc listener is reachable beyond loopback without client certificates: whoever reaches it can have requests routed, hold admission slots and report usage (see docs/envoy.md, TLS)");
+        }
+        if beyond_loopback(&cfg.picker.metrics_listen) {
+            tracing::warn!(metrics_listen = %cfg.picker.metrics_listen, "the picker's metrics listener (no TLS, no keys) is reachable beyond loopback: keep it on a management network");
+        }
+        return;
+    }
     let public = beyond_loopback(&cfg.listen);
     if public && !cfg.auth.enabled() {
         tracing::warn!(listen = %cfg.listen, "listening beyond loopback without API keys: anyone who reaches this address may use the engines (see docs/security.md, `[auth]`)");

@@ -647,6 +647,13 @@ mod grpc {
             let (status, v) = immediate(&r[0]);
             assert_eq!(status, 200);
             assert_eq!(v["data"][0]["id"], "sim-model");
+            // HEAD answers as GET (Envoy leaves the body out); another method gets a 405.
+            let head = headers(&[(":method", "HEAD"), (":path", "/v1/models")], true);
+            let r = exchange(picker.ext_proc, vec![head]).await.unwrap();
+            assert_eq!(immediate(&r[0]).0, 200);
+            let delete = headers(&[(":method", "DELETE"), (":path", "/v1/models")], true);
+            let r = exchange(picker.ext_proc, vec![delete]).await.unwrap();
+            assert_eq!(immediate(&r[0]).0, 405);
             // An engine's own endpoints are not reachable through the picker.
             for path in ["/metrics", "/reset_prefix_cache", "/server_info", "/"] {
                 let r = exchange(picker.ext_proc, vec![get(path)]).await.unwrap();
@@ -708,10 +715,58 @@ mod grpc {
         assert!(picker.metric("kvmesh_admission_rejections_total{reason=\"max_inflight\"}") >= 1.0);
     }
 
+    // A peer that stops reading the replies (its HTTP/2 window shut) does not hold its stream's
+    // admission slot for ever: a reply it leaves untaken for body_read_timeout_secs ends the
+    // stream, and the next request is routed.
+    #[test]
+    fn a_stream_whose_peer_stops_reading_gives_its_slot_back() {
+        let sims = [Sim::instant("e0")];
+        let picker = Picker::start(
+            &[&sims[0]],
+            "max_inflight = 1\nbody_read_timeout_secs = 3\nmax_body_bytes = 33554432",
+        );
+        // Routed, its body comes back in replies: more than the client's HTTP/2 window and
+        // the picker's reply queue hold.
+        let doc = chat_body("sim-model", &"x ".repeat(8 << 20), "");
+        rt().block_on(async {
+            let stuck = Stream::open(picker.ext_proc).await;
+            stuck.send(chat_headers()).await;
+            for piece in doc.chunks(1 << 20) {
+                stuck.send(body(piece, false)).await;
+            }
+            stuck.send(body(b"", true)).await;
+            // Routed (the engine's load counts it), and never read from again.
+            let mut seen = false;
+            for _ in 0..400 {
+                if picker.metric("kvmesh_engine_inflight{engine=\"e0\"}") == 1.0 {
+                    seen = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(seen, "the stuck stream was not routed");
+            let small = chat_body("sim-model", "hi", "");
+            let mut routed = false;
+            for _ in 0..200 {
+                let r = exchange(picker.ext_proc, vec![chat_headers(), body(&small, true)])
+                    .await
+                    .unwrap();
+                if matches!(r[0].response, Some(Reply::RequestHeaders(_))) {
+                    routed = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(routed, "the stuck stream kept the only slot");
+            drop(stuck);
+        });
+    }
+
     #[test]
     fn the_endpoint_envoy_served_takes_the_load_and_usage_settles() {
         let sims = [Sim::instant("e0"), Sim::instant("e1"), Sim::instant("e2")];
-        let picker = Picker::start(&[&sims[0], &sims[1], &sims[2]], "");
+        // The other two engines are offered as fallbacks: Envoy may serve from them only.
+        let picker = Picker::start_with(&[&sims[0], &sims[1], &sims[2]], "", "fallbacks = 2");
         let doc = chat_body("sim-model", &long_prefix(21), "");
         let inflight =
             |name: &str| picker.metric(&format!("kvmesh_engine_inflight{{engine=\"{name}\"}}"));
@@ -745,7 +800,17 @@ mod grpc {
             let usage = br#"{"usage":{"prompt_tokens":100,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}}"#;
             s.send(response_body(usage, true)).await;
             s.recv().await.unwrap();
-            s.close();
+            // Nothing follows the response's end: more response headers end the stream.
+            s.send(response_headers(200, "application/json", None)).await;
+            let err = s.recv_status().await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+            // Nor may a response come before the request was routed.
+            let mut early = Stream::open(picker.ext_proc).await;
+            early
+                .send(response_headers(200, "application/json", None))
+                .await;
+            let err = early.recv_status().await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::FailedPrecondition);
         });
         assert!(eventually(Duration::from_secs(5), || picker
             .metric("kvmesh_engine_inflight")

@@ -312,3 +312,25 @@ fn hostile_messages_end_the_connection_and_the_proxy_keeps_serving() {
         || p.metric(FEED) == 2.0
     ));
 }
+
+#[test]
+fn a_replay_numbered_past_the_live_stream_does_not_silence_it() {
+    let (s0, s1) = sims();
+    let mut publisher = Publisher::start();
+    // Batch 0, published before the proxy subscribes, comes by replay at connect, numbered
+    // 2^62 by a replay socket that lies (or belongs to another publisher).
+    publisher.store(&prompt(500, 2 * BLOCK), 0, 2, "GPU");
+    publisher.send(json!({"op": "replay_lie", "seq": 1u64 << 62}));
+    let p = gateway(&[&s0, &s1], &publisher, true);
+    wait_entries(&p, 2.0);
+    // The live stream goes on from batch 1: not dropped as seen before. What the lying
+    // replay gave is withdrawn.
+    let more = prompt(600, 3 * BLOCK);
+    assert!(until(
+        || publisher
+            .send(json!({"op": "stored", "hashes": [7, 8, 9], "parent": null, "tokens": more})),
+        || p.metric(FEED) == 3.0
+    ));
+    assert_eq!(feed_event(&p, "duplicate"), 0.0);
+    assert!(feed_event(&p, "malformed") >= 1.0);
+}

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 /// Most TLS handshakes in progress at once; connections past it are closed at once.
 pub const MAX_HANDSHAKES: usize = 256;
-/// Most TLS handshakes in progress at once from one IP address: one host opening idle
-/// connections cannot take every handshake slot.
+/// Most TLS handshakes in progress at once from one client ([`client_key`]: an IPv4 address,
+/// or an IPv6 /64): one host opening idle connections cannot take every handshake slot.
 pub const MAX_HANDSHAKES_PER_IP: usize = 16;
 /// Longest TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -18,8 +18,21 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Default)]
 struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
 
+/// Whom a connection from `ip` counts against: IPv4 addresses (v4-mapped IPv6 ones too) one
+/// by one, IPv6 ones by their /64, which one host is commonly given whole.
+pub fn client_key(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.into(),
+            None => std::net::Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX)).into(),
+        },
+        v4 => v4,
+    }
+}
+
 impl PerIp {
     fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<IpSlot> {
+        let ip = client_key(ip);
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let n = m.entry(ip).or_insert(0);
         if *n >= MAX_HANDSHAKES_PER_IP {
@@ -95,4 +108,30 @@ pub fn accept(
         }
     });
     tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_is_an_ipv4_address_or_an_ipv6_slash_64() {
+        let ip = |s: &str| {
+            s.parse::<std::net::IpAddr>()
+                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into())
+        };
+        let per_ip = Arc::new(PerIp::default());
+        // 16 handshakes from one /64, each from another address: the 17th is refused, and
+        // another /64 and an IPv4 client still get in.
+        let held: Vec<IpSlot> = (0..MAX_HANDSHAKES_PER_IP)
+            .filter_map(|i| per_ip.enter(ip(&format!("2001:db8:1:2::{:x}", i + 1))))
+            .collect();
+        assert_eq!(held.len(), MAX_HANDSHAKES_PER_IP);
+        assert!(per_ip.enter(ip("2001:db8:1:2:ffff::1")).is_none());
+        assert!(per_ip.enter(ip("2001:db8:1:3::1")).is_some());
+        assert_eq!(client_key(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
+        assert_eq!(client_key(ip("10.0.0.7")), ip("10.0.0.7"));
+        drop(held);
+        assert!(per_ip.enter(ip("2001:db8:1:2:ffff::1")).is_some());
+    }
 }

@@ -56,8 +56,8 @@ pub fn file_error(path: &str, message: impl std::fmt::Display) -> TlsError {
 
 /// The certificates of a PEM file, leaf first.
 pub fn read_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(|e| file_error(path, e))?
+    let pem = read_pem(path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| file_error(path, e))?;
     if certs.is_empty() {
@@ -68,8 +68,32 @@ pub fn read_certs(path: &str) -> Result<Vec<CertificateDer<'static>>, TlsError> 
 
 /// The private key of a PEM file.
 pub fn read_key(path: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_file(path)
+    PrivateKeyDer::from_pem_slice(&read_pem(path)?)
         .map_err(|e| file_error(path, format!("no usable private key: {e}")))
+}
+
+/// Largest PEM file read: a chain of a few certificates, or a CA bundle, is tens of KiB.
+pub const MAX_PEM_BYTES: u64 = 1 << 20;
+
+/// A PEM file's bytes: a regular file (a FIFO or a device would block the reading thread,
+/// which a reload's timer and shutdown run beside) of at most [`MAX_PEM_BYTES`].
+fn read_pem(path: &str) -> Result<Vec<u8>, TlsError> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| file_error(path, e))?;
+    if !meta.is_file() {
+        return Err(file_error(path, "not a regular file"));
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_PEM_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(|e| file_error(path, e))?;
+    if bytes.len() as u64 > MAX_PEM_BYTES {
+        return Err(file_error(
+            path,
+            format!("larger than {MAX_PEM_BYTES} bytes"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// A root store of the CA certificates in a PEM file.
@@ -427,15 +451,16 @@ impl PeerIdentity {
     }
 }
 
-/// A digest of the files' contents (missing files count as empty): any edit changes it,
-/// whatever their size and modification time say.
+/// A digest of the files' contents (files that cannot be read as PEM files, missing ones
+/// included, count as empty): any edit changes it, whatever their size and modification
+/// time say.
 pub fn fingerprint(paths: &[&str]) -> blake3::Hash {
     let mut h = blake3::Hasher::new();
     for p in paths {
         let bytes = if p.is_empty() {
             Vec::new()
         } else {
-            std::fs::read(p).unwrap_or_default()
+            read_pem(p).unwrap_or_default()
         };
         h.update(&(bytes.len() as u64).to_le_bytes());
         h.update(&bytes);
@@ -446,6 +471,30 @@ pub fn fingerprint(paths: &[&str]) -> blake3::Hash {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn pem_files_must_be_regular_and_small() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-tls-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo.pem");
+        let _ = std::fs::remove_file(&fifo);
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(made.unwrap().success(), "mkfifo");
+        let big = dir.join("big.pem");
+        std::fs::write(&big, vec![b'a'; MAX_PEM_BYTES as usize + 1]).unwrap();
+        // Read on this thread: a FIFO opened for reading would block it for ever.
+        for (path, needle) in [
+            (fifo, "not a regular file"),
+            ("/dev/zero".into(), "not a regular file"),
+            (big, "larger than"),
+        ] {
+            let e = read_key(path.to_str().unwrap()).unwrap_err().to_string();
+            assert!(e.contains(needle), "{}: {e}", path.display());
+        }
+        assert_eq!(fingerprint(&["/dev/zero"]), fingerprint(&[""]));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     fn cert(uris: &[&str], dns: &[&str]) -> PeerCert {
         PeerCert {

@@ -15,8 +15,12 @@ use kvmesh_filters::chain::Digest;
 use super::{event, FedSet, Follow};
 use crate::config::{EngineConfig, UpstreamConfig};
 
-/// Largest `WatchResidency` message accepted (the agent sends at most ~2.3 MB).
-const MAX_MESSAGE_BYTES: usize = 8 << 20;
+/// Largest `WatchResidency` message accepted (the agent sends at most ~2.3 MB). Kept close to
+/// that: an empty `bytes` entry is 2 bytes on the wire and a 32-byte `Bytes` once decoded.
+const MAX_MESSAGE_BYTES: usize = 3 << 20;
+/// Longest wait for the agent to answer the `WatchResidency` call (its first headers): an
+/// agent whose HTTP/2 still answers pings but whose service hangs is retried, not waited on.
+const WATCH_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
 /// kvagent holds one medium, as far as routing is concerned.
 const MEDIUM: u8 = 1;
 
@@ -76,6 +80,8 @@ enum FeedError {
     Status(#[from] tonic::Status),
     #[error("the agent ended the stream")]
     Ended,
+    #[error("no answer to WatchResidency within {0:?}")]
+    NoAnswer(std::time::Duration),
 }
 
 /// One kvagent feed's state.
@@ -118,12 +124,15 @@ impl Follower {
             Ok(c) => c,
             Err(e) => return e.into(),
         };
-        let mut stream = match client
-            .watch_residency(kvagent::pb::WatchResidencyRequest {})
-            .await
-        {
-            Ok(s) => s.into_inner(),
-            Err(e) => return e.into(),
+        let answer = tokio::time::timeout(
+            WATCH_ANSWER,
+            client.watch_residency(kvagent::pb::WatchResidencyRequest {}),
+        )
+        .await;
+        let mut stream = match answer {
+            Ok(Ok(s)) => s.into_inner(),
+            Ok(Err(e)) => return e.into(),
+            Err(_) => return FeedError::NoAnswer(WATCH_ANSWER),
         };
         self.set.count(event::CONNECTED, 1);
         tracing::info!(engine = %self.feed.engine, kvagent = %self.feed.url, "residency feed connected");

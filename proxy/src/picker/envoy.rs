@@ -2,6 +2,9 @@
 //! processing mode) and building its replies (header mutations, the destination metadata,
 //! streamed body chunks, immediate responses).
 
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -38,32 +41,54 @@ pub fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
     }
 }
 
+/// Most endpoints a subset hint may list: a hint names the pool's endpoints, and each
+/// listed one is held for the stream's life.
+pub const MAX_SUBSET: usize = 1024;
+
 /// The endpoints Envoy allows, if it sent a subset hint: `None` when there is no hint,
-/// `Some(empty)` when the hint is there but lists nothing usable.
-pub fn subset_hint(req: &ProcessingRequest) -> Option<Vec<String>> {
-    let ns = req
+/// `Some(empty)` when the hint is there but lists nothing usable (entries that are not
+/// `ip:port` name no engine). Past [`MAX_SUBSET`] entries it is refused whole.
+pub fn subset_hint(req: &ProcessingRequest) -> Result<Option<HashSet<SocketAddr>>, String> {
+    let Some(value) = req
         .metadata_context
-        .as_ref()?
-        .filter_metadata
-        .get(SUBSET_NAMESPACE)?;
-    let value = ns.fields.get(SUBSET_KEY)?;
-    let mut out = Vec::new();
+        .as_ref()
+        .and_then(|m| m.filter_metadata.get(SUBSET_NAMESPACE))
+        .and_then(|ns| ns.fields.get(SUBSET_KEY))
+    else {
+        return Ok(None);
+    };
+    let too_many = || format!("the subset hint lists more than {MAX_SUBSET} endpoints");
+    let mut out = HashSet::new();
+    let mut take = |entry: &str, seen: &mut usize| {
+        *seen += 1;
+        if let Ok(a) = entry.trim().parse::<SocketAddr>() {
+            out.insert(a);
+        }
+    };
+    let mut seen = 0usize;
     match value.kind.as_ref() {
         Some(Kind::ListValue(list)) => {
+            if list.values.len() > MAX_SUBSET {
+                return Err(too_many());
+            }
             for v in &list.values {
                 if let Some(Kind::StringValue(s)) = v.kind.as_ref() {
-                    out.push(s.trim().to_string());
+                    take(s, &mut seen);
                 }
             }
         }
         // A single string, possibly a comma list.
         Some(Kind::StringValue(s)) => {
-            out.extend(s.split(',').map(|x| x.trim().to_string()));
+            for entry in s.split(',').filter(|x| !x.trim().is_empty()) {
+                if seen == MAX_SUBSET {
+                    return Err(too_many());
+                }
+                take(entry, &mut seen);
+            }
         }
         _ => {}
     }
-    out.retain(|s| !s.is_empty());
-    Some(out)
+    Ok(Some(out))
 }
 
 fn set_header(key: &str, value: &str) -> HeaderValueOption {
@@ -314,7 +339,9 @@ mod tests {
 
     #[test]
     fn the_subset_hint_is_read_as_a_list_or_a_comma_string() {
-        assert_eq!(subset_hint(&ProcessingRequest::default()), None);
+        let set =
+            |v: &[&str]| -> HashSet<SocketAddr> { v.iter().map(|a| a.parse().unwrap()).collect() };
+        assert_eq!(subset_hint(&ProcessingRequest::default()), Ok(None));
         let list = Value {
             kind: Some(Kind::ListValue(ListValue {
                 values: vec![
@@ -325,19 +352,30 @@ mod tests {
             })),
         };
         assert_eq!(
-            subset_hint(&with_hint(list)).unwrap(),
-            ["10.0.0.1:8000", "10.0.0.2:8000"]
+            subset_hint(&with_hint(list)),
+            Ok(Some(set(&["10.0.0.1:8000", "10.0.0.2:8000"])))
         );
-        let s = string_value("10.0.0.3:1, 10.0.0.4:2".into());
+        let s = string_value("10.0.0.3:1, 10.0.0.4:2, not-an-address".into());
         assert_eq!(
-            subset_hint(&with_hint(s)).unwrap(),
-            ["10.0.0.3:1", "10.0.0.4:2"]
+            subset_hint(&with_hint(s)),
+            Ok(Some(set(&["10.0.0.3:1", "10.0.0.4:2"])))
         );
         // Present but empty: the caller answers 503.
         assert_eq!(
             subset_hint(&with_hint(string_value(String::new()))),
-            Some(vec![])
+            Ok(Some(HashSet::new()))
         );
+        // Past MAX_SUBSET entries, refused whole (a long comma string is not split to its end).
+        let many = vec!["10.0.0.9:1"; MAX_SUBSET + 1].join(",");
+        assert!(subset_hint(&with_hint(string_value(many.repeat(1000)))).is_err());
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![string_value("10.0.0.9:1".into()); MAX_SUBSET + 1],
+            })),
+        };
+        assert!(subset_hint(&with_hint(list)).is_err());
+        let at_most = vec!["10.0.0.9:1"; MAX_SUBSET].join(",");
+        assert!(subset_hint(&with_hint(string_value(at_most))).is_ok());
     }
 
     #[test]

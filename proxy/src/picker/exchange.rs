@@ -80,10 +80,15 @@ pub(crate) struct Exchange {
     /// The body's reservation, held until the engine answers (as in the gateway).
     permit: Option<BodyPermit>,
     /// Envoy's subset hint, if it sent one.
-    subset: Option<Vec<String>>,
+    subset: Option<std::collections::HashSet<std::net::SocketAddr>>,
     /// The session header's value.
     session: Option<String>,
     routed: Option<Routed>,
+    /// The endpoints the request was offered to (the choice, then its fallbacks): the only
+    /// ones Envoy may say served it.
+    offered: Vec<String>,
+    /// The response's headers have come (once per stream).
+    responded: bool,
     scan: Option<UsageScan>,
     /// The status the client got (a local answer's, or the engine's).
     status: u16,
@@ -120,6 +125,8 @@ impl Exchange {
             subset: None,
             session: None,
             routed: None,
+            offered: Vec::new(),
+            responded: false,
             scan: None,
             status: 0,
             request_id: String::new(),
@@ -174,7 +181,24 @@ impl Exchange {
             Some(Msg::RequestHeaders(ref h)) => self.on_request_headers(&req, h),
             Some(Msg::RequestBody(b)) => self.on_request_body(b),
             Some(Msg::RequestTrailers(_)) => self.on_request_trailers(),
-            Some(Msg::ResponseHeaders(ref h)) => Ok(self.on_response_headers(&req, h)),
+            Some(Msg::ResponseHeaders(ref h)) => {
+                // A response only follows a routed request, once, and nothing follows its end:
+                // each would move load or mark an engine down on Envoy's word.
+                if self.offered.is_empty() || self.responded || self.finished {
+                    return Err(tonic::Status::failed_precondition(
+                        "response headers before the request was routed, twice, or after the response ended",
+                    ));
+                }
+                self.responded = true;
+                Ok(self.on_response_headers(&req, h))
+            }
+            Some(Msg::ResponseBody(_) | Msg::ResponseTrailers(_))
+                if !self.responded || self.finished =>
+            {
+                Err(tonic::Status::failed_precondition(
+                    "a response body or trailers before the response headers, or after the response ended",
+                ))
+            }
             Some(Msg::ResponseBody(b)) => Ok(self.on_response_body(b)),
             Some(Msg::ResponseTrailers(_)) => {
                 self.response_done();
@@ -254,7 +278,10 @@ impl Exchange {
             return Ok(self.refuse(ApiError::method_not_allowed(path, "POST")));
         }
         let cfg = &self.gw.live().cfg;
-        self.subset = envoy::subset_hint(req);
+        self.subset = match envoy::subset_hint(req) {
+            Ok(s) => s,
+            Err(e) => return Ok(self.refuse(ApiError::new(ErrorKind::InvalidRequest, e))),
+        };
         self.session =
             envoy::header(map, &cfg.routing.session_header.to_ascii_lowercase()).map(String::from);
         let limit = cfg.max_body_bytes;
@@ -290,8 +317,12 @@ impl Exchange {
             ));
         }
         self.route = "models";
-        if method != "GET" {
-            return self.refuse(ApiError::method_not_allowed("/v1/models", "GET"));
+        // HEAD answers as GET; Envoy leaves the body out of its local reply.
+        if method != "GET" && method != "HEAD" {
+            return self.refuse(ApiError::method_not_allowed(
+                "/v1/models",
+                ApiError::READ_ONLY,
+            ));
         }
         self.status = 200;
         self.answer_locally();
@@ -379,6 +410,7 @@ impl Exchange {
         self.reason = ranking.decision.reason.label();
         self.bytes_in = body.len();
         let endpoints: Vec<String> = engines.iter().map(|e| e.addr().to_string()).collect();
+        self.offered.clone_from(&endpoints);
         let digests = gw.forwarded_digests(&facts);
         self.route_to(engine, facts, first.overlap_blocks);
         // The engine's spans are children of this request's (Envoy sends the request on).
@@ -445,17 +477,20 @@ impl Exchange {
 
     /// Whether Envoy's subset hint (if it sent one) lists `e`.
     fn in_subset(&self, e: &Engine) -> bool {
-        self.subset
-            .as_ref()
-            .is_none_or(|s| s.contains(&e.addr().to_string()))
+        self.subset.as_ref().is_none_or(|s| s.contains(&e.addr()))
     }
 
     /// Envoy names the endpoint that served (GIE v1.0.0): when it is not the choice (a data
-    /// plane that used a fallback), the load and the prediction move to it.
+    /// plane that used a fallback), the load and the prediction move to it; only to one of
+    /// the fallbacks offered.
     fn follow_served(&mut self, req: &ProcessingRequest) {
         let Some(served) = envoy::served_endpoint(req) else {
             return;
         };
+        if !self.offered.contains(&served) {
+            tracing::debug!(%served, "Envoy says an endpoint it was not offered served the request");
+            return;
+        }
         let Some(r) = self.routed.as_ref() else {
             return;
         };

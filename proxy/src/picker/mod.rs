@@ -41,6 +41,8 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 const MAX_MESSAGE_BYTES: usize = 8 << 20;
 /// Replies queued per stream before the stream waits for Envoy to take them.
 const REPLY_QUEUE: usize = 32;
+/// Most gRPC streams open at once on one health-check connection.
+const HEALTH_STREAMS: u32 = 64;
 /// How often the `readiness` health status is brought up to date.
 const READINESS_POLL: Duration = Duration::from_millis(50);
 
@@ -69,6 +71,18 @@ pub enum PickerError {
 struct Picker {
     gw: Arc<Gateway>,
     fallbacks: usize,
+    /// Streams open at once, over all connections ([`max_streams`]).
+    streams: Arc<tokio::sync::Semaphore>,
+}
+
+/// Most ext_proc streams open at once, over all connections: twice `max_inflight` (streams
+/// past admission are answered 429 by the picker itself, at a message each) and 256 more.
+/// One connection's HTTP/2 limit does not bound how many connections a peer opens.
+fn max_streams(max_inflight: usize) -> usize {
+    max_inflight
+        .saturating_mul(2)
+        .saturating_add(256)
+        .min(tokio::sync::Semaphore::MAX_PERMITS)
 }
 
 #[tonic::async_trait]
@@ -79,14 +93,24 @@ impl ExternalProcessor for Picker {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        let Ok(open) = self.streams.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(
+                "too many ext_proc streams open at once",
+            ));
+        };
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(REPLY_QUEUE);
         let exchange = Exchange::new(self.gw.clone(), self.fallbacks);
+        let body = Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs);
         let timeouts = Timeouts {
-            body: Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs),
+            body,
             idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
+            reply: body,
         };
-        tokio::spawn(run_stream(exchange, inbound, tx, timeouts));
+        tokio::spawn(async move {
+            run_stream(exchange, inbound, tx, timeouts).await;
+            drop(open);
+        });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 }
@@ -99,6 +123,9 @@ struct Timeouts {
     /// Any other wait for Envoy's next message (`upstream.read_timeout_secs`: an engine's
     /// longest silence): a stream nobody finishes does not hold its slot for ever.
     idle: Duration,
+    /// For Envoy to take a reply off the stream's queue (`body_read_timeout_secs`): a stream
+    /// whose peer stopped reading ends.
+    reply: Duration,
 }
 
 /// Drives one stream: each message from Envoy through the exchange, its replies back in order.
@@ -109,30 +136,36 @@ async fn run_stream(
     timeouts: Timeouts,
 ) {
     let mut body_deadline: Option<tokio::time::Instant> = None;
+    let mut first = true;
     loop {
         let now = tokio::time::Instant::now();
         let buffering = ex.buffering();
         let at = if buffering {
             *body_deadline.get_or_insert_with(|| deadline(now, timeouts.body))
+        } else if first {
+            // The request headers come first, at once: a stream opened and left silent holds
+            // a stream slot for `body_read_timeout_secs` at most.
+            deadline(now, timeouts.body)
         } else {
             deadline(now, timeouts.idle)
         };
+        first = false;
         let next = match tokio::time::timeout_at(at, inbound.message()).await {
             Ok(m) => m,
             Err(_) if buffering => {
                 if let Step::Close(replies) = ex.body_timed_out() {
-                    send_all(&tx, replies).await;
+                    send_all(&tx, replies, timeouts.reply).await;
                 }
                 break;
             }
             Err(_) => {
                 if !ex.done() {
-                    tracing::debug!("ext_proc stream idle past upstream.read_timeout_secs");
-                    let _ = tx
-                        .send(Err(Status::deadline_exceeded(
-                            "no ext_proc message within upstream.read_timeout_secs",
-                        )))
-                        .await;
+                    tracing::debug!("ext_proc stream idle past its timeout");
+                    let status = Status::deadline_exceeded(
+                        "no ext_proc message in time (the first within body_read_timeout_secs, \
+                         later ones within upstream.read_timeout_secs)",
+                    );
+                    let _ = tx.send_timeout(Err(status), timeouts.reply).await;
                 }
                 break;
             }
@@ -151,17 +184,17 @@ async fn run_stream(
         };
         match ex.on_message(msg) {
             Ok(Step::Continue(replies)) => {
-                if !send_all(&tx, replies).await {
+                if !send_all(&tx, replies, timeouts.reply).await {
                     break;
                 }
             }
             Ok(Step::Close(replies)) => {
-                send_all(&tx, replies).await;
+                send_all(&tx, replies, timeouts.reply).await;
                 break;
             }
             Err(status) => {
                 tracing::warn!(%status, "ext_proc protocol error; ending the stream");
-                let _ = tx.send(Err(status)).await;
+                let _ = tx.send_timeout(Err(status), timeouts.reply).await;
                 break;
             }
         }
@@ -175,13 +208,21 @@ fn deadline(now: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
         .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
 }
 
-/// Sends `replies` in order; `false` when Envoy has gone.
+/// Sends `replies` in order; `false` when Envoy has gone, or has left one untaken for `within`
+/// (a peer that stops reading must not hold the stream's slot and body for ever: its writes
+/// wait on the HTTP/2 window, which only its reads reopen).
 async fn send_all(
     tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
     replies: Vec<ProcessingResponse>,
+    within: Duration,
 ) -> bool {
     for r in replies {
-        if tx.send(Ok(r)).await.is_err() {
+        if let Err(e) = tx.send_timeout(Ok(r), within).await {
+            if matches!(e, mpsc::error::SendTimeoutError::Timeout(_)) {
+                tracing::debug!(
+                    "Envoy took no ext_proc reply within body_read_timeout_secs; ending the stream"
+                );
+            }
             return false;
         }
     }
@@ -299,6 +340,9 @@ pub async fn serve(
     let picker = ExternalProcessorServer::new(Picker {
         gw: gw.clone(),
         fallbacks: gw.live().cfg.picker.fallbacks,
+        streams: Arc::new(tokio::sync::Semaphore::new(max_streams(
+            usize::try_from(gw.live().cfg.max_inflight).unwrap_or(usize::MAX),
+        ))),
     })
     .max_decoding_message_size(MAX_MESSAGE_BYTES);
     let max_streams =
@@ -333,7 +377,11 @@ pub async fn serve(
         stop.clone(),
     );
     let health = serve_on(
-        tonic::transport::Server::builder().add_service(health_service),
+        // Health checks are one call each; Watch streams stay open, a few per Envoy.
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(HEALTH_STREAMS))
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .add_service(health_service),
         listeners.health,
         stop.clone(),
     );

@@ -180,6 +180,13 @@ impl Stream {
             .unwrap()
     }
 
+    /// The next reply, or the status the picker ended the stream with; panics after 5 s.
+    pub async fn recv_status(&mut self) -> Result<Option<ProcessingResponse>, tonic::Status> {
+        tokio::time::timeout(Duration::from_secs(5), self.rx.message())
+            .await
+            .expect("no reply within 5 s")
+    }
+
     /// Ends the stream from Envoy's side (as Envoy does once the response is through).
     pub fn close(&mut self) {
         self.tx = None;

@@ -22,6 +22,7 @@ Driven by JSON lines on stdin, each answered with "ok" on stdout once done:
   {"op": "garbage"}  a batch whose payload is not msgpack, with the next seq
   {"op": "raw", "frames": ["hex", ...]}  one multipart message as given
   {"op": "huge", "bytes": n}  one message whose payload is n bytes
+  {"op": "replay_lie", "seq": n}  replays from now on number their batches n, n + 1, ...
 Prints "ready <pub port> <replay port>" first.
 """
 
@@ -109,6 +110,7 @@ def main():
     seq = 0
     encoding = "map"
     mode = None
+    lie = None
     print(f"ready {pub_port} {replay_port}", flush=True)
 
     poller = zmq.Poller()
@@ -158,9 +160,10 @@ def main():
                     continue
                 client, _, start = frames
                 start = int.from_bytes(start, "big")
-                for s, payload in buffer:
-                    if s >= start:
-                        router.send_multipart((client, b"", s.to_bytes(8, "big"), payload))
+                for i, (s, payload) in enumerate(b for b in buffer if b[0] >= start):
+                    if lie is not None:
+                        s = lie + i
+                    router.send_multipart((client, b"", s.to_bytes(8, "big"), payload))
                 router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
                 continue
             line = sys.stdin.readline()
@@ -172,6 +175,8 @@ def main():
                 encoding = cmd["value"]
             elif op in ("hold", "forget"):
                 mode = op
+            elif op == "replay_lie":
+                lie = cmd["seq"]
             elif op == "garbage":
                 publish(b"\xc1 not msgpack")
             elif op == "raw":

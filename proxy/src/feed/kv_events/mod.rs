@@ -19,7 +19,10 @@
 //! publisher still buffers. A lost connection withdraws everything and forgets the hash map
 //! (a restarted engine hashes with a new seed), and so does a live sequence that goes back (a
 //! publisher restarted behind a forwarder: `restart`). A replay is abandoned after 30 s or
-//! 100,000 batches.
+//! 100,000 batches, or at a batch numbered more than 100,000 past the live one that asked
+//! for it; what the replay at connect gave is withdrawn when the live stream turns out to be
+//! that far behind it (both counted `malformed`). With a topic set, only batches under exactly
+//! that topic count.
 //!
 //! A block is resident while any medium (GPU, CPU, storage) holds it.
 
@@ -54,6 +57,10 @@ const MAX_REPLAY_BATCHES: usize = 100_000;
 const REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 /// The replay end marker: seq -1.
 const END_SEQ: u64 = u64::MAX;
+/// How far past the live stream's number a replayed batch may be numbered (batches published
+/// while the replay runs). Past it, the replay socket lied or belongs to another publisher:
+/// taken at its word, every live batch after would look old and be dropped.
+const REPLAY_AHEAD: u64 = MAX_REPLAY_BATCHES as u64;
 
 /// One engine's KV events feed.
 #[derive(Clone)]
@@ -168,7 +175,7 @@ impl Subscriber {
         tracing::info!(engine = %self.feed.engine, publisher = %self.feed.endpoint, "KV events feed connected");
         // Subscribed first, so nothing published from here on is missed: what the publisher
         // still buffers comes by replay, the rest live (overlap skipped by sequence).
-        self.replay(0).await;
+        self.replay(0, None).await;
         let mut refresh = tokio::time::interval(self.set.shared.refresh);
         refresh.tick().await;
         loop {
@@ -183,13 +190,15 @@ impl Subscriber {
                 self.set.count(event::MALFORMED, 1);
                 continue;
             };
+            // The subscription matches topics by prefix (ZeroMQ's rule): `eng1` also gets
+            // `eng10`'s batches, whose numbers are another stream's. (No topic set: all.)
+            if !self.feed.topic.is_empty() && topic.as_ref() != self.feed.topic.as_slice() {
+                continue;
+            }
             let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
                 self.set.count(event::MALFORMED, 1);
                 continue;
             };
-            if !topic.starts_with(&self.feed.topic) {
-                continue;
-            }
             self.on_live(seq, payload).await;
         }
     }
@@ -214,7 +223,16 @@ impl Subscriber {
             // restarted, and its hashes are a new lifetime's.
             self.set.count(event::RESTART, 1);
             self.forget();
-            self.replay(0).await;
+            self.replay(0, Some(seq)).await;
+        }
+        if self
+            .last
+            .is_some_and(|l| l > seq.saturating_add(REPLAY_AHEAD))
+        {
+            // Only the replay at connect can have numbered batches this far ahead.
+            tracing::warn!(engine = %self.feed.engine, seq, last = ?self.last, "KV events replay numbered its batches far past the live stream; withdrawing what it gave");
+            self.set.count(event::MALFORMED, 1);
+            self.forget();
         }
         self.live_last = Some(seq);
         match self.last {
@@ -224,7 +242,7 @@ impl Subscriber {
             }
             Some(l) if seq > l.saturating_add(1) => {
                 self.set.count(event::GAP, 1);
-                self.replay(l.saturating_add(1)).await;
+                self.replay(l.saturating_add(1), Some(seq)).await;
                 // Still short of `seq`: those batches are gone for good.
                 if self.last.is_some_and(|l| seq > l.saturating_add(1)) {
                     self.resync();
@@ -239,12 +257,16 @@ impl Subscriber {
     }
 
     /// Fetches the batches from `from` on from the replay socket, if there is one, applying
-    /// those past the last one applied. A failed replay leaves the gap to the caller.
-    async fn replay(&mut self, from: u64) {
+    /// those past the last one applied; `live`: the live batch that asked for it (a batch
+    /// numbered more than [`REPLAY_AHEAD`] past it ends the replay). A failed replay leaves
+    /// the gap to the caller.
+    async fn replay(&mut self, from: u64, live: Option<u64>) {
         let Some(addr) = self.feed.replay.clone() else {
             return;
         };
-        let replayed = tokio::time::timeout(REPLAY_DEADLINE, self.replay_from(&addr, from)).await;
+        let upto = live.map(|l| l.saturating_add(REPLAY_AHEAD));
+        let replayed =
+            tokio::time::timeout(REPLAY_DEADLINE, self.replay_from(&addr, from, upto)).await;
         let e = match replayed {
             Ok(Ok(())) => return,
             Ok(Err(e)) => e,
@@ -253,7 +275,12 @@ impl Subscriber {
         tracing::warn!(engine = %self.feed.engine, replay = %addr, error = %e, "KV events replay failed");
     }
 
-    async fn replay_from(&mut self, addr: &str, from: u64) -> Result<(), ZmtpError> {
+    async fn replay_from(
+        &mut self,
+        addr: &str,
+        from: u64,
+        upto: Option<u64>,
+    ) -> Result<(), ZmtpError> {
         let mut d = Zmtp::connect(addr, SocketType::Dealer, LIMITS).await?;
         d.send(&[b"", &from.to_be_bytes()]).await?;
         for _ in 0..=MAX_REPLAY_BATCHES {
@@ -276,6 +303,12 @@ impl Subscriber {
             }
             if seq == END_SEQ {
                 return Ok(());
+            }
+            if upto.is_some_and(|u| seq > u) {
+                self.set.count(event::MALFORMED, 1);
+                return Err(ZmtpError::Protocol(format!(
+                    "a replayed batch numbered {seq}, far past the live stream"
+                )));
             }
             match self.last {
                 Some(l) if seq <= l => continue,
@@ -311,8 +344,8 @@ impl Subscriber {
         };
         for ev in batch.events {
             match ev {
-                Event::BlockStored(s) => self.stored(s),
-                Event::BlockRemoved(r) => self.removed(r),
+                Event::BlockStored(s) => self.stored(*s),
+                Event::BlockRemoved(r) => self.removed(*r),
                 Event::AllBlocksCleared => {
                     self.set.count(event::CLEARED, 1);
                     self.set.withdraw();

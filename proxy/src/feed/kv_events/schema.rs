@@ -168,10 +168,11 @@ impl<'de> Deserialize<'de> for Loose {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// Blocks were stored: `block_hashes[i]` holds `token_ids[i * block_size..][..block_size]`,
-    /// the first one following `parent_block_hash`.
-    BlockStored(Stored),
+    /// the first one following `parent_block_hash`. (Boxed, as is `BlockRemoved`: a batch of
+    /// many small events then costs a pointer each, not the largest variant's size.)
+    BlockStored(Box<Stored>),
     /// Blocks were evicted from `medium`.
-    BlockRemoved(Removed),
+    BlockRemoved(Box<Removed>),
     /// The engine's cache was cleared.
     AllBlocksCleared,
     /// An event type this proxy does not know (skipped).
@@ -225,8 +226,10 @@ pub struct Batch {
 /// Most events and block hashes, together, one batch may hold. A publisher sends a batch per
 /// scheduler step: a few thousand at most (a removal per evicted block, a store per request
 /// with new full blocks). The bound keeps what a hostile publisher can make this proxy hold
-/// per message near the message's own size, where one-byte hashes would otherwise decode to
-/// 16 bytes each and one-element events to ~170.
+/// per message within a few times the message's own size: a one-byte hash decodes to 16
+/// bytes and a two-byte event to 24 (a boxed variant's at most ~180 more, for at least that
+/// many bytes of message); token ids, 4 bytes each from at least 1, are bounded by the
+/// message size alone.
 pub const MAX_BATCH_ITEMS: usize = 1 << 18;
 
 thread_local! {
@@ -247,10 +250,16 @@ fn spend<E: de::Error>() -> Result<(), E> {
     })
 }
 
-/// Decodes one payload, within [`MAX_BATCH_ITEMS`].
+/// Deepest nesting a batch may have: vLLM's is about 5 levels (batch, events, event,
+/// `extra_keys`, a block's keys); deeper is refused before it can use the stack.
+pub const MAX_DEPTH: usize = 16;
+
+/// Decodes one payload, within [`MAX_BATCH_ITEMS`] and [`MAX_DEPTH`].
 pub fn decode(payload: &[u8]) -> Result<Batch, rmp_serde::decode::Error> {
     BUDGET.with(|b| b.set(MAX_BATCH_ITEMS));
-    rmp_serde::from_slice(payload)
+    let mut d = rmp_serde::Deserializer::from_read_ref(payload);
+    d.set_max_depth(MAX_DEPTH);
+    Batch::deserialize(&mut d)
 }
 
 /// `extra_keys`: one entry per block, `None` or a tuple of whatever vLLM hashed in; true when
@@ -336,7 +345,7 @@ impl<'de> Deserialize<'de> for Event {
                         s.has_extra_keys = a.next_element::<ExtraKeys>()?.is_some_and(|k| k.0);
                         s.group_idx = Loose::int(a.next_element()?, &mut odd);
                         s.has_extra_keys |= odd;
-                        Event::BlockStored(s)
+                        Event::BlockStored(Box::new(s))
                     }
                     "BlockRemoved" => {
                         let block_hashes = next(&mut a, "block_hashes")?;
@@ -345,11 +354,11 @@ impl<'de> Deserialize<'de> for Event {
                         let mut ignored = false;
                         let medium = Loose::string(a.next_element()?, &mut ignored);
                         let group_idx = Loose::int(a.next_element()?, &mut ignored);
-                        Event::BlockRemoved(Removed {
+                        Event::BlockRemoved(Box::new(Removed {
                             block_hashes,
                             medium,
                             group_idx,
-                        })
+                        }))
                     }
                     "AllBlocksCleared" => Event::AllBlocksCleared,
                     _ => Event::Unknown(tag),
@@ -401,14 +410,14 @@ impl<'de> Deserialize<'de> for Event {
                     "BlockStored" if !size => return Err(missing("block_size")),
                     "BlockStored" => {
                         s.has_extra_keys |= odd;
-                        Event::BlockStored(s)
+                        Event::BlockStored(Box::new(s))
                     }
                     "BlockRemoved" if !hashes => return Err(missing("block_hashes")),
-                    "BlockRemoved" => Event::BlockRemoved(Removed {
+                    "BlockRemoved" => Event::BlockRemoved(Box::new(Removed {
                         block_hashes: s.block_hashes,
                         medium: s.medium,
                         group_idx: s.group_idx,
-                    }),
+                    })),
                     "AllBlocksCleared" => Event::AllBlocksCleared,
                     _ => Event::Unknown(tag),
                 })
@@ -427,6 +436,12 @@ fn next<'de, A: SeqAccess<'de>, T: Deserialize<'de>>(a: &mut A, what: &str) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_event_is_small_whatever_its_variant() {
+        // What MAX_BATCH_ITEMS' bound on a batch's memory relies on.
+        assert!(std::mem::size_of::<Event>() <= 32);
+    }
     use serde::Serialize;
 
     fn pack(v: &impl Serialize) -> Vec<u8> {
