@@ -716,14 +716,15 @@ mod grpc {
     }
 
     // A peer that stops reading the replies (its HTTP/2 window shut) does not hold its stream's
-    // admission slot for ever: a reply it leaves untaken for body_read_timeout_secs ends the
-    // stream, and the next request is routed.
+    // admission slot for ever: a reply of a routed request left untaken for
+    // upstream.read_timeout_secs ends the stream, and the next request is routed.
     #[test]
     fn a_stream_whose_peer_stops_reading_gives_its_slot_back() {
         let sims = [Sim::instant("e0")];
         let picker = Picker::start(
             &[&sims[0]],
-            "max_inflight = 1\nbody_read_timeout_secs = 3\nmax_body_bytes = 33554432",
+            "max_inflight = 1\nbody_read_timeout_secs = 20\nmax_body_bytes = 33554432\n\
+             [upstream]\nread_timeout_secs = 3",
         );
         // Routed, its body comes back in replies: more than the client's HTTP/2 window and
         // the picker's reply queue hold.
@@ -804,10 +805,15 @@ mod grpc {
             s.send(response_headers(200, "application/json", None)).await;
             let err = s.recv_status().await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::FailedPrecondition);
-            // Nor may a response come before the request was routed.
+            // Response headers before routing (Envoy's own answer) pass and move nothing, once.
             let mut early = Stream::open(picker.ext_proc).await;
             early
-                .send(response_headers(200, "application/json", None))
+                .send(response_headers(503, "application/json", Some(&served)))
+                .await;
+            assert!(early.recv().await.is_some());
+            assert_eq!(inflight(&other.name), 0.0);
+            early
+                .send(response_headers(503, "application/json", None))
                 .await;
             let err = early.recv_status().await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::FailedPrecondition);

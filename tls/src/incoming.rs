@@ -2,57 +2,81 @@
 //! `serve_with_incoming`): handshakes run beside the accept loop, bounded in number and time,
 //! and only completed ones reach the server.
 
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Most TLS handshakes in progress at once; connections past it are closed at once.
 pub const MAX_HANDSHAKES: usize = 256;
-/// Most TLS handshakes in progress at once from one client ([`client_key`]: an IPv4 address,
-/// or an IPv6 /64): one host opening idle connections cannot take every handshake slot.
+/// Most TLS handshakes in progress at once from one IP address (v4-mapped IPv6 ones counted
+/// as IPv4): one host opening idle connections cannot take every handshake slot.
 pub const MAX_HANDSHAKES_PER_IP: usize = 16;
+/// Most from one IPv6 /64, which one host may own whole (while, in a Kubernetes cluster, a
+/// node's pods may share one).
+pub const MAX_HANDSHAKES_PER_PREFIX: usize = 64;
 /// Longest TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Handshakes in progress by client IP (at most [`MAX_HANDSHAKES`] entries: one per handshake
-/// at worst, removed at zero).
-#[derive(Default)]
-struct PerIp(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
-
-/// Whom a connection from `ip` counts against: IPv4 addresses (v4-mapped IPv6 ones too) one
-/// by one, IPv6 ones by their /64, which one host is commonly given whole.
-pub fn client_key(ip: std::net::IpAddr) -> std::net::IpAddr {
+/// What a connection from `ip` counts against: its address (an IPv4 one for a v4-mapped
+/// IPv6 address) and, for IPv6, its /64.
+fn client_keys(ip: IpAddr) -> (IpAddr, Option<IpAddr>) {
     match ip {
-        std::net::IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => v4.into(),
-            None => std::net::Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX)).into(),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => (v4.into(), None),
+            None => {
+                let prefix = Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX));
+                (ip, Some(prefix.into()))
+            }
         },
-        v4 => v4,
+        v4 => (v4, None),
     }
 }
+
+/// Handshakes in progress by client address and IPv6 /64 (at most [`MAX_HANDSHAKES`] entries
+/// each: one per handshake at worst, removed at zero).
+#[derive(Default)]
+struct PerIp(std::sync::Mutex<(HashMap<IpAddr, usize>, HashMap<IpAddr, usize>)>);
 
 impl PerIp {
-    fn enter(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<IpSlot> {
-        let ip = client_key(ip);
+    fn enter(self: &Arc<Self>, ip: IpAddr) -> Option<IpSlot> {
+        let (ip, prefix) = client_keys(ip);
         let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(ip).or_insert(0);
-        if *n >= MAX_HANDSHAKES_PER_IP {
+        let (by_ip, by_prefix) = &mut *m;
+        if by_ip.get(&ip).is_some_and(|&n| n >= MAX_HANDSHAKES_PER_IP)
+            || prefix.is_some_and(|p| {
+                by_prefix
+                    .get(&p)
+                    .is_some_and(|&n| n >= MAX_HANDSHAKES_PER_PREFIX)
+            })
+        {
             return None;
         }
-        *n += 1;
-        Some(IpSlot(self.clone(), ip))
+        *by_ip.entry(ip).or_insert(0) += 1;
+        if let Some(p) = prefix {
+            *by_prefix.entry(p).or_insert(0) += 1;
+        }
+        Some(IpSlot(self.clone(), ip, prefix))
     }
 }
 
-struct IpSlot(Arc<PerIp>, std::net::IpAddr);
+struct IpSlot(Arc<PerIp>, IpAddr, Option<IpAddr>);
 
 impl Drop for IpSlot {
     fn drop(&mut self) {
         let mut m = (self.0).0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.1) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                m.remove(&self.1);
+        let (by_ip, by_prefix) = &mut *m;
+        let leave = |map: &mut HashMap<IpAddr, usize>, key: &IpAddr| {
+            if let Some(n) = map.get_mut(key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    map.remove(key);
+                }
             }
+        };
+        leave(by_ip, &self.1);
+        if let Some(p) = &self.2 {
+            leave(by_prefix, p);
         }
     }
 }
@@ -115,23 +139,33 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_client_is_an_ipv4_address_or_an_ipv6_slash_64() {
+    fn handshakes_are_counted_per_address_and_per_ipv6_slash_64() {
         let ip = |s: &str| {
-            s.parse::<std::net::IpAddr>()
-                .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into())
+            s.parse::<IpAddr>()
+                .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED))
         };
         let per_ip = Arc::new(PerIp::default());
-        // 16 handshakes from one /64, each from another address: the 17th is refused, and
-        // another /64 and an IPv4 client still get in.
-        let held: Vec<IpSlot> = (0..MAX_HANDSHAKES_PER_IP)
-            .filter_map(|i| per_ip.enter(ip(&format!("2001:db8:1:2::{:x}", i + 1))))
+        // One address: 16.
+        let one: Vec<IpSlot> = (0..MAX_HANDSHAKES_PER_IP + 1)
+            .filter_map(|_| per_ip.enter(ip("2001:db8:1:2::1")))
             .collect();
-        assert_eq!(held.len(), MAX_HANDSHAKES_PER_IP);
+        assert_eq!(one.len(), MAX_HANDSHAKES_PER_IP);
+        // One /64, many addresses: 64 in all.
+        let many: Vec<IpSlot> = (0..MAX_HANDSHAKES_PER_PREFIX)
+            .filter_map(|i| per_ip.enter(ip(&format!("2001:db8:1:2::{:x}", i + 2))))
+            .collect();
+        assert_eq!(one.len() + many.len(), MAX_HANDSHAKES_PER_PREFIX);
         assert!(per_ip.enter(ip("2001:db8:1:2:ffff::1")).is_none());
+        // Another /64, and IPv4 clients (v4-mapped ones the same), still get in.
         assert!(per_ip.enter(ip("2001:db8:1:3::1")).is_some());
-        assert_eq!(client_key(ip("::ffff:10.0.0.7")), ip("10.0.0.7"));
-        assert_eq!(client_key(ip("10.0.0.7")), ip("10.0.0.7"));
-        drop(held);
+        let v4: Vec<IpSlot> = (0..MAX_HANDSHAKES_PER_IP)
+            .filter_map(|_| per_ip.enter(ip("10.0.0.7")))
+            .collect();
+        assert_eq!(v4.len(), MAX_HANDSHAKES_PER_IP);
+        assert!(per_ip.enter(ip("::ffff:10.0.0.7")).is_none());
+        drop((one, many, v4));
         assert!(per_ip.enter(ip("2001:db8:1:2:ffff::1")).is_some());
+        let m = per_ip.0.lock().unwrap_or_else(|p| p.into_inner());
+        assert!(m.0.is_empty() && m.1.is_empty(), "every count left at zero");
     }
 }

@@ -76,16 +76,23 @@ pub fn read_key(path: &str) -> Result<PrivateKeyDer<'static>, TlsError> {
 pub const MAX_PEM_BYTES: u64 = 1 << 20;
 
 /// A PEM file's bytes: a regular file (a FIFO or a device would block the reading thread,
-/// which a reload's timer and shutdown run beside) of at most [`MAX_PEM_BYTES`].
+/// which a reload's timer and shutdown run beside) of at most [`MAX_PEM_BYTES`]. Opened
+/// without blocking, then checked: what is checked is what is read.
 fn read_pem(path: &str) -> Result<Vec<u8>, TlsError> {
     use std::io::Read;
-    let meta = std::fs::metadata(path).map_err(|e| file_error(path, e))?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| file_error(path, e))?;
+    let meta = file.metadata().map_err(|e| file_error(path, e))?;
     if !meta.is_file() {
         return Err(file_error(path, "not a regular file"));
     }
     let mut bytes = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_PEM_BYTES + 1).read_to_end(&mut bytes))
+    file.take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut bytes)
         .map_err(|e| file_error(path, e))?;
     if bytes.len() as u64 > MAX_PEM_BYTES {
         return Err(file_error(

@@ -41,14 +41,18 @@ pub fn header<'a>(map: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
     }
 }
 
-/// Most endpoints a subset hint may list: a hint names the pool's endpoints, and each
-/// listed one is held for the stream's life.
-pub const MAX_SUBSET: usize = 1024;
+/// Most endpoints a subset hint may list: a hint names (some of) the pool's endpoints, and
+/// each is read on the request's path.
+pub const MAX_SUBSET: usize = 16_384;
 
-/// The endpoints Envoy allows, if it sent a subset hint: `None` when there is no hint,
-/// `Some(empty)` when the hint is there but lists nothing usable (entries that are not
-/// `ip:port` name no engine). Past [`MAX_SUBSET`] entries it is refused whole.
-pub fn subset_hint(req: &ProcessingRequest) -> Result<Option<HashSet<SocketAddr>>, String> {
+/// The endpoints Envoy allows among those `known` (the fleet's: the set is no larger), if it
+/// sent a subset hint: `None` when there is no hint, `Some(empty)` when the hint is there but
+/// lists nothing usable (entries that are not `ip:port` name no engine). Past [`MAX_SUBSET`]
+/// entries it is refused whole.
+pub fn subset_hint(
+    req: &ProcessingRequest,
+    known: impl Fn(&SocketAddr) -> bool,
+) -> Result<Option<HashSet<SocketAddr>>, String> {
     let Some(value) = req
         .metadata_context
         .as_ref()
@@ -62,7 +66,9 @@ pub fn subset_hint(req: &ProcessingRequest) -> Result<Option<HashSet<SocketAddr>
     let mut take = |entry: &str, seen: &mut usize| {
         *seen += 1;
         if let Ok(a) = entry.trim().parse::<SocketAddr>() {
-            out.insert(a);
+            if known(&a) {
+                out.insert(a);
+            }
         }
     };
     let mut seen = 0usize;
@@ -341,7 +347,10 @@ mod tests {
     fn the_subset_hint_is_read_as_a_list_or_a_comma_string() {
         let set =
             |v: &[&str]| -> HashSet<SocketAddr> { v.iter().map(|a| a.parse().unwrap()).collect() };
-        assert_eq!(subset_hint(&ProcessingRequest::default()), Ok(None));
+        assert_eq!(
+            subset_hint(&ProcessingRequest::default(), |_| true),
+            Ok(None)
+        );
         let list = Value {
             kind: Some(Kind::ListValue(ListValue {
                 values: vec![
@@ -352,30 +361,36 @@ mod tests {
             })),
         };
         assert_eq!(
-            subset_hint(&with_hint(list)),
+            subset_hint(&with_hint(list.clone()), |_| true),
             Ok(Some(set(&["10.0.0.1:8000", "10.0.0.2:8000"])))
+        );
+        // Only the fleet's engines are kept.
+        let one: SocketAddr = "10.0.0.2:8000".parse().unwrap();
+        assert_eq!(
+            subset_hint(&with_hint(list), |a| *a == one),
+            Ok(Some(set(&["10.0.0.2:8000"])))
         );
         let s = string_value("10.0.0.3:1, 10.0.0.4:2, not-an-address".into());
         assert_eq!(
-            subset_hint(&with_hint(s)),
+            subset_hint(&with_hint(s), |_| true),
             Ok(Some(set(&["10.0.0.3:1", "10.0.0.4:2"])))
         );
         // Present but empty: the caller answers 503.
         assert_eq!(
-            subset_hint(&with_hint(string_value(String::new()))),
+            subset_hint(&with_hint(string_value(String::new())), |_| true),
             Ok(Some(HashSet::new()))
         );
         // Past MAX_SUBSET entries, refused whole (a long comma string is not split to its end).
         let many = vec!["10.0.0.9:1"; MAX_SUBSET + 1].join(",");
-        assert!(subset_hint(&with_hint(string_value(many.repeat(1000)))).is_err());
+        assert!(subset_hint(&with_hint(string_value(many.repeat(2))), |_| true).is_err());
         let list = Value {
             kind: Some(Kind::ListValue(ListValue {
                 values: vec![string_value("10.0.0.9:1".into()); MAX_SUBSET + 1],
             })),
         };
-        assert!(subset_hint(&with_hint(list)).is_err());
+        assert!(subset_hint(&with_hint(list), |_| true).is_err());
         let at_most = vec!["10.0.0.9:1"; MAX_SUBSET].join(",");
-        assert!(subset_hint(&with_hint(string_value(at_most))).is_ok());
+        assert!(subset_hint(&with_hint(string_value(at_most)), |_| true).is_ok());
     }
 
     #[test]

@@ -155,6 +155,12 @@ impl Exchange {
         self.finished
     }
 
+    /// Whether the request was routed: from then on its replies carry the response, as fast
+    /// as the client reads it.
+    pub(crate) fn routed(&self) -> bool {
+        !self.offered.is_empty()
+    }
+
     /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
     /// that gRPC status and Envoy applies its failure mode.
     pub(crate) fn on_message(&mut self, req: ProcessingRequest) -> Result<Step, tonic::Status> {
@@ -182,21 +188,20 @@ impl Exchange {
             Some(Msg::RequestBody(b)) => self.on_request_body(b),
             Some(Msg::RequestTrailers(_)) => self.on_request_trailers(),
             Some(Msg::ResponseHeaders(ref h)) => {
-                // A response only follows a routed request, once, and nothing follows its end:
-                // each would move load or mark an engine down on Envoy's word.
-                if self.offered.is_empty() || self.responded || self.finished {
+                // Once, and nothing after the response's end: each would move load or mark an
+                // engine down on Envoy's word again. (Before routing it can be Envoy's own
+                // answer, a 408 say: it moves nothing then.)
+                if self.responded || self.finished {
                     return Err(tonic::Status::failed_precondition(
-                        "response headers before the request was routed, twice, or after the response ended",
+                        "response headers a second time, or after the response ended",
                     ));
                 }
                 self.responded = true;
                 Ok(self.on_response_headers(&req, h))
             }
-            Some(Msg::ResponseBody(_) | Msg::ResponseTrailers(_))
-                if !self.responded || self.finished =>
-            {
+            Some(Msg::ResponseBody(_) | Msg::ResponseTrailers(_)) if self.finished => {
                 Err(tonic::Status::failed_precondition(
-                    "a response body or trailers before the response headers, or after the response ended",
+                    "a response body or trailers after the response ended",
                 ))
             }
             Some(Msg::ResponseBody(b)) => Ok(self.on_response_body(b)),
@@ -278,9 +283,12 @@ impl Exchange {
             return Ok(self.refuse(ApiError::method_not_allowed(path, "POST")));
         }
         let cfg = &self.gw.live().cfg;
-        self.subset = match envoy::subset_hint(req) {
+        let known: std::collections::HashSet<std::net::SocketAddr> =
+            self.gw.fleet.engines().iter().map(|e| e.addr()).collect();
+        self.subset = match envoy::subset_hint(req, |a| known.contains(a)) {
             Ok(s) => s,
-            Err(e) => return Ok(self.refuse(ApiError::new(ErrorKind::InvalidRequest, e))),
+            // The data plane's hint, not the client's request: not a 400.
+            Err(e) => return Ok(self.refuse(ApiError::new(ErrorKind::NoEngine, e))),
         };
         self.session =
             envoy::header(map, &cfg.routing.session_header.to_ascii_lowercase()).map(String::from);

@@ -39,8 +39,9 @@ use exchange::{Exchange, Step};
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 /// Largest ext_proc message accepted from Envoy (a body chunk is at most Envoy's buffer).
 const MAX_MESSAGE_BYTES: usize = 8 << 20;
-/// Replies queued per stream before the stream waits for Envoy to take them.
-const REPLY_QUEUE: usize = 32;
+/// Replies queued per stream before the stream waits for Envoy to take them (body chunks of
+/// at most 64 KiB: what a stream whose peer stopped reading may leave held).
+const REPLY_QUEUE: usize = 16;
 /// Most gRPC streams open at once on one health-check connection.
 const HEALTH_STREAMS: u32 = 64;
 /// How often the `readiness` health status is brought up to date.
@@ -87,7 +88,7 @@ fn max_streams(max_inflight: usize) -> usize {
 
 #[tonic::async_trait]
 impl ExternalProcessor for Picker {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Replies;
 
     async fn process(
         &self,
@@ -101,17 +102,34 @@ impl ExternalProcessor for Picker {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(REPLY_QUEUE);
         let exchange = Exchange::new(self.gw.clone(), self.fallbacks);
-        let body = Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs);
         let timeouts = Timeouts {
-            body,
+            body: Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs),
             idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
-            reply: body,
         };
-        tokio::spawn(async move {
-            run_stream(exchange, inbound, tx, timeouts).await;
-            drop(open);
-        });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        tokio::spawn(run_stream(exchange, inbound, tx, timeouts));
+        Ok(Response::new(Replies {
+            rx: ReceiverStream::new(rx),
+            _open: open,
+        }))
+    }
+}
+
+/// A stream's replies, holding its place among [`max_streams`] until the server drops them:
+/// a stream whose peer stopped reading keeps its queued replies (HTTP/2 polls them only as
+/// its window opens) until the connection goes, so it counts until then.
+pub struct Replies {
+    rx: ReceiverStream<Result<ProcessingResponse, Status>>,
+    _open: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl tokio_stream::Stream for Replies {
+    type Item = Result<ProcessingResponse, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.rx).poll_next(cx)
     }
 }
 
@@ -123,9 +141,19 @@ struct Timeouts {
     /// Any other wait for Envoy's next message (`upstream.read_timeout_secs`: an engine's
     /// longest silence): a stream nobody finishes does not hold its slot for ever.
     idle: Duration,
-    /// For Envoy to take a reply off the stream's queue (`body_read_timeout_secs`): a stream
-    /// whose peer stopped reading ends.
-    reply: Duration,
+}
+
+impl Timeouts {
+    /// How long Envoy may leave a reply untaken (its HTTP/2 window shut: it stopped reading)
+    /// before the stream ends: `body` until the request is routed, then `idle`, since the
+    /// replies then carry the response as fast as the client reads it.
+    fn reply(&self, ex: &Exchange) -> Duration {
+        if ex.routed() {
+            self.idle
+        } else {
+            self.body
+        }
+    }
 }
 
 /// Drives one stream: each message from Envoy through the exchange, its replies back in order.
@@ -154,7 +182,7 @@ async fn run_stream(
             Ok(m) => m,
             Err(_) if buffering => {
                 if let Step::Close(replies) = ex.body_timed_out() {
-                    send_all(&tx, replies, timeouts.reply).await;
+                    send_all(&tx, replies, timeouts.reply(&ex)).await;
                 }
                 break;
             }
@@ -165,7 +193,7 @@ async fn run_stream(
                         "no ext_proc message in time (the first within body_read_timeout_secs, \
                          later ones within upstream.read_timeout_secs)",
                     );
-                    let _ = tx.send_timeout(Err(status), timeouts.reply).await;
+                    let _ = tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
                 }
                 break;
             }
@@ -184,17 +212,17 @@ async fn run_stream(
         };
         match ex.on_message(msg) {
             Ok(Step::Continue(replies)) => {
-                if !send_all(&tx, replies, timeouts.reply).await {
+                if !send_all(&tx, replies, timeouts.reply(&ex)).await {
                     break;
                 }
             }
             Ok(Step::Close(replies)) => {
-                send_all(&tx, replies, timeouts.reply).await;
+                send_all(&tx, replies, timeouts.reply(&ex)).await;
                 break;
             }
             Err(status) => {
                 tracing::warn!(%status, "ext_proc protocol error; ending the stream");
-                let _ = tx.send_timeout(Err(status), timeouts.reply).await;
+                let _ = tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
                 break;
             }
         }

@@ -250,8 +250,9 @@ fn spend<E: de::Error>() -> Result<(), E> {
     })
 }
 
-/// Deepest nesting a batch may have: vLLM's is about 5 levels (batch, events, event,
-/// `extra_keys`, a block's keys); deeper is refused before it can use the stack.
+/// The decoder's depth budget: rmp-serde refuses the level that spends it, so a batch nests
+/// at most 15 levels. vLLM's nest about 5 (batch, events, event, `extra_keys`, a block's
+/// keys); deeper is refused before it can use the stack.
 pub const MAX_DEPTH: usize = 16;
 
 /// Decodes one payload, within [`MAX_BATCH_ITEMS`] and [`MAX_DEPTH`].
