@@ -73,6 +73,18 @@ impl Publisher {
         assert_eq!(line.trim(), "ok", "publisher answered {line:?} to {cmd}");
     }
 
+    /// Replay requests the publisher has served.
+    fn replays(&mut self) -> u64 {
+        writeln!(self.stdin, "{}", json!({"op": "replays"})).unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        line.trim()
+            .strip_prefix("ok ")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("publisher answered {line:?}"))
+    }
+
     /// `BlockStored` of the blocks `from..to` of `tokens` (hashes 1000 + block index).
     fn store(&mut self, tokens: &[u32], from: usize, to: usize, medium: &str) {
         let hashes: Vec<u64> = (from..to).map(|i| 1000 + i as u64).collect();
@@ -333,4 +345,36 @@ fn a_replay_numbered_past_the_live_stream_does_not_silence_it() {
     ));
     assert_eq!(feed_event(&p, "duplicate"), 0.0);
     assert!(feed_event(&p, "malformed") >= 1.0);
+}
+
+#[test]
+fn a_stream_that_keeps_going_back_is_not_replayed_at_every_message() {
+    let (s0, s1) = sims();
+    let mut publisher = Publisher::start();
+    let p = gateway(&[&s0, &s1], &publisher, true);
+    assert!(eventually(Duration::from_secs(10), || feed_event(
+        &p,
+        "connected"
+    ) == 1.0));
+    let tokens = prompt(700, 2 * BLOCK);
+    let started = std::time::Instant::now();
+    publisher.store(&tokens, 0, 2, "GPU");
+    // Each batch numbered 0 again: the proxy sees the publisher restart at every message.
+    for _ in 0..30 {
+        publisher.send(json!({"op": "rewind"}));
+        publisher.store(&tokens, 0, 2, "GPU");
+    }
+    assert!(eventually(Duration::from_secs(20), || feed_event(
+        &p, "restart"
+    ) == 30.0));
+    // One replay at connect, then at most one a second.
+    let bound = 2 + started.elapsed().as_secs();
+    let replays = publisher.replays();
+    assert!(
+        replays <= bound,
+        "{replays} replays in {:?}",
+        started.elapsed()
+    );
+    // The feed still follows the stream.
+    wait_entries(&p, 2.0);
 }

@@ -23,6 +23,8 @@ Driven by JSON lines on stdin, each answered with "ok" on stdout once done:
   {"op": "raw", "frames": ["hex", ...]}  one multipart message as given
   {"op": "huge", "bytes": n}  one message whose payload is n bytes
   {"op": "replay_lie", "seq": n}  replays from now on number their batches n, n + 1, ...
+  {"op": "rewind"}   the next batch is numbered 0 again (a publisher restarted behind a forwarder)
+  {"op": "replays"}  answered "ok <replay requests served so far>"
 Prints "ready <pub port> <replay port>" first.
 """
 
@@ -111,6 +113,7 @@ def main():
     encoding = "map"
     mode = None
     lie = None
+    replays = 0
     print(f"ready {pub_port} {replay_port}", flush=True)
 
     poller = zmq.Poller()
@@ -160,6 +163,7 @@ def main():
                     continue
                 client, _, start = frames
                 start = int.from_bytes(start, "big")
+                replays += 1
                 for i, (s, payload) in enumerate(b for b in buffer if b[0] >= start):
                     if lie is not None:
                         s = lie + i
@@ -177,6 +181,11 @@ def main():
                 mode = op
             elif op == "replay_lie":
                 lie = cmd["seq"]
+            elif op == "rewind":
+                seq = 0
+            elif op == "replays":
+                print(f"ok {replays}", flush=True)
+                continue
             elif op == "garbage":
                 publish(b"\xc1 not msgpack")
             elif op == "raw":

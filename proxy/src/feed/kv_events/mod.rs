@@ -20,7 +20,8 @@
 //! (a restarted engine hashes with a new seed), and so does a live sequence that goes back (a
 //! publisher restarted behind a forwarder: `restart`). A replay is abandoned after 30 s or
 //! 100,000 batches, or at a batch numbered more than 100,000 past the live one that asked
-//! for it; what the replay at connect gave is withdrawn when the live stream turns out to be
+//! for it; a whole replay after a live restart starts at most once a second (a restart
+//! meanwhile goes on from the live stream); what the replay at connect gave is withdrawn when the live stream turns out to be
 //! that far behind it (both counted `malformed`). With a topic set, only batches under exactly
 //! that topic count.
 //!
@@ -55,6 +56,10 @@ const MAX_REPLAY_BATCHES: usize = 100_000;
 /// ... and longest it may take: past either, the replay is abandoned (the gap stays a gap), so
 /// that a publisher cannot hold the feed in replay.
 const REPLAY_DEADLINE: Duration = Duration::from_secs(30);
+/// Least time between two whole replays after a live restart: a stream that keeps going back
+/// must not cost a replay of the publisher's whole buffer per message. A restart meanwhile
+/// goes on from the live stream. (A gap's replay asks only for what it missed.)
+const REPLAY_SPACING: Duration = Duration::from_secs(1);
 /// The replay end marker: seq -1.
 const END_SEQ: u64 = u64::MAX;
 /// How far past the live stream's number a replayed batch may be numbered (batches published
@@ -132,6 +137,8 @@ pub(crate) struct Subscriber {
     /// The last sequence number the subscription itself delivered: a publisher's live stream
     /// only goes forward, so going back means it restarted.
     live_last: Option<u64>,
+    /// When the last replay after a live restart started ([`REPLAY_SPACING`]).
+    last_replay: Option<tokio::time::Instant>,
 }
 
 #[async_trait]
@@ -164,6 +171,7 @@ impl Subscriber {
             hashes: LruCache::new(cap),
             last: None,
             live_last: None,
+            last_replay: None,
         }
     }
 
@@ -264,6 +272,16 @@ impl Subscriber {
         let Some(addr) = self.feed.replay.clone() else {
             return;
         };
+        if live.is_some() && from == 0 {
+            let now = tokio::time::Instant::now();
+            if self
+                .last_replay
+                .is_some_and(|t| now.duration_since(t) < REPLAY_SPACING)
+            {
+                return;
+            }
+            self.last_replay = Some(now);
+        }
         let upto = live.map(|l| l.saturating_add(REPLAY_AHEAD));
         let replayed =
             tokio::time::timeout(REPLAY_DEADLINE, self.replay_from(&addr, from, upto)).await;
