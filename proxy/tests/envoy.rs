@@ -716,15 +716,14 @@ mod grpc {
     }
 
     // A peer that stops reading the replies (its HTTP/2 window shut) does not hold its stream's
-    // admission slot for ever: a reply of a routed request left untaken for
-    // upstream.read_timeout_secs ends the stream, and the next request is routed.
+    // admission slot for ever: a reply left untaken for body_read_timeout_secs (the request's
+    // body going back, before any response) ends the stream, and the next request is routed.
     #[test]
     fn a_stream_whose_peer_stops_reading_gives_its_slot_back() {
         let sims = [Sim::instant("e0")];
         let picker = Picker::start(
             &[&sims[0]],
-            "max_inflight = 1\nbody_read_timeout_secs = 20\nmax_body_bytes = 33554432\n\
-             [upstream]\nread_timeout_secs = 3",
+            "max_inflight = 1\nbody_read_timeout_secs = 12\nmax_body_bytes = 33554432",
         );
         // Routed, its body comes back in replies: more than the client's HTTP/2 window and
         // the picker's reply queue hold.
@@ -748,7 +747,7 @@ mod grpc {
             assert!(seen, "the stuck stream was not routed");
             let small = chat_body("sim-model", "hi", "");
             let mut routed = false;
-            for _ in 0..200 {
+            for _ in 0..400 {
                 let r = exchange(picker.ext_proc, vec![chat_headers(), body(&small, true)])
                     .await
                     .unwrap();
@@ -805,17 +804,24 @@ mod grpc {
             s.send(response_headers(200, "application/json", None)).await;
             let err = s.recv_status().await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::FailedPrecondition);
-            // Response headers before routing (Envoy's own answer) pass and move nothing, once.
+            // A response before the request headers is refused.
             let mut early = Stream::open(picker.ext_proc).await;
-            early
-                .send(response_headers(503, "application/json", Some(&served)))
-                .await;
-            assert!(early.recv().await.is_some());
-            assert_eq!(inflight(&other.name), 0.0);
             early
                 .send(response_headers(503, "application/json", None))
                 .await;
             let err = early.recv_status().await.unwrap_err();
+            assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+            // Envoy's own answer while the body is still buffering (a 408, say) passes and
+            // moves nothing; the request side is over then.
+            let mut own = Stream::open(picker.ext_proc).await;
+            own.send(chat_headers()).await;
+            own.send(body(b"{", false)).await;
+            own.send(response_headers(408, "application/json", Some(&served)))
+                .await;
+            assert!(own.recv().await.is_some());
+            assert_eq!(inflight(&other.name), 0.0);
+            own.send(body(b"}", true)).await;
+            let err = own.recv_status().await.unwrap_err();
             assert_eq!(err.code(), tonic::Code::FailedPrecondition);
         });
         assert!(eventually(Duration::from_secs(5), || picker

@@ -83,7 +83,7 @@ fn read_pem(path: &str) -> Result<Vec<u8>, TlsError> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)
         .map_err(|e| file_error(path, e))?;
     let meta = file.metadata().map_err(|e| file_error(path, e))?;

@@ -155,10 +155,15 @@ impl Exchange {
         self.finished
     }
 
-    /// Whether the request was routed: from then on its replies carry the response, as fast
-    /// as the client reads it.
+    /// Whether the request was routed.
     pub(crate) fn routed(&self) -> bool {
         !self.offered.is_empty()
+    }
+
+    /// Whether the response has begun: from then on the replies carry it, as fast as the
+    /// client reads it.
+    pub(crate) fn responding(&self) -> bool {
+        self.responded
     }
 
     /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
@@ -182,6 +187,27 @@ impl Exchange {
                     "the picker supports response_body_mode FULL_DUPLEX_STREAMED or NONE",
                 ));
             }
+        }
+        let response = matches!(
+            req.request,
+            Some(Msg::ResponseHeaders(_) | Msg::ResponseBody(_) | Msg::ResponseTrailers(_))
+        );
+        if response && matches!(self.request, RequestPhase::Start) {
+            return Err(tonic::Status::failed_precondition(
+                "a response message before the request headers",
+            ));
+        }
+        if !response && req.request.is_some() && (self.responded || self.finished) {
+            return Err(tonic::Status::failed_precondition(
+                "a request message after the response began",
+            ));
+        }
+        if response && !self.routed() && !self.finished {
+            // Envoy answered itself (a 408, say) before the picker routed: the request side
+            // is over, and what it held goes back.
+            self.request = RequestPhase::Sent;
+            self.permit = None;
+            self.admitted = None;
         }
         match req.request {
             Some(Msg::RequestHeaders(ref h)) => self.on_request_headers(&req, h),

@@ -19,6 +19,7 @@ pub mod envoy;
 mod exchange;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,10 +107,17 @@ impl ExternalProcessor for Picker {
             body: Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs),
             idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
         };
-        tokio::spawn(run_stream(exchange, inbound, tx, timeouts));
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let out = Out {
+            tx,
+            abandoned: abandoned.clone(),
+        };
+        tokio::spawn(run_stream(exchange, inbound, out, timeouts));
         Ok(Response::new(Replies {
             rx: ReceiverStream::new(rx),
             _open: open,
+            abandoned,
+            ended: false,
         }))
     }
 }
@@ -117,9 +125,14 @@ impl ExternalProcessor for Picker {
 /// A stream's replies, holding its place among [`max_streams`] until the server drops them:
 /// a stream whose peer stopped reading keeps its queued replies (HTTP/2 polls them only as
 /// its window opens) until the connection goes, so it counts until then.
+/// Once the stream gave up on a reply Envoy left untaken, what is still queued is dropped and
+/// the stream ends with `DEADLINE_EXCEEDED` as soon as Envoy reads again: not with OK, which
+/// would pass a truncated body on as complete.
 pub struct Replies {
     rx: ReceiverStream<Result<ProcessingResponse, Status>>,
     _open: tokio::sync::OwnedSemaphorePermit,
+    abandoned: Arc<AtomicBool>,
+    ended: bool,
 }
 
 impl tokio_stream::Stream for Replies {
@@ -129,8 +142,24 @@ impl tokio_stream::Stream for Replies {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
+        if self.ended {
+            return std::task::Poll::Ready(None);
+        }
+        if self.abandoned.load(Ordering::Relaxed) {
+            self.ended = true;
+            self.rx.close();
+            return std::task::Poll::Ready(Some(Err(Status::deadline_exceeded(
+                "Envoy left an ext_proc reply untaken past its timeout",
+            ))));
+        }
         std::pin::Pin::new(&mut self.rx).poll_next(cx)
     }
+}
+
+/// Where a stream's replies go, and the flag it raises when it gives up on Envoy taking one.
+struct Out {
+    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    abandoned: Arc<AtomicBool>,
 }
 
 /// How long a stream may wait for Envoy.
@@ -145,10 +174,11 @@ struct Timeouts {
 
 impl Timeouts {
     /// How long Envoy may leave a reply untaken (its HTTP/2 window shut: it stopped reading)
-    /// before the stream ends: `body` until the request is routed, then `idle`, since the
-    /// replies then carry the response as fast as the client reads it.
+    /// before the stream ends: `body` until the response begins (the request's body goes back
+    /// to Envoy as fast as it reads it), then `idle`, since the replies then carry the
+    /// response as fast as the client reads it.
     fn reply(&self, ex: &Exchange) -> Duration {
-        if ex.routed() {
+        if ex.responding() {
             self.idle
         } else {
             self.body
@@ -160,7 +190,7 @@ impl Timeouts {
 async fn run_stream(
     mut ex: Exchange,
     mut inbound: Streaming<ProcessingRequest>,
-    tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    out: Out,
     timeouts: Timeouts,
 ) {
     let mut body_deadline: Option<tokio::time::Instant> = None;
@@ -171,8 +201,8 @@ async fn run_stream(
         let at = if buffering {
             *body_deadline.get_or_insert_with(|| deadline(now, timeouts.body))
         } else if first {
-            // The request headers come first, at once: a stream opened and left silent holds
-            // a stream slot for `body_read_timeout_secs` at most.
+            // The request headers come first, at once: a stream opened and left silent ends
+            // after `body_read_timeout_secs`.
             deadline(now, timeouts.body)
         } else {
             deadline(now, timeouts.idle)
@@ -182,7 +212,7 @@ async fn run_stream(
             Ok(m) => m,
             Err(_) if buffering => {
                 if let Step::Close(replies) = ex.body_timed_out() {
-                    send_all(&tx, replies, timeouts.reply(&ex)).await;
+                    send_all(&out, replies, timeouts.reply(&ex)).await;
                 }
                 break;
             }
@@ -193,7 +223,7 @@ async fn run_stream(
                         "no ext_proc message in time (the first within body_read_timeout_secs, \
                          later ones within upstream.read_timeout_secs)",
                     );
-                    let _ = tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
+                    let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
                 }
                 break;
             }
@@ -212,17 +242,17 @@ async fn run_stream(
         };
         match ex.on_message(msg) {
             Ok(Step::Continue(replies)) => {
-                if !send_all(&tx, replies, timeouts.reply(&ex)).await {
+                if !send_all(&out, replies, timeouts.reply(&ex)).await {
                     break;
                 }
             }
             Ok(Step::Close(replies)) => {
-                send_all(&tx, replies, timeouts.reply(&ex)).await;
+                send_all(&out, replies, timeouts.reply(&ex)).await;
                 break;
             }
             Err(status) => {
                 tracing::warn!(%status, "ext_proc protocol error; ending the stream");
-                let _ = tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
+                let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
                 break;
             }
         }
@@ -239,17 +269,12 @@ fn deadline(now: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
 /// Sends `replies` in order; `false` when Envoy has gone, or has left one untaken for `within`
 /// (a peer that stops reading must not hold the stream's slot and body for ever: its writes
 /// wait on the HTTP/2 window, which only its reads reopen).
-async fn send_all(
-    tx: &mpsc::Sender<Result<ProcessingResponse, Status>>,
-    replies: Vec<ProcessingResponse>,
-    within: Duration,
-) -> bool {
+async fn send_all(out: &Out, replies: Vec<ProcessingResponse>, within: Duration) -> bool {
     for r in replies {
-        if let Err(e) = tx.send_timeout(Ok(r), within).await {
+        if let Err(e) = out.tx.send_timeout(Ok(r), within).await {
             if matches!(e, mpsc::error::SendTimeoutError::Timeout(_)) {
-                tracing::debug!(
-                    "Envoy took no ext_proc reply within body_read_timeout_secs; ending the stream"
-                );
+                out.abandoned.store(true, Ordering::Relaxed);
+                tracing::debug!("Envoy left an ext_proc reply untaken; ending the stream");
             }
             return false;
         }
