@@ -927,6 +927,16 @@ async fn a_peer_that_moves_leaves_no_residency_behind() {
 }
 
 /// Peer entries (learnt by gossip or transfer) in `n`'s index.
+/// Waits until `n` has served exactly `want` bulk transfers: the server counts one once it
+/// has closed the connection, which the client may see first.
+async fn served_reaches(n: &Node, want: u64) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while n.cluster.bulk_stats().served() < want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(n.cluster.bulk_stats().served(), want);
+}
+
 fn peer_entries(n: &Node) -> usize {
     n.index
         .nodes()
@@ -1163,7 +1173,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
         !reply.windows(7).any(|w| w == b"node_id"),
         "the reply is not sealed"
     );
-    assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 1);
+    served_reaches(&nodes[0], served + 1).await;
     // Two more keyholder requests at once, each with a fresh challenge: both are served from
     // one snapshot (the state is not copied again for each request within SNAPSHOT_REUSE).
     let built = nodes[0].cluster.bulk_stats().snapshots_built();
@@ -1182,7 +1192,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
     };
     let (x, y) = tokio::join!(ask(8), ask(9));
     assert!(x > 1_000 * 8 && y > 1_000 * 8, "{x} and {y} bytes");
-    assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 3);
+    served_reaches(&nodes[0], served + 3).await;
     assert!(
         nodes[0].cluster.bulk_stats().snapshots_built() <= built + 1,
         "a snapshot built per request"
@@ -1195,7 +1205,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
         read_all(&mut s).await.is_empty(),
         "a replayed request was served"
     );
-    assert_eq!(nodes[0].cluster.bulk_stats().served(), served + 1);
+    served_reaches(&nodes[0], served + 1).await;
     // A node migrating to encryption (accepts plaintext gossip, sends sealed) never answers a
     // plaintext request in clear.
     let mid = GossipSecurity {
