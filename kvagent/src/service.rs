@@ -87,8 +87,9 @@ fn tier(t: Tier) -> pb::Tier {
     }
 }
 
-/// Most digests in one `WatchResidency` message (32 bytes each plus framing: ~2.3 MB).
-const DIGESTS_PER_UPDATE: usize = 65_536;
+/// Most digests in one `WatchResidency` message (32 bytes each plus framing: ~2.3 MB). The
+/// proxy's feed refuses larger messages, and checks at compile time that this fits.
+pub const DIGESTS_PER_UPDATE: usize = 65_536;
 
 /// How many messages `change` is sent as (at least one).
 fn update_count(change: &ResidencyChange) -> usize {

@@ -18,6 +18,9 @@ use crate::config::{EngineConfig, UpstreamConfig};
 /// Largest `WatchResidency` message accepted (the agent sends at most ~2.3 MB). Kept close to
 /// that: an empty `bytes` entry is 2 bytes on the wire and a 32-byte `Bytes` once decoded.
 const MAX_MESSAGE_BYTES: usize = 3 << 20;
+// The agent's largest update (32 bytes and 2 of framing a digest, and its few other fields)
+// must fit: raising the agent's batch past this limit would cut every feed.
+const _: () = assert!(kvagent::service::DIGESTS_PER_UPDATE * 34 + 4096 <= MAX_MESSAGE_BYTES);
 /// Longest wait for the agent to answer the `WatchResidency` call (its first headers): an
 /// agent whose HTTP/2 still answers pings but whose service hangs is retried, not waited on.
 const WATCH_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
