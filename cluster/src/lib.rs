@@ -1095,13 +1095,16 @@ impl PeerState {
     /// Whether `short` is published in a slot other than `slot`: its own shard, or a recent
     /// key.
     fn held_elsewhere(&self, slot: usize, short: u64) -> bool {
-        let holds = |i: usize| {
-            self.shards
-                .get(i)
-                .is_some_and(|s| s.binary_search(&short).is_ok())
-        };
         let own = shards::shard_of(short);
-        (own != slot && holds(own)) || shards::recent_slots().any(|i| i != slot && holds(i))
+        (own != slot && self.holds(own, short))
+            || shards::recent_slots().any(|i| i != slot && self.holds(i, short))
+    }
+
+    /// Whether slot `slot` publishes `short`.
+    fn holds(&self, slot: usize, short: u64) -> bool {
+        self.shards
+            .get(slot)
+            .is_some_and(|s| s.binary_search(&short).is_ok())
     }
 
     /// Distinct shorts the peer publishes (its shards and its recent keys).
@@ -1114,12 +1117,8 @@ impl PeerState {
                     keyed
                         .iter()
                         .filter(|&&s| {
-                            let held = |j: usize| {
-                                self.shards
-                                    .get(j)
-                                    .is_some_and(|o| o.binary_search(&s).is_ok())
-                            };
-                            !held(shards::shard_of(s)) && !(shards::RECENT..i).any(held)
+                            !self.holds(shards::shard_of(s), s)
+                                && !(shards::RECENT..i).any(|j| self.holds(j, s))
                         })
                         .count()
                 })

@@ -38,11 +38,6 @@ pub const RECENT_SLOTS: usize = 16;
 /// Residency keys per node: the shards and the recent keys.
 pub const SLOTS: usize = SHARDS + RECENT_SLOTS;
 
-/// Whether slot `i` is a recent key.
-pub fn is_recent(i: usize) -> bool {
-    recent_slots().contains(&i)
-}
-
 /// The slots of the recent keys.
 pub fn recent_slots() -> std::ops::Range<usize> {
     RECENT..SLOTS
@@ -169,8 +164,8 @@ mod tests {
         assert_eq!(key(SLOTS - 1), "r.143");
         assert_eq!(parse_key("r.143"), Some(SLOTS - 1));
         assert_eq!(parse_key("r.144"), None);
-        assert!(is_recent(RECENT) && is_recent(SLOTS - 1));
-        assert!(!is_recent(RECENT - 1) && !is_recent(SLOTS));
+        assert!(recent_slots().contains(&RECENT) && recent_slots().contains(&(SLOTS - 1)));
+        assert!(!recent_slots().contains(&(RECENT - 1)) && !recent_slots().contains(&SLOTS));
         assert_eq!(parse_key("r.999"), None);
         assert_eq!(parse_key("node"), None);
     }

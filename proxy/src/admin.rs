@@ -52,6 +52,12 @@ pub struct OperatorAnswer {
     pub headers: &'static [(&'static str, &'static str)],
 }
 
+/// The operators' paths besides `/health`: `/ready`, `/metrics` and the dashboard's (served
+/// on the admin listener, and on the API listener unless `admin.on_api_listener` is off).
+fn is_operator_path(path: &str) -> bool {
+    matches!(path, "/ready" | "/metrics") || dashboard::is_dashboard_path(path)
+}
+
 impl OperatorAnswer {
     /// A plain-text answer.
     fn plain(status: u16, body: &'static [u8]) -> Self {
@@ -222,9 +228,7 @@ impl Observed {
             self.operator_get(path, true)
         } else {
             // Known paths only, without building their answers.
-            (matches!(path, "/health" | "/ready" | "/metrics")
-                || dashboard::is_dashboard_path(path))
-            .then_some(OperatorAnswer {
+            (path == "/health" || is_operator_path(path)).then_some(OperatorAnswer {
                 headers: &[("allow", ApiError::READ_ONLY)],
                 ..OperatorAnswer::plain(405, b"method not allowed: GET or HEAD only\n")
             })
@@ -407,7 +411,7 @@ impl Gateway {
         );
         let model_id = path.strip_prefix("/v1/models/");
         // `/health` stays: peers admit a node by `GET {proxy_url}/health` on this listener.
-        let operators = matches!(path, "/ready" | "/metrics") || dashboard::is_dashboard_path(path);
+        let operators = is_operator_path(path);
         if operators && !self.live().cfg.admin.on_api_listener {
             ctx.route = "admin";
             let e = ApiError::new(

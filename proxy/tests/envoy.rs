@@ -635,6 +635,21 @@ mod grpc {
             == 2.0));
     }
 
+    /// Whether a chat with body `doc` is routed (not refused) within `tries` exchanges,
+    /// `pause` apart.
+    async fn routed_within(port: u16, doc: &[u8], tries: usize, pause: Duration) -> bool {
+        for _ in 0..tries {
+            let r = exchange(port, vec![chat_headers(), body(doc, true)])
+                .await
+                .unwrap();
+            if matches!(r[0].response, Some(Reply::RequestHeaders(_))) {
+                return true;
+            }
+            tokio::time::sleep(pause).await;
+        }
+        false
+    }
+
     #[test]
     fn models_are_answered_locally_other_paths_refused_and_admission_enforced() {
         let sims = [Sim::instant("e0")];
@@ -699,18 +714,10 @@ mod grpc {
             assert_eq!(status, 429);
             assert_eq!(v["error"]["code"], "overloaded", "{v}");
             drop(held);
-            let mut routed = false;
-            for _ in 0..100 {
-                let r = exchange(picker.ext_proc, vec![chat_headers(), body(&doc, true)])
-                    .await
-                    .unwrap();
-                if matches!(r[0].response, Some(Reply::RequestHeaders(_))) {
-                    routed = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            assert!(routed, "the slot was not released when the stream ended");
+            assert!(
+                routed_within(picker.ext_proc, &doc, 100, Duration::from_millis(20)).await,
+                "the slot was not released when the stream ended"
+            );
         });
         assert!(picker.metric("kvmesh_admission_rejections_total{reason=\"max_inflight\"}") >= 1.0);
     }
@@ -746,18 +753,10 @@ mod grpc {
             }
             assert!(seen, "the stuck stream was not routed");
             let small = chat_body("sim-model", "hi", "");
-            let mut routed = false;
-            for _ in 0..400 {
-                let r = exchange(picker.ext_proc, vec![chat_headers(), body(&small, true)])
-                    .await
-                    .unwrap();
-                if matches!(r[0].response, Some(Reply::RequestHeaders(_))) {
-                    routed = true;
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            assert!(routed, "the stuck stream kept the only slot");
+            assert!(
+                routed_within(picker.ext_proc, &small, 400, Duration::from_millis(100)).await,
+                "the stuck stream kept the only slot"
+            );
             drop(stuck);
         });
     }

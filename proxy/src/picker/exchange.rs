@@ -309,9 +309,10 @@ impl Exchange {
             return Ok(self.refuse(ApiError::method_not_allowed(path, "POST")));
         }
         let cfg = &self.gw.live().cfg;
-        let known: std::collections::HashSet<std::net::SocketAddr> =
-            self.gw.fleet.engines().iter().map(|e| e.addr()).collect();
-        self.subset = match envoy::subset_hint(req, |a| known.contains(a)) {
+        // The fleet's addresses, gathered only for a request that carries a hint.
+        let known = std::cell::OnceCell::<std::collections::HashSet<std::net::SocketAddr>>::new();
+        let fleet = || self.gw.fleet.engines().iter().map(|e| e.addr()).collect();
+        self.subset = match envoy::subset_hint(req, |a| known.get_or_init(fleet).contains(a)) {
             Ok(s) => s,
             // The data plane's hint, not the client's request: not a 400.
             Err(e) => return Ok(self.refuse(ApiError::new(ErrorKind::NoEngine, e))),
