@@ -378,3 +378,44 @@ fn a_stream_that_keeps_going_back_is_not_replayed_at_every_message() {
     // The feed still follows the stream.
     wait_entries(&p, 2.0);
 }
+
+#[test]
+fn a_stream_with_a_gap_at_every_batch_is_not_replayed_at_every_batch() {
+    let (s0, s1) = sims();
+    let mut publisher = Publisher::start();
+    let p = gateway(&[&s0, &s1], &publisher, true);
+    assert!(eventually(Duration::from_secs(10), || feed_event(
+        &p,
+        "connected"
+    ) == 1.0));
+    let tokens = prompt(800, 3 * BLOCK);
+    let started = std::time::Instant::now();
+    assert!(until(
+        || publisher.store(&tokens, 0, 2, "GPU"),
+        || p.metric(FEED) == 2.0
+    ));
+    // Every other batch is held back (buffered for replay, never published): each published
+    // batch shows a gap (each waited for: a replay brings what was published after the gap
+    // it fills, which would hide the next one).
+    for gaps in 1..=30 {
+        publisher.send(json!({"op": "hold"}));
+        publisher.store(&tokens, 0, 2, "GPU");
+        publisher.store(&tokens, 0, 2, "GPU");
+        assert!(eventually(Duration::from_secs(10), || feed_event(
+            &p, "gap"
+        ) == f64::from(gaps)));
+    }
+    // A last batch of its own, applied once every one before it was.
+    publisher.store(&tokens, 0, 3, "GPU");
+    wait_entries(&p, 3.0);
+    let replays = publisher.replays();
+    // The replay at connect, a burst of 4 gap replays, then one a second.
+    let bound = 1 + 4 + started.elapsed().as_secs() + 1;
+    assert!(
+        replays <= bound,
+        "{replays} replays in {:?}",
+        started.elapsed()
+    );
+    // Gaps past the allowance are lost: withdrawn, not left standing.
+    assert!(feed_event(&p, "resync") >= 1.0);
+}

@@ -11,17 +11,28 @@
 //! Liveness: the client pings an idle connection (a ZMTP 3.1 PING, which libzmq answers)
 //! and gives the connection up when nothing arrives for [`Zmtp::recv`]'s `idle` plus the
 //! pong timeout, so a publisher that vanished without closing is noticed.
+//!
+//! What [`Zmtp::recv`] writes (PING, PONG) is queued and written alongside its reads, never
+//! awaited alone: a `recv` dropped by a timer leaves no half frame on the wire, and a peer that
+//! sends pings but reads nothing stops being read once [`MAX_UNSENT`] bytes wait, then is given
+//! up when nothing more could be written for [`WRITE_TIMEOUT`].
 
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 /// Longest greeting-to-ready exchange.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for anything after a ping.
 const PONG_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest a write may make no progress (the peer reads nothing).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most bytes of answers queued for the peer: beyond them its frames are not read until some
+/// are written.
+const MAX_UNSENT: usize = 4096;
 /// Most properties accepted in a peer's READY.
 const MAX_PROPERTIES: usize = 64;
 
@@ -99,6 +110,14 @@ pub struct Zmtp {
     buf: BytesMut,
     /// Frames of the message being received.
     parts: Vec<Bytes>,
+    /// Bytes queued for the peer and not yet written.
+    out: BytesMut,
+    /// When a write last made progress, or the queue was last empty.
+    wrote_at: Instant,
+    /// When the peer last sent anything.
+    heard_at: Instant,
+    /// When we pinged it, if it has sent nothing since.
+    pinged_at: Option<Instant>,
 }
 
 /// Most bytes asked of the socket per read.
@@ -112,11 +131,16 @@ impl Zmtp {
             .await
             .map_err(|_| ZmtpError::Timeout("connect"))??;
         stream.set_nodelay(true)?;
+        let now = Instant::now();
         let mut z = Zmtp {
             stream,
             limits,
             buf: BytesMut::new(),
             parts: Vec::new(),
+            out: BytesMut::new(),
+            wrote_at: now,
+            heard_at: now,
+            pinged_at: None,
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, z.handshake(kind))
             .await
@@ -150,7 +174,8 @@ impl Zmtp {
         if kind == SocketType::Dealer {
             put_property(&mut ready, b"Identity", b"");
         }
-        self.send_frame(&ready, false, true).await?;
+        put_frame(&mut self.out, &ready, false, true);
+        self.flush().await?;
         let frame = self.read_frame().await?;
         if !frame.command {
             return Err(protocol("expected READY, got a message"));
@@ -192,88 +217,121 @@ impl Zmtp {
         body.push(9);
         body.extend_from_slice(b"SUBSCRIBE");
         body.extend_from_slice(topic);
-        self.send_frame(&body, false, true).await
+        put_frame(&mut self.out, &body, false, true);
+        self.flush().await
     }
 
     /// Sends one message of `parts`.
     pub async fn send(&mut self, parts: &[&[u8]]) -> Result<(), ZmtpError> {
         for (i, p) in parts.iter().enumerate() {
-            self.send_frame(p, i + 1 < parts.len(), false).await?;
+            put_frame(&mut self.out, p, i + 1 < parts.len(), false);
         }
+        self.flush().await
+    }
+
+    /// Writes what is queued, each write making progress within [`WRITE_TIMEOUT`].
+    async fn flush(&mut self) -> Result<(), ZmtpError> {
+        while !self.out.is_empty() {
+            tokio::time::timeout(WRITE_TIMEOUT, self.stream.write_buf(&mut self.out))
+                .await
+                .map_err(|_| ZmtpError::Timeout("the peer reads nothing"))??;
+        }
+        self.wrote_at = Instant::now();
         Ok(())
     }
 
     /// The next message. When nothing arrives for `idle`, the peer is pinged; when nothing
     /// answers that either, the connection is given up. Commands (PONG, PING) are handled here.
+    /// Cancel safe: what was read, and what is queued to be written, stays for the next call.
     pub async fn recv(&mut self, idle: Duration) -> Result<Vec<Bytes>, ZmtpError> {
-        let mut pinged = false;
         loop {
-            let wait = if pinged { PONG_TIMEOUT } else { idle };
-            let frame = match tokio::time::timeout(wait, self.read_frame()).await {
-                Ok(f) => f?,
-                Err(_) if pinged => return Err(ZmtpError::Timeout("no answer to a ping")),
-                Err(_) => {
-                    // TTL 0: no claim on how long the peer should wait for us.
-                    self.send_frame(b"\x04PING\x00\x00", false, true).await?;
-                    pinged = true;
+            // Frames are taken only while the answers to them can be queued.
+            if self.out.len() < MAX_UNSENT {
+                if let Some(frame) = self.parse_frame()? {
+                    if let Some(message) = self.take(frame)? {
+                        return Ok(message);
+                    }
                     continue;
                 }
+            }
+            let reading = self.out.len() < MAX_UNSENT;
+            let writing = !self.out.is_empty();
+            let deadline = if writing {
+                self.wrote_at + WRITE_TIMEOUT
+            } else {
+                self.pinged_at
+                    .map_or(self.heard_at + idle, |at| at + PONG_TIMEOUT)
             };
-            pinged = false;
-            if frame.command {
-                let (name, data) = command_parts(&frame.body)?;
-                match name {
-                    b"PING" => {
-                        // PONG carries the ping's context (after its 2-byte TTL; at most 16
-                        // bytes, RFC 37).
-                        let context = data.get(2..).unwrap_or_default();
-                        let context = &context[..context.len().min(16)];
-                        let mut pong = Vec::with_capacity(5 + context.len());
-                        pong.push(4);
-                        pong.extend_from_slice(b"PONG");
-                        pong.extend_from_slice(context);
-                        self.send_frame(&pong, false, true).await?;
+            self.buf.reserve(READ_CHUNK);
+            let (mut rd, mut wr) = self.stream.split();
+            // Reads first: bytes that came while the caller was busy are an answer, whatever
+            // the timer says.
+            tokio::select! {
+                biased;
+                n = rd.read_buf(&mut self.buf), if reading => {
+                    if n? == 0 {
+                        return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
                     }
-                    b"ERROR" => return Err(protocol("the peer sent ERROR")),
-                    _ => {}
+                    self.heard_at = Instant::now();
+                    self.pinged_at = None;
                 }
-                continue;
-            }
-            if self.parts.len() == self.limits.max_parts {
-                return Err(ZmtpError::TooLarge(format!(
-                    "a message of more than {} frames",
-                    self.limits.max_parts
-                )));
-            }
-            self.parts.push(frame.body);
-            if !frame.more {
-                return Ok(std::mem::take(&mut self.parts));
+                n = wr.write_buf(&mut self.out), if writing => {
+                    n?;
+                    self.wrote_at = Instant::now();
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    if writing {
+                        return Err(ZmtpError::Timeout("the peer reads nothing"));
+                    }
+                    if self.pinged_at.is_some() {
+                        return Err(ZmtpError::Timeout("no answer to a ping"));
+                    }
+                    // TTL 0: no claim on how long the peer should wait for us.
+                    self.queue(b"\x04PING\x00\x00");
+                    self.pinged_at = Some(Instant::now());
+                }
             }
         }
     }
 
-    async fn send_frame(
-        &mut self,
-        body: &[u8],
-        more: bool,
-        command: bool,
-    ) -> Result<(), ZmtpError> {
-        let mut flags = u8::from(more) | if command { 0x04 } else { 0 };
-        let mut head = Vec::with_capacity(9);
-        match u8::try_from(body.len()) {
-            Ok(n) => {
-                head.push(flags);
-                head.push(n);
+    /// Takes one frame: a command is handled (a PING answered), a message frame added to the
+    /// message being received; returns the message once its last frame came.
+    fn take(&mut self, frame: Frame) -> Result<Option<Vec<Bytes>>, ZmtpError> {
+        if frame.command {
+            let (name, data) = command_parts(&frame.body)?;
+            match name {
+                b"PING" => {
+                    // PONG carries the ping's context (after its 2-byte TTL; at most 16 bytes,
+                    // RFC 37).
+                    let context = data.get(2..).unwrap_or_default();
+                    let context = &context[..context.len().min(16)];
+                    let mut pong = Vec::with_capacity(5 + context.len());
+                    pong.push(4);
+                    pong.extend_from_slice(b"PONG");
+                    pong.extend_from_slice(context);
+                    self.queue(&pong);
+                }
+                b"ERROR" => return Err(protocol("the peer sent ERROR")),
+                _ => {}
             }
-            Err(_) => {
-                flags |= 0x02;
-                head.push(flags);
-                head.extend_from_slice(&(body.len() as u64).to_be_bytes());
-            }
+            return Ok(None);
         }
-        self.stream.write_all(&head).await?;
-        self.stream.write_all(body).await?;
-        Ok(())
+        if self.parts.len() == self.limits.max_parts {
+            return Err(ZmtpError::TooLarge(format!(
+                "a message of more than {} frames",
+                self.limits.max_parts
+            )));
+        }
+        self.parts.push(frame.body);
+        Ok((!frame.more).then(|| std::mem::take(&mut self.parts)))
+    }
+
+    /// Queues a command frame for the peer.
+    fn queue(&mut self, command: &[u8]) {
+        if self.out.is_empty() {
+            self.wrote_at = Instant::now();
+        }
+        put_frame(&mut self.out, command, false, true);
     }
 
     /// The next frame; cancel safe (what was read stays in `buf`).
@@ -327,6 +385,22 @@ impl Zmtp {
             body: self.buf.split_to(len).freeze(),
         }))
     }
+}
+
+/// Appends one frame of `body` to `out`.
+fn put_frame(out: &mut BytesMut, body: &[u8], more: bool, command: bool) {
+    let mut flags = u8::from(more) | if command { 0x04 } else { 0 };
+    match u8::try_from(body.len()) {
+        Ok(n) => {
+            out.extend_from_slice(&[flags, n]);
+        }
+        Err(_) => {
+            flags |= 0x02;
+            out.extend_from_slice(&[flags]);
+            out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(body);
 }
 
 /// This end's greeting: signature, version 3.1, mechanism NULL, as-server 0, filler.
@@ -408,12 +482,7 @@ mod tests {
     /// halves 300 ms apart.
     async fn split_frame_peer(listener: tokio::net::TcpListener) {
         let (mut s, _) = listener.accept().await.unwrap();
-        s.write_all(&greeting()).await.unwrap();
-        let mut ready = vec![5];
-        ready.extend_from_slice(b"READY");
-        put_property(&mut ready, b"Socket-Type", b"PUB");
-        s.write_all(&[0x04, ready.len() as u8]).await.unwrap();
-        s.write_all(&ready).await.unwrap();
+        handshake_as_pub(&mut s).await;
         let mut frame = vec![0x00, 100];
         frame.extend((0..100).map(|i| i as u8));
         s.write_all(&frame[..50]).await.unwrap();
@@ -422,6 +491,126 @@ mod tests {
         // Keep the connection open while the client reads.
         let mut sink = [0u8; 1024];
         while s.read(&mut sink).await.unwrap_or(0) > 0 {}
+    }
+
+    /// The PUB side of a handshake on `s`.
+    async fn handshake_as_pub(s: &mut tokio::net::TcpStream) {
+        s.write_all(&greeting()).await.unwrap();
+        let mut ready = vec![5];
+        ready.extend_from_slice(b"READY");
+        put_property(&mut ready, b"Socket-Type", b"PUB");
+        s.write_all(&[0x04, ready.len() as u8]).await.unwrap();
+        s.write_all(&ready).await.unwrap();
+    }
+
+    #[test]
+    fn a_peer_that_pings_and_reads_nothing_is_given_up() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // A small receive buffer, so that the pongs back up soon.
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.set_recv_buffer_size(4096).unwrap();
+            socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let listener = socket.listen(1).unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let peer = tokio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                handshake_as_pub(&mut s).await;
+                // The client's greeting, READY and SUBSCRIBE are never read either.
+                let pings = b"\x04\x07\x04PING\x00\x00".repeat(8192);
+                let mut sent = 0usize;
+                while s.write_all(&pings).await.is_ok() {
+                    sent += pings.len();
+                }
+                sent
+            });
+            let limits = Limits {
+                max_frame: 1 << 20,
+                max_parts: 4,
+            };
+            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
+            z.subscribe(b"").await.unwrap();
+            // Before, the pong that did not fit blocked `recv` for good; the test's own
+            // deadline only tells a hang from an answer.
+            let got = tokio::time::timeout(Duration::from_secs(120), async {
+                loop {
+                    // A timer cancels the call every 20 ms, as the feed's refresh tick does.
+                    tokio::select! {
+                        r = z.recv(Duration::from_secs(60)) => break r,
+                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    }
+                }
+            })
+            .await
+            .expect("recv never gave up on a peer that reads nothing");
+            match got {
+                Err(ZmtpError::Timeout(why)) => assert_eq!(why, "the peer reads nothing"),
+                other => panic!("expected a write timeout, got {other:?}"),
+            }
+            assert!(z.out.len() >= MAX_UNSENT, "{} bytes queued", z.out.len());
+            drop(z);
+            // The peer got far enough to fill every buffer between the two.
+            assert!(peer.await.unwrap() > 0);
+        });
+    }
+
+    #[test]
+    fn pings_are_answered_whole_under_cancellation() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            let peer = tokio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                handshake_as_pub(&mut s).await;
+                // The client's greeting, READY (2 + its length) and SUBSCRIBE (2 + 10).
+                let mut greeting = [0u8; 64];
+                s.read_exact(&mut greeting).await.unwrap();
+                let mut head = [0u8; 2];
+                s.read_exact(&mut head).await.unwrap();
+                let mut skip = vec![0u8; usize::from(head[1]) + 12];
+                s.read_exact(&mut skip).await.unwrap();
+                // 2,000 pings, each with its own context, then one message.
+                for i in 0..2000u16 {
+                    let mut ping = vec![0x04, 9];
+                    ping.extend_from_slice(b"\x04PING\x00\x00");
+                    ping.extend_from_slice(&i.to_be_bytes());
+                    s.write_all(&ping).await.unwrap();
+                }
+                s.write_all(&[0x00, 2, b'o', b'k']).await.unwrap();
+                // Every pong, whole and in order: flags, size, name, context.
+                for i in 0..2000u16 {
+                    let mut pong = [0u8; 9];
+                    s.read_exact(&mut pong).await.unwrap();
+                    assert_eq!(&pong[..7], b"\x04\x07\x04PONG", "pong {i}");
+                    assert_eq!(pong[7..], i.to_be_bytes(), "pong {i}");
+                }
+            });
+            let limits = Limits {
+                max_frame: 1 << 20,
+                max_parts: 4,
+            };
+            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
+            z.subscribe(b"").await.unwrap();
+            let msg = loop {
+                tokio::select! {
+                    m = z.recv(Duration::from_secs(10)) => break m.unwrap(),
+                    _ = tokio::time::sleep(Duration::from_micros(200)) => {}
+                }
+            };
+            assert_eq!(msg, vec![Bytes::from_static(b"ok")]);
+            // The pongs still queued go out with the next call.
+            let _ =
+                tokio::time::timeout(Duration::from_millis(500), z.recv(Duration::from_secs(10)))
+                    .await;
+            peer.await.unwrap();
+        });
     }
 
     #[test]

@@ -58,8 +58,12 @@ const MAX_REPLAY_BATCHES: usize = 100_000;
 const REPLAY_DEADLINE: Duration = Duration::from_secs(30);
 /// Least time between two whole replays after a live restart: a stream that keeps going back
 /// must not cost a replay of the publisher's whole buffer per message. A restart meanwhile
-/// goes on from the live stream. (A gap's replay asks only for what it missed.)
+/// goes on from the live stream. Gaps' replays (each asks only for what it missed) earn one
+/// more of [`GAP_REPLAY_BURST`] per spacing.
 const REPLAY_SPACING: Duration = Duration::from_secs(1);
+/// Gap replays allowed back to back: a stream with a gap at every batch must not cost a replay
+/// connection per batch. A gap past them is lost (withdrawn, as when the replay cannot fill it).
+const GAP_REPLAY_BURST: u32 = 4;
 /// The replay end marker: seq -1.
 const END_SEQ: u64 = u64::MAX;
 /// How far past the live stream's number a replayed batch may be numbered (batches published
@@ -139,6 +143,9 @@ pub(crate) struct Subscriber {
     live_last: Option<u64>,
     /// When the last replay after a live restart started ([`REPLAY_SPACING`]).
     last_replay: Option<tokio::time::Instant>,
+    /// Gap replays allowed now ([`GAP_REPLAY_BURST`]), and when the last was earned.
+    gap_replays: u32,
+    gap_earned_at: tokio::time::Instant,
 }
 
 #[async_trait]
@@ -172,6 +179,8 @@ impl Subscriber {
             last: None,
             live_last: None,
             last_replay: None,
+            gap_replays: GAP_REPLAY_BURST,
+            gap_earned_at: tokio::time::Instant::now(),
         }
     }
 
@@ -250,7 +259,9 @@ impl Subscriber {
             }
             Some(l) if seq > l.saturating_add(1) => {
                 self.set.count(event::GAP, 1);
-                self.replay(l.saturating_add(1), Some(seq)).await;
+                if self.take_gap_replay() {
+                    self.replay(l.saturating_add(1), Some(seq)).await;
+                }
                 // Still short of `seq`: those batches are gone for good.
                 if self.last.is_some_and(|l| seq > l.saturating_add(1)) {
                     self.resync();
@@ -340,6 +351,24 @@ impl Subscriber {
         Err(ZmtpError::TooLarge(format!(
             "a replay of more than {MAX_REPLAY_BATCHES} batches"
         )))
+    }
+
+    /// Whether a gap may be replayed now ([`GAP_REPLAY_BURST`]); takes the allowance.
+    fn take_gap_replay(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let spacing = REPLAY_SPACING.as_millis().max(1);
+        let earned = now.duration_since(self.gap_earned_at).as_millis() / spacing;
+        if earned > 0 {
+            let earned = u32::try_from(earned).unwrap_or(u32::MAX);
+            self.gap_replays = self
+                .gap_replays
+                .saturating_add(earned)
+                .min(GAP_REPLAY_BURST);
+            self.gap_earned_at = now;
+        }
+        let allowed = self.gap_replays > 0;
+        self.gap_replays = self.gap_replays.saturating_sub(1);
+        allowed
     }
 
     /// Withdraws what was recorded: some events are lost for good.
