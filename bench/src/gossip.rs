@@ -123,7 +123,7 @@ fn node_config(
         max_peers: n + 2,
         bulk_sync,
         bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
-        residency_full_interval: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL,
+        residency_full: kvmesh_cluster::FullPublication::default(),
     })
 }
 

@@ -3,7 +3,7 @@
 //! Each proxy publishes, under its chitchat node state:
 //! - `node`: its [`NodeRecord`] as JSON (engine, load, `kv_epoch`, readiness);
 //! - `r.000` .. `r.127`: the residency of the engine it fronts, in compact shards ([`shards`]),
-//!   re-sent whole every [`ClusterConfig::residency_full_interval`];
+//!   re-sent whole when removals make it due ([`FullPublication`]);
 //! - `r.128` .. `r.143`: what that residency gained since the shards were last sent, each
 //!   publication's gains in a key of their own ([`shards::RECENT`]).
 //!
@@ -66,8 +66,59 @@ pub enum ClusterError {
     },
 }
 
-/// The default [`ClusterConfig::residency_full_interval`].
+/// The default [`FullPublication::min_interval`].
 pub const DEFAULT_RESIDENCY_FULL_INTERVAL: Duration = Duration::from_secs(2);
+/// The default [`FullPublication::max_interval`].
+pub const DEFAULT_RESIDENCY_FULL_MAX_INTERVAL: Duration = Duration::from_secs(10);
+/// The default [`FullPublication::stale_ratio`].
+pub const DEFAULT_RESIDENCY_STALE_RATIO: f64 = 0.05;
+
+/// When a node publishes its residency whole ([`Cluster::publish_residency_of`]): the shards
+/// that changed, the recent keys emptied. In between it writes only recent keys, which carry
+/// gains; a removal reaches peers with the next full publication. A full publication re-sends
+/// nearly every shard (a request's digests fall in nearly all of them), so it is made only
+/// when peers' views have gone stale enough to pay for it:
+/// - at once when more than half of what was published went (a dropped or restarted engine),
+///   or when the gains no longer fit the recent keys;
+/// - after `min_interval`, when the removals since the last one reach `stale_ratio` of what
+///   was published;
+/// - after `max_interval`, on any change.
+///
+/// Once every recent key is used, the last one takes later gains beside its own until it
+/// overflows (measured on the Mooncake trace at 320,000 blocks per engine: 0.71x the bytes of
+/// a full publication as soon as the keys are used, with the same hit ratio).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FullPublication {
+    /// Least time between two full publications, but for the first two cases above. Zero:
+    /// every publication is full.
+    pub min_interval: Duration,
+    /// Longest a change waits for a full publication (at least `min_interval`).
+    pub max_interval: Duration,
+    /// The removals, as a share of the digests published, that make a full publication due
+    /// after `min_interval`.
+    pub stale_ratio: f64,
+}
+
+impl FullPublication {
+    /// Full publications every `interval` whenever anything changed.
+    pub fn every(interval: Duration) -> Self {
+        FullPublication {
+            min_interval: interval,
+            max_interval: interval,
+            stale_ratio: 0.0,
+        }
+    }
+}
+
+impl Default for FullPublication {
+    fn default() -> Self {
+        FullPublication {
+            min_interval: DEFAULT_RESIDENCY_FULL_INTERVAL,
+            max_interval: DEFAULT_RESIDENCY_FULL_MAX_INTERVAL,
+            stale_ratio: DEFAULT_RESIDENCY_STALE_RATIO,
+        }
+    }
+}
 
 /// How this node joins the cluster.
 #[derive(Debug, Clone)]
@@ -97,9 +148,9 @@ pub struct ClusterConfig {
     pub bulk_sync: bool,
     /// The most bytes of state one transfer may carry, sent or pulled.
     pub bulk_max_bytes: usize,
-    /// How often the residency shards are published whole; in between only recent keys are
-    /// written (additions), so removals reach peers up to this late. Zero: whole every time.
-    pub residency_full_interval: Duration,
+    /// When the residency is published whole; in between only recent keys are written
+    /// (additions), so removals wait for it.
+    pub residency_full: FullPublication,
 }
 
 /// A joined cluster.
@@ -164,6 +215,8 @@ struct Published {
     full_at: Option<Instant>,
     /// Removals since then: the next full publication is owed.
     owed: bool,
+    /// They reach [`FullPublication::stale_ratio`]: it is due once `min_interval` has passed.
+    stale: bool,
     /// The index version last published by [`Cluster::publish_residency_of`].
     version: Option<Option<u64>>,
 }
@@ -222,6 +275,7 @@ impl Cluster {
                 last_recent: Vec::new(),
                 full_at: None,
                 owed: false,
+                stale: false,
                 version: None,
             }),
             current,
@@ -444,13 +498,17 @@ impl Cluster {
     }
 
     /// Publishes the residency `index` holds for `node` (this node's engine; `None`: no
-    /// engine, nothing resident) when its version changed since the last call, or when a full
-    /// publication is due and owed (a removal since the last one).
+    /// engine, nothing resident) when its version changed since the last call, or when a
+    /// full publication owed by removals is due ([`FullPublication`]).
     pub async fn publish_residency_of(&self, index: &ResidencyIndex, node: Option<NodeId>) {
         let mut published = self.published.lock().await;
         let version = node.and_then(|n| index.node_version(n));
         let changed = published.version != Some(version);
-        if changed || (published.owed && self.full_due(&published)) {
+        let policy = self.cfg.residency_full;
+        let since_full = self.since_full(&published);
+        let due = since_full >= policy.max_interval
+            || (published.stale && since_full >= policy.min_interval);
+        if changed || (published.owed && due) {
             let shorts = node.map_or_else(Vec::new, |n| {
                 index.node_keys(n, shards::SHARDS * shards::MAX_PER_SHARD)
             });
@@ -459,23 +517,21 @@ impl Cluster {
         }
     }
 
-    fn full_due(&self, published: &Published) -> bool {
-        published
-            .full_at
-            .is_none_or(|at| at.elapsed() >= self.cfg.residency_full_interval)
+    /// Time since the last full publication (forever before the first).
+    fn since_full(&self, published: &Published) -> Duration {
+        published.full_at.map_or(Duration::MAX, |at| at.elapsed())
     }
 
-    /// Publishes `shorts` (distinct, most important first). Within
-    /// [`ClusterConfig::residency_full_interval`] of the last full publication only a recent
-    /// key is set: the next unused one, with the shorts gained since the last publication (the
-    /// last key, once all are used, takes them beside its own); a removal waits. Otherwise the
-    /// shards that changed are set and the recent keys emptied; so too when more were gained
-    /// than a key holds, or when more than half of the last full publication went (a dropped or
-    /// restarted engine: peers must not keep routing by what it no longer holds). An unchanged
-    /// key costs no gossip.
+    /// Publishes `shorts` (distinct, most important first): whole when [`FullPublication`]
+    /// says so (the shards that changed set, the recent keys emptied), else only a recent key,
+    /// the next unused one, with the shorts gained since the last publication (the last key,
+    /// once all are used, takes them beside its own); a removal waits. An unchanged key costs
+    /// no gossip.
     async fn publish_shorts(&self, published: &mut Published, shorts: &[u64]) {
         let mut values: Vec<(usize, String)> = Vec::new();
-        let mut full = self.full_due(published);
+        let policy = self.cfg.residency_full;
+        let since_full = self.since_full(published);
+        let mut full = since_full >= policy.max_interval || policy.min_interval.is_zero();
         if !full {
             let (mut kept, mut kept_recent) = (0usize, 0usize);
             let mut added: Vec<u64> = shorts
@@ -496,12 +552,15 @@ impl Cluster {
                 .collect();
             added.sort_unstable();
             added.dedup();
-            let removed = published.full.len().saturating_sub(kept);
-            let removed_recent = published.recent.len().saturating_sub(kept_recent);
-            published.owed |= removed + removed_recent > 0;
+            let lost = published.full.len().saturating_sub(kept)
+                + published.recent.len().saturating_sub(kept_recent);
+            let held = published.full.len() + published.recent.len();
+            published.owed |= lost > 0;
+            let stale = lost > 0 && lost as f64 >= policy.stale_ratio * held as f64;
+            published.stale = stale;
             // Counting what went from the recent keys too: a sidecar that started cold has
             // all its residency there.
-            full = removed + removed_recent > (published.full.len() + published.recent.len()) / 2;
+            full = lost > held / 2 || (since_full >= policy.min_interval && stale);
             if !full && !added.is_empty() {
                 let (slot, value) = if published.recent_used < shards::RECENT_SLOTS {
                     published.recent_used += 1;
@@ -539,6 +598,7 @@ impl Cluster {
             published.last_recent = Vec::new();
             published.full_at = Some(Instant::now());
             published.owed = false;
+            published.stale = false;
         }
         let chitchat = self.chitchat().await;
         let mut chitchat = chitchat.lock().await;

@@ -15,8 +15,9 @@
 //! recent key holding every gain since the full publication was re-sent whole each round it grew.
 //! A recent key is written once between two full publications (the last one, when all are used,
 //! takes later gains too), so each gain crosses the network about once. Removals wait for the
-//! next full publication, unless more than half of the last one went (a dropped or restarted
-//! engine), which publishes at once; a full publication then empties the recent keys. A node's
+//! next full publication ([`crate::FullPublication`]: when they make peers' views stale
+//! enough, or at once when more than half of the last one went: a dropped or restarted
+//! engine); a full publication empties the recent keys. A node's
 //! published set is the union of its shards and its recent keys; a node that does not know the
 //! recent keys (an older version) reads the shards alone and only learns later.
 //!

@@ -14,8 +14,8 @@ use kvmesh_cluster::bulk::{transfer_domain, SNAPSHOT_REUSE};
 use kvmesh_cluster::seal::Sealer;
 use kvmesh_cluster::testing::{beacon_plaintext, crafted_ack};
 use kvmesh_cluster::{
-    Cluster, ClusterConfig, GossipSecurity, Keyring, Load, LoadReport, Membership, NodeRecord,
-    PeerOrigin, Rejection, ResidencySync,
+    Cluster, ClusterConfig, FullPublication, GossipSecurity, Keyring, Load, LoadReport, Membership,
+    NodeRecord, PeerOrigin, Rejection, ResidencySync,
 };
 use kvmesh_filters::chain::{text_chain, Namespace};
 use kvmesh_filters::residency::{NodeId, ResidencyConfig, ResidencyIndex, Source};
@@ -106,7 +106,7 @@ async fn node_with(
         max_peers,
         true,
         kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
-        FULL_EVERY,
+        FullPublication::every(FULL_EVERY),
     )
     .await
 }
@@ -123,7 +123,7 @@ async fn node_bulk(
     max_peers: usize,
     bulk_sync: bool,
     bulk_max_bytes: usize,
-    residency_full_interval: Duration,
+    residency_full: FullPublication,
 ) -> Node {
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let cluster = Cluster::join(ClusterConfig {
@@ -139,7 +139,7 @@ async fn node_bulk(
         max_peers,
         bulk_sync,
         bulk_max_bytes,
-        residency_full_interval,
+        residency_full,
     })
     .await
     .unwrap();
@@ -323,10 +323,74 @@ async fn hourly_pair() -> Vec<Node> {
             16,
             true,
             kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
-            Duration::from_secs(3600),
+            FullPublication::every(Duration::from_secs(3600)),
         )
     };
     vec![hourly("a", pa, pa).await, hourly("b", pb, pa).await]
+}
+
+// Removals wait for a full publication until they make up `stale_ratio` of what was published
+// (a full publication re-sends nearly every shard), or until `max_interval`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removals_wait_until_they_make_the_published_set_stale() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let policy = FullPublication {
+        min_interval: Duration::from_millis(300),
+        max_interval: Duration::from_secs(4),
+        stale_ratio: 0.1,
+    };
+    let node = |name, port, seed| {
+        node_bulk(
+            name,
+            port,
+            seed,
+            GossipSecurity::sealed(keyring(KEY)),
+            16,
+            true,
+            kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
+            policy,
+        )
+    };
+    let mut nodes = vec![node("a", pa, pa).await, node("b", pb, pa).await];
+    let mut rng = fastrand::Rng::with_seed(12);
+    let held: Vec<u64> = (0..1000).map(|_| rng.u64(..)).collect();
+    nodes[1]
+        .index
+        .record_keys(NodeId(0), held.clone(), Source::Reported, Instant::now());
+    until(&mut nodes, "a learns b's first (full) publication", |n| {
+        peer_entries(&n[0]) == 1000
+    })
+    .await;
+    // 2% of it goes: past min_interval, still no full publication.
+    nodes[1].index.remove_keys(NodeId(0), held[..20].to_vec());
+    for _ in 0..16 {
+        for n in nodes.iter_mut() {
+            n.tick().await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        peer_entries(&nodes[0]),
+        1000,
+        "a removal below the ratio waits"
+    );
+    // Gains still spread at once, by the recent keys.
+    let gains: Vec<u64> = (0..10).map(|_| rng.u64(..)).collect();
+    nodes[1]
+        .index
+        .record_keys(NodeId(0), gains, Source::Reported, Instant::now());
+    // 120 of the 1,010 published gone: past the ratio, published whole; then one more, far
+    // below it, still reaches a within max_interval.
+    for (removed, want, what) in [
+        (0..0, 1010, "a learns b's gains"),
+        (20..120, 890, "a learns the removals"),
+        (120..121, 889, "a learns the last removal"),
+    ] {
+        nodes[1]
+            .index
+            .remove_keys(NodeId(0), held[removed].to_vec());
+        until(&mut nodes, what, |n| peer_entries(&n[0]) == want).await;
+    }
 }
 
 // Between full publications a node sends only what it gained (the recent keys, `r.128` on):
@@ -1076,7 +1140,7 @@ async fn an_oversized_transfer_is_refused_and_gossip_still_delivers() {
         16,
         true,
         4096,
-        FULL_EVERY,
+        FullPublication::every(FULL_EVERY),
     )
     .await;
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -273,10 +273,17 @@ pub struct ClusterToml {
     /// digest: the default holds 6 million). A larger one is refused and gossip delivers the
     /// state instead.
     pub bulk_sync_max_bytes: usize,
-    /// Milliseconds between publications of this node's whole residency; in between, each
-    /// round publishes only the digests added since (one small key), so a removal reaches peers
-    /// up to this late. 0: the whole residency's changed shards every round.
+    /// Least milliseconds between two publications of this node's whole residency (but for a
+    /// restarted engine's, or gains that overflow the recent keys); in between, each round
+    /// publishes only the digests added since (one small key), so removals wait. 0: the whole
+    /// residency's changed shards every round.
     pub residency_full_interval_ms: u64,
+    /// Longest milliseconds a removal waits for a whole publication (at least
+    /// `residency_full_interval_ms`).
+    pub residency_full_max_interval_ms: u64,
+    /// The removals, as a share of the digests this node published, that make a whole
+    /// publication due once `residency_full_interval_ms` has passed (0 to 1).
+    pub residency_stale_ratio: f64,
     /// The least milliseconds between two load beacons: this node's engine load sent straight
     /// to each peer as it changes (and every 250 ms regardless), sealed like gossip, rather
     /// than only inside the record gossip rounds carry. 0: no beacons sent or taken.
@@ -308,6 +315,9 @@ impl Default for ClusterToml {
             bulk_sync_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
             residency_full_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL.as_millis()
                 as u64,
+            residency_full_max_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_MAX_INTERVAL
+                .as_millis() as u64,
+            residency_stale_ratio: kvmesh_cluster::DEFAULT_RESIDENCY_STALE_RATIO,
             load_beacon_interval_ms: 10,
         }
     }
@@ -1102,6 +1112,17 @@ impl ProxyConfig {
                     "`cluster.residency_full_interval_ms` must be at most {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)"
                 ));
             }
+            if c.residency_full_max_interval_ms > MAX_RESIDENCY_FULL_INTERVAL_MS
+                || c.residency_full_max_interval_ms < c.residency_full_interval_ms
+            {
+                p.push(format!(
+                    "`cluster.residency_full_max_interval_ms` must be between `residency_full_interval_ms` ({}) and {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)",
+                    c.residency_full_interval_ms
+                ));
+            }
+            if !(0.0..=1.0).contains(&c.residency_stale_ratio) {
+                p.push("`cluster.residency_stale_ratio` must be between 0 and 1 (a share of the digests published)".into());
+            }
             if c.load_beacon_interval_ms > MAX_LOAD_BEACON_INTERVAL_MS {
                 p.push(format!(
                     "`cluster.load_beacon_interval_ms` must be at most {MAX_LOAD_BEACON_INTERVAL_MS} (0 turns beacons off)"
@@ -1249,7 +1270,11 @@ impl ProxyConfig {
             max_peers: c.max_peers,
             bulk_sync: c.bulk_sync,
             bulk_max_bytes: c.bulk_sync_max_bytes,
-            residency_full_interval: Duration::from_millis(c.residency_full_interval_ms),
+            residency_full: kvmesh_cluster::FullPublication {
+                min_interval: Duration::from_millis(c.residency_full_interval_ms),
+                max_interval: Duration::from_millis(c.residency_full_max_interval_ms),
+                stale_ratio: c.residency_stale_ratio,
+            },
         })
     }
 
@@ -1758,6 +1783,26 @@ mod tests {
             ));
             assert!(beacons.is_ok(), "{ok}: {beacons:?}");
         }
+        // Full publications: the longest wait at least the least, a ratio within 0..=1.
+        for bad in [
+            "residency_full_interval_ms = 20000\n",
+            "residency_full_max_interval_ms = 1000\n",
+            "residency_full_max_interval_ms = 60001\n",
+        ] {
+            let e = check(&format!("gossip_keys = [\"{key}\"]\n{bad}")).unwrap_err();
+            assert!(e.contains("residency_full_max_interval_ms"), "{bad}: {e}");
+        }
+        for bad in ["-0.1", "1.5", "nan"] {
+            let e = check(&format!(
+                "gossip_keys = [\"{key}\"]\nresidency_stale_ratio = {bad}\n"
+            ))
+            .unwrap_err();
+            assert!(e.contains("residency_stale_ratio"), "{bad}: {e}");
+        }
+        let ok = check(&format!(
+            "gossip_keys = [\"{key}\"]\nresidency_full_interval_ms = 20000\nresidency_full_max_interval_ms = 20000\nresidency_stale_ratio = 0\n"
+        ));
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]

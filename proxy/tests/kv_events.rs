@@ -151,6 +151,16 @@ fn feed_event(p: &Proxy, ev: &str) -> f64 {
     ))
 }
 
+/// Waits until the feed has connected `n` times.
+fn wait_connections(p: &Proxy, n: u32) {
+    assert!(
+        eventually(Duration::from_secs(10), || feed_event(p, "connected")
+            == f64::from(n)),
+        "the feed connected {} times (want {n})",
+        feed_event(p, "connected")
+    );
+}
+
 fn wait_entries(p: &Proxy, n: f64) {
     assert!(
         eventually(Duration::from_secs(10), || p.metric(FEED) == n),
@@ -277,10 +287,7 @@ fn hostile_messages_end_the_connection_and_the_proxy_keeps_serving() {
     publisher.store(&tokens, 0, 4, "GPU");
     // No replay socket: a gap or a reconnect cannot be filled.
     let p = gateway(&[&s0, &s1], &publisher, false);
-    assert!(eventually(Duration::from_secs(10), || feed_event(
-        &p,
-        "connected"
-    ) == 1.0));
+    wait_connections(&p, 1);
     // Without replay, what was published before the subscription is not known.
     assert_eq!(p.metric(FEED), 0.0);
     assert!(until(
@@ -302,18 +309,12 @@ fn hostile_messages_end_the_connection_and_the_proxy_keeps_serving() {
         &p, "lost"
     ) == 1.0));
     wait_entries(&p, 0.0);
-    assert!(eventually(Duration::from_secs(10), || feed_event(
-        &p,
-        "connected"
-    ) == 2.0));
+    wait_connections(&p, 2);
     assert!(until(
         || publisher.send(json!({"op": "huge", "bytes": 9 << 20})),
         || feed_event(&p, "lost") == 2.0
     ));
-    assert!(eventually(Duration::from_secs(10), || feed_event(
-        &p,
-        "connected"
-    ) == 3.0));
+    wait_connections(&p, 3);
     // Alive, and the feed works again.
     let r = post(p.addr, "/v1/completions", &completion(&tokens));
     assert_eq!(r.status, 200);
@@ -352,10 +353,7 @@ fn a_stream_that_keeps_going_back_is_not_replayed_at_every_message() {
     let (s0, s1) = sims();
     let mut publisher = Publisher::start();
     let p = gateway(&[&s0, &s1], &publisher, true);
-    assert!(eventually(Duration::from_secs(10), || feed_event(
-        &p,
-        "connected"
-    ) == 1.0));
+    wait_connections(&p, 1);
     let tokens = prompt(700, 2 * BLOCK);
     let started = std::time::Instant::now();
     publisher.store(&tokens, 0, 2, "GPU");
@@ -384,10 +382,7 @@ fn a_stream_with_a_gap_at_every_batch_is_not_replayed_at_every_batch() {
     let (s0, s1) = sims();
     let mut publisher = Publisher::start();
     let p = gateway(&[&s0, &s1], &publisher, true);
-    assert!(eventually(Duration::from_secs(10), || feed_event(
-        &p,
-        "connected"
-    ) == 1.0));
+    wait_connections(&p, 1);
     let tokens = prompt(800, 3 * BLOCK);
     let started = std::time::Instant::now();
     assert!(until(

@@ -628,7 +628,7 @@ fn insider(
             max_peers: 16,
             bulk_sync: true,
             bulk_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
-            residency_full_interval: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL,
+            residency_full: kvmesh_cluster::FullPublication::default(),
         })
         .await
         .unwrap();

@@ -493,6 +493,39 @@ mod tests {
         while s.read(&mut sink).await.unwrap_or(0) > 0 {}
     }
 
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// A SUB connection to `addr`, subscribed to everything.
+    async fn subscribed(addr: &str) -> Zmtp {
+        let limits = Limits {
+            max_frame: 1 << 20,
+            max_parts: 4,
+        };
+        let mut z = Zmtp::connect(addr, SocketType::Sub, limits).await.unwrap();
+        z.subscribe(b"").await.unwrap();
+        z
+    }
+
+    /// [`Zmtp::recv`] (idle `idle`), cancelled by a timer every `period` and called again, as
+    /// the feed's refresh tick does, until it gives an answer.
+    async fn recv_cancelled_every(
+        z: &mut Zmtp,
+        period: Duration,
+        idle: Duration,
+    ) -> Result<Vec<Bytes>, ZmtpError> {
+        loop {
+            tokio::select! {
+                r = z.recv(idle) => break r,
+                _ = tokio::time::sleep(period) => {}
+            }
+        }
+    }
+
     /// The PUB side of a handshake on `s`.
     async fn handshake_as_pub(s: &mut tokio::net::TcpStream) {
         s.write_all(&greeting()).await.unwrap();
@@ -505,11 +538,7 @@ mod tests {
 
     #[test]
     fn a_peer_that_pings_and_reads_nothing_is_given_up() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+        runtime().block_on(async {
             // A small receive buffer, so that the pongs back up soon.
             let socket = tokio::net::TcpSocket::new_v4().unwrap();
             socket.set_recv_buffer_size(4096).unwrap();
@@ -527,23 +556,13 @@ mod tests {
                 }
                 sent
             });
-            let limits = Limits {
-                max_frame: 1 << 20,
-                max_parts: 4,
-            };
-            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
-            z.subscribe(b"").await.unwrap();
+            let mut z = subscribed(&addr).await;
             // Before, the pong that did not fit blocked `recv` for good; the test's own
             // deadline only tells a hang from an answer.
-            let got = tokio::time::timeout(Duration::from_secs(120), async {
-                loop {
-                    // A timer cancels the call every 20 ms, as the feed's refresh tick does.
-                    tokio::select! {
-                        r = z.recv(Duration::from_secs(60)) => break r,
-                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-                    }
-                }
-            })
+            let got = tokio::time::timeout(
+                Duration::from_secs(120),
+                recv_cancelled_every(&mut z, Duration::from_millis(20), Duration::from_secs(60)),
+            )
             .await
             .expect("recv never gave up on a peer that reads nothing");
             match got {
@@ -559,11 +578,7 @@ mod tests {
 
     #[test]
     fn pings_are_answered_whole_under_cancellation() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+        runtime().block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap().to_string();
             let peer = tokio::spawn(async move {
@@ -592,18 +607,11 @@ mod tests {
                     assert_eq!(pong[7..], i.to_be_bytes(), "pong {i}");
                 }
             });
-            let limits = Limits {
-                max_frame: 1 << 20,
-                max_parts: 4,
-            };
-            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
-            z.subscribe(b"").await.unwrap();
-            let msg = loop {
-                tokio::select! {
-                    m = z.recv(Duration::from_secs(10)) => break m.unwrap(),
-                    _ = tokio::time::sleep(Duration::from_micros(200)) => {}
-                }
-            };
+            let mut z = subscribed(&addr).await;
+            let msg =
+                recv_cancelled_every(&mut z, Duration::from_micros(200), Duration::from_secs(10))
+                    .await
+                    .unwrap();
             assert_eq!(msg, vec![Bytes::from_static(b"ok")]);
             // The pongs still queued go out with the next call.
             let _ =
@@ -615,27 +623,15 @@ mod tests {
 
     #[test]
     fn a_frame_split_across_a_cancelled_read_arrives_whole() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async {
+        runtime().block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap().to_string();
             tokio::spawn(split_frame_peer(listener));
-            let limits = Limits {
-                max_frame: 1 << 20,
-                max_parts: 4,
-            };
-            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
-            z.subscribe(b"").await.unwrap();
-            // A timer cancels the read every 50 ms, as the feed's refresh tick does.
-            let msg = loop {
-                tokio::select! {
-                    m = z.recv(Duration::from_secs(10)) => break m.unwrap(),
-                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                }
-            };
+            let mut z = subscribed(&addr).await;
+            let msg =
+                recv_cancelled_every(&mut z, Duration::from_millis(50), Duration::from_secs(10))
+                    .await
+                    .unwrap();
             assert_eq!(msg.len(), 1);
             assert_eq!(
                 msg[0].as_ref(),
