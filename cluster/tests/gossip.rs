@@ -313,32 +313,12 @@ async fn a_node_not_admitted_costs_no_residency_copy_until_it_is() {
 
 /// Nodes `a` and `b`, each publishing its residency whole only once an hour.
 async fn hourly_pair() -> Vec<Node> {
-    let (pa, pb) = (udp_port(), udp_port());
-    let hourly = |name, port, seed| {
-        node_bulk(
-            name,
-            port,
-            seed,
-            GossipSecurity::sealed(keyring(KEY)),
-            16,
-            true,
-            kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
-            FullPublication::every(Duration::from_secs(3600)),
-        )
-    };
-    vec![hourly("a", pa, pa).await, hourly("b", pb, pa).await]
+    pair(FullPublication::every(Duration::from_secs(3600))).await
 }
 
-// Removals wait for a full publication until they make up `stale_ratio` of what was published
-// (a full publication re-sends nearly every shard), or until `max_interval`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn removals_wait_until_they_make_the_published_set_stale() {
+/// Nodes `a` and `b` (seeded by `a`), publishing residency by `policy`.
+async fn pair(policy: FullPublication) -> Vec<Node> {
     let (pa, pb) = (udp_port(), udp_port());
-    let policy = FullPublication {
-        min_interval: Duration::from_millis(300),
-        max_interval: Duration::from_secs(4),
-        stale_ratio: 0.1,
-    };
     let node = |name, port, seed| {
         node_bulk(
             name,
@@ -351,15 +331,37 @@ async fn removals_wait_until_they_make_the_published_set_stale() {
             policy,
         )
     };
-    let mut nodes = vec![node("a", pa, pa).await, node("b", pb, pa).await];
+    vec![node("a", pa, pa).await, node("b", pb, pa).await]
+}
+
+/// [`pair`], `b` then holding `n` random shorts, and `a` having learnt them.
+async fn publishing_pair(policy: FullPublication, n: usize) -> (Vec<Node>, Vec<u64>) {
+    let mut nodes = pair(policy).await;
     let mut rng = fastrand::Rng::with_seed(12);
-    let held: Vec<u64> = (0..1000).map(|_| rng.u64(..)).collect();
+    let held: Vec<u64> = (0..n).map(|_| rng.u64(..)).collect();
     nodes[1]
         .index
         .record_keys(NodeId(0), held.clone(), Source::Reported, Instant::now());
-    until(&mut nodes, "a learns b's first (full) publication", |n| {
-        peer_entries(&n[0]) == 1000
+    until(&mut nodes, "a learns b's first (full) publication", |x| {
+        peer_entries(&x[0]) == n
     })
+    .await;
+    (nodes, held)
+}
+
+// Removals wait for a full publication until they make up `stale_ratio` of what was published
+// (a full publication re-sends nearly every shard), or until `max_interval`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removals_wait_until_they_make_the_published_set_stale() {
+    // No full publication falls due by time within this part of the test.
+    let (mut nodes, held) = publishing_pair(
+        FullPublication {
+            min_interval: Duration::from_millis(300),
+            max_interval: Duration::from_secs(3600),
+            stale_ratio: 0.1,
+        },
+        1000,
+    )
     .await;
     // 2% of it goes: past min_interval, still no full publication.
     nodes[1].index.remove_keys(NodeId(0), held[..20].to_vec());
@@ -375,22 +377,35 @@ async fn removals_wait_until_they_make_the_published_set_stale() {
         "a removal below the ratio waits"
     );
     // Gains still spread at once, by the recent keys.
-    let gains: Vec<u64> = (0..10).map(|_| rng.u64(..)).collect();
+    let gains: Vec<u64> = (0..10).map(|i| i * 7919 + 1).collect();
     nodes[1]
         .index
         .record_keys(NodeId(0), gains, Source::Reported, Instant::now());
-    // 120 of the 1,010 published gone: past the ratio, published whole; then one more, far
-    // below it, still reaches a within max_interval.
+    // 120 of the 1,010 published gone: past the ratio, published whole.
     for (removed, want, what) in [
         (0..0, 1010, "a learns b's gains"),
         (20..120, 890, "a learns the removals"),
-        (120..121, 889, "a learns the last removal"),
     ] {
         nodes[1]
             .index
             .remove_keys(NodeId(0), held[removed].to_vec());
         until(&mut nodes, what, |n| peer_entries(&n[0]) == want).await;
     }
+    // A single removal, far below the ratio, still reaches a within max_interval.
+    let (mut nodes, held) = publishing_pair(
+        FullPublication {
+            min_interval: Duration::from_millis(300),
+            max_interval: Duration::from_secs(1),
+            stale_ratio: 1.0,
+        },
+        1000,
+    )
+    .await;
+    nodes[1].index.remove_keys(NodeId(0), held[..1].to_vec());
+    until(&mut nodes, "a learns the removal", |n| {
+        peer_entries(&n[0]) == 999
+    })
+    .await;
 }
 
 // Between full publications a node sends only what it gained (the recent keys, `r.128` on):

@@ -279,8 +279,9 @@ pub struct ClusterToml {
     /// residency's changed shards every round.
     pub residency_full_interval_ms: u64,
     /// Longest milliseconds a removal waits for a whole publication (at least
-    /// `residency_full_interval_ms`).
-    pub residency_full_max_interval_ms: u64,
+    /// `residency_full_interval_ms`). Unset: 10000, or `residency_full_interval_ms` when that
+    /// is longer.
+    pub residency_full_max_interval_ms: Option<u64>,
     /// The removals, as a share of the digests this node published, that make a whole
     /// publication due once `residency_full_interval_ms` has passed (0 to 1).
     pub residency_stale_ratio: f64,
@@ -315,8 +316,7 @@ impl Default for ClusterToml {
             bulk_sync_max_bytes: kvmesh_cluster::bulk::DEFAULT_MAX_BYTES,
             residency_full_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_INTERVAL.as_millis()
                 as u64,
-            residency_full_max_interval_ms: kvmesh_cluster::DEFAULT_RESIDENCY_FULL_MAX_INTERVAL
-                .as_millis() as u64,
+            residency_full_max_interval_ms: None,
             residency_stale_ratio: kvmesh_cluster::DEFAULT_RESIDENCY_STALE_RATIO,
             load_beacon_interval_ms: 10,
         }
@@ -1112,9 +1112,9 @@ impl ProxyConfig {
                     "`cluster.residency_full_interval_ms` must be at most {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)"
                 ));
             }
-            if c.residency_full_max_interval_ms > MAX_RESIDENCY_FULL_INTERVAL_MS
-                || c.residency_full_max_interval_ms < c.residency_full_interval_ms
-            {
+            if c.residency_full_max_interval_ms.is_some_and(|m| {
+                m > MAX_RESIDENCY_FULL_INTERVAL_MS || m < c.residency_full_interval_ms
+            }) {
                 p.push(format!(
                     "`cluster.residency_full_max_interval_ms` must be between `residency_full_interval_ms` ({}) and {MAX_RESIDENCY_FULL_INTERVAL_MS} (removals reach peers that late)",
                     c.residency_full_interval_ms
@@ -1272,7 +1272,11 @@ impl ProxyConfig {
             bulk_max_bytes: c.bulk_sync_max_bytes,
             residency_full: kvmesh_cluster::FullPublication {
                 min_interval: Duration::from_millis(c.residency_full_interval_ms),
-                max_interval: Duration::from_millis(c.residency_full_max_interval_ms),
+                max_interval: Duration::from_millis(c.residency_full_max_interval_ms.unwrap_or(
+                    c.residency_full_interval_ms.max(
+                        kvmesh_cluster::DEFAULT_RESIDENCY_FULL_MAX_INTERVAL.as_millis() as u64,
+                    ),
+                )),
                 stale_ratio: c.residency_stale_ratio,
             },
         })
@@ -1785,7 +1789,7 @@ mod tests {
         }
         // Full publications: the longest wait at least the least, a ratio within 0..=1.
         for bad in [
-            "residency_full_interval_ms = 20000\n",
+            "residency_full_interval_ms = 20000\nresidency_full_max_interval_ms = 10000\n",
             "residency_full_max_interval_ms = 1000\n",
             "residency_full_max_interval_ms = 60001\n",
         ] {
@@ -1799,10 +1803,14 @@ mod tests {
             .unwrap_err();
             assert!(e.contains("residency_stale_ratio"), "{bad}: {e}");
         }
-        let ok = check(&format!(
-            "gossip_keys = [\"{key}\"]\nresidency_full_interval_ms = 20000\nresidency_full_max_interval_ms = 20000\nresidency_stale_ratio = 0\n"
-        ));
-        assert!(ok.is_ok(), "{ok:?}");
+        for ok in [
+            // Unset, the longest wait follows a least one over its default.
+            "residency_full_interval_ms = 20000\n",
+            "residency_full_interval_ms = 20000\nresidency_full_max_interval_ms = 20000\nresidency_stale_ratio = 0\n",
+        ] {
+            let r = check(&format!("gossip_keys = [\"{key}\"]\n{ok}"));
+            assert!(r.is_ok(), "{ok}: {r:?}");
+        }
     }
 
     #[test]

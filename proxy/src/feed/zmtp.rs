@@ -19,7 +19,7 @@
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -232,12 +232,45 @@ impl Zmtp {
     /// Writes what is queued, each write making progress within [`WRITE_TIMEOUT`].
     async fn flush(&mut self) -> Result<(), ZmtpError> {
         while !self.out.is_empty() {
-            tokio::time::timeout(WRITE_TIMEOUT, self.stream.write_buf(&mut self.out))
+            let n = tokio::time::timeout(WRITE_TIMEOUT, self.stream.write_buf(&mut self.out))
                 .await
                 .map_err(|_| ZmtpError::Timeout("the peer reads nothing"))??;
+            wrote(n)?;
         }
         self.wrote_at = Instant::now();
         Ok(())
+    }
+
+    /// Writes what is queued as far as the socket takes it now, without waiting: answers go
+    /// out even while messages already read are being returned.
+    fn write_now(&mut self) -> Result<(), ZmtpError> {
+        while !self.out.is_empty() {
+            match self.stream.try_write(&self.out) {
+                Ok(n) => {
+                    wrote(n)?;
+                    self.out.advance(n);
+                    self.wrote_at = Instant::now();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads what the socket holds now, without waiting; whether anything came.
+    fn read_now(&mut self) -> Result<bool, ZmtpError> {
+        self.buf.reserve(READ_CHUNK);
+        match self.stream.try_read_buf(&mut self.buf) {
+            Ok(0) => Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(_) => {
+                self.heard_at = Instant::now();
+                self.pinged_at = None;
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The next message. When nothing arrives for `idle`, the peer is pinged; when nothing
@@ -245,6 +278,7 @@ impl Zmtp {
     /// Cancel safe: what was read, and what is queued to be written, stays for the next call.
     pub async fn recv(&mut self, idle: Duration) -> Result<Vec<Bytes>, ZmtpError> {
         loop {
+            self.write_now()?;
             // Frames are taken only while the answers to them can be queued.
             if self.out.len() < MAX_UNSENT {
                 if let Some(frame) = self.parse_frame()? {
@@ -256,18 +290,26 @@ impl Zmtp {
             }
             let reading = self.out.len() < MAX_UNSENT;
             let writing = !self.out.is_empty();
-            let deadline = if writing {
-                self.wrote_at + WRITE_TIMEOUT
+            let (from, wait) = if writing {
+                (self.wrote_at, WRITE_TIMEOUT)
             } else {
                 self.pinged_at
-                    .map_or(self.heard_at + idle, |at| at + PONG_TIMEOUT)
+                    .map_or((self.heard_at, idle), |at| (at, PONG_TIMEOUT))
             };
+            // A far-off deadline for an `idle` too long to add.
+            let deadline = from
+                .checked_add(wait)
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400));
             self.buf.reserve(READ_CHUNK);
             let (mut rd, mut wr) = self.stream.split();
-            // Reads first: bytes that came while the caller was busy are an answer, whatever
-            // the timer says.
+            // Writes first (they are bounded, and a peer may count only what it receives as
+            // our being alive), then reads, the timer last.
             tokio::select! {
                 biased;
+                n = wr.write_buf(&mut self.out), if writing => {
+                    wrote(n?)?;
+                    self.wrote_at = Instant::now();
+                }
                 n = rd.read_buf(&mut self.buf), if reading => {
                     if n? == 0 {
                         return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
@@ -275,13 +317,18 @@ impl Zmtp {
                     self.heard_at = Instant::now();
                     self.pinged_at = None;
                 }
-                n = wr.write_buf(&mut self.out), if writing => {
-                    n?;
-                    self.wrote_at = Instant::now();
-                }
                 _ = tokio::time::sleep_until(deadline) => {
+                    // What the socket holds now, before its readiness reached the runtime
+                    // (a caller slow between two calls), still counts.
                     if writing {
-                        return Err(ZmtpError::Timeout("the peer reads nothing"));
+                        self.write_now()?;
+                        if self.wrote_at < deadline {
+                            return Err(ZmtpError::Timeout("the peer reads nothing"));
+                        }
+                        continue;
+                    }
+                    if self.read_now()? {
+                        continue;
                     }
                     if self.pinged_at.is_some() {
                         return Err(ZmtpError::Timeout("no answer to a ping"));
@@ -385,6 +432,14 @@ impl Zmtp {
             body: self.buf.split_to(len).freeze(),
         }))
     }
+}
+
+/// `n` bytes were written: none means the socket takes no more, ever.
+fn wrote(n: usize) -> Result<(), ZmtpError> {
+    if n == 0 {
+        return Err(ZmtpError::Io(std::io::ErrorKind::WriteZero.into()));
+    }
+    Ok(())
 }
 
 /// Appends one frame of `body` to `out`.
@@ -613,11 +668,14 @@ mod tests {
                     .await
                     .unwrap();
             assert_eq!(msg, vec![Bytes::from_static(b"ok")]);
-            // The pongs still queued go out with the next call.
-            let _ =
-                tokio::time::timeout(Duration::from_millis(500), z.recv(Duration::from_secs(10)))
-                    .await;
-            peer.await.unwrap();
+            // The pongs still queued go out with the next calls (which end when the peer
+            // closes).
+            let checked = tokio::time::timeout(Duration::from_secs(60), async {
+                while z.recv(Duration::from_secs(10)).await.is_ok() {}
+                peer.await
+            })
+            .await;
+            checked.expect("the pongs never all arrived").unwrap();
         });
     }
 

@@ -364,7 +364,13 @@ impl Subscriber {
                 .gap_replays
                 .saturating_add(earned)
                 .min(GAP_REPLAY_BURST);
-            self.gap_earned_at = now;
+            // The part of a second already waited counts towards the next, unless the
+            // allowance is full (then fewer than GAP_REPLAY_BURST were earned).
+            self.gap_earned_at = if self.gap_replays == GAP_REPLAY_BURST {
+                now
+            } else {
+                self.gap_earned_at + REPLAY_SPACING * earned
+            };
         }
         let allowed = self.gap_replays > 0;
         self.gap_replays = self.gap_replays.saturating_sub(1);
