@@ -389,28 +389,40 @@ fn a_stream_with_a_gap_at_every_batch_is_not_replayed_at_every_batch() {
         || publisher.store(&tokens, 0, 2, "GPU"),
         || p.metric(FEED) == 2.0
     ));
+    let at_connect = publisher.replays();
     // Every other batch is held back (buffered for replay, never published): each published
-    // batch shows a gap (each waited for: a replay brings what was published after the gap
-    // it fills, which would hide the next one).
-    for gaps in 1..=30 {
+    // batch shows a gap. Each gap is settled (its replay served, or refused by the
+    // allowance) before the next batches: a replay served later would bring them too and hide
+    // the next gap.
+    for gaps in 1..=30u32 {
         publisher.send(json!({"op": "hold"}));
         publisher.store(&tokens, 0, 2, "GPU");
         publisher.store(&tokens, 0, 2, "GPU");
-        assert!(eventually(Duration::from_secs(10), || feed_event(
-            &p, "gap"
-        ) == f64::from(gaps)));
+        assert!(
+            eventually(Duration::from_secs(10), || {
+                let settled =
+                    publisher.replays() - at_connect + feed_event(&p, "replay_limited") as u64;
+                feed_event(&p, "gap") == f64::from(gaps) && settled == u64::from(gaps)
+            }),
+            "gap {gaps}: {} gaps, {} replays, {} refused",
+            feed_event(&p, "gap"),
+            publisher.replays() - at_connect,
+            feed_event(&p, "replay_limited")
+        );
     }
     // A last batch of its own, applied once every one before it was.
     publisher.store(&tokens, 0, 3, "GPU");
     wait_entries(&p, 3.0);
     let replays = publisher.replays();
     // The replay at connect, a burst of 4 gap replays, then one a second.
-    let bound = 1 + 4 + started.elapsed().as_secs() + 1;
+    let bound = at_connect + 4 + started.elapsed().as_secs() + 1;
     assert!(
         replays <= bound,
         "{replays} replays in {:?}",
         started.elapsed()
     );
     // Gaps past the allowance are lost: withdrawn, not left standing.
-    assert!(feed_event(&p, "resync") >= 1.0);
+    let refused = feed_event(&p, "replay_limited");
+    assert!(refused >= 1.0);
+    assert!(feed_event(&p, "resync") >= refused);
 }

@@ -70,6 +70,9 @@ pub mod event {
     pub const GAP: &str = "gap";
     /// KV events: a batch fetched from the replay socket.
     pub const REPLAYED: &str = "replayed";
+    /// KV events: a gap not replayed because the replay allowance (four at once, then one a
+    /// second) was spent; what the feed holds is withdrawn (`resync`).
+    pub const REPLAY_LIMITED: &str = "replay_limited";
     /// KV events: what the feed recorded was withdrawn because events were lost for good.
     pub const RESYNC: &str = "resync";
     /// KV events: a batch seen already (at-least-once delivery, replay overlap).
@@ -89,7 +92,7 @@ pub mod event {
     /// The events of a kvagent feed, to export them from start.
     pub const KVAGENT: [&str; 6] = [CONNECTED, LOST, RESET, EPOCH, MALFORMED, OVER_CAP];
     /// The events of a KV events feed.
-    pub const KV_EVENTS: [&str; 13] = [
+    pub const KV_EVENTS: [&str; 14] = [
         CONNECTED,
         RESTART,
         LOST,
@@ -97,6 +100,7 @@ pub mod event {
         OVER_CAP,
         GAP,
         REPLAYED,
+        REPLAY_LIMITED,
         RESYNC,
         DUPLICATE,
         CLEARED,

@@ -259,8 +259,12 @@ impl Subscriber {
             }
             Some(l) if seq > l.saturating_add(1) => {
                 self.set.count(event::GAP, 1);
-                if self.take_gap_replay() {
-                    self.replay(l.saturating_add(1), Some(seq)).await;
+                if self.feed.replay.is_some() {
+                    if self.take_gap_replay() {
+                        self.replay(l.saturating_add(1), Some(seq)).await;
+                    } else {
+                        self.set.count(event::REPLAY_LIMITED, 1);
+                    }
                 }
                 // Still short of `seq`: those batches are gone for good.
                 if self.last.is_some_and(|l| seq > l.saturating_add(1)) {
