@@ -356,15 +356,25 @@ fn a_stream_that_keeps_going_back_is_not_replayed_at_every_message() {
     wait_connections(&p, 1);
     let tokens = prompt(700, 2 * BLOCK);
     let started = std::time::Instant::now();
-    publisher.store(&tokens, 0, 2, "GPU");
-    // Each batch numbered 0 again: the proxy sees the publisher restart at every message.
-    for _ in 0..30 {
+    let rewound = |publisher: &mut Publisher| {
         publisher.send(json!({"op": "rewind"}));
         publisher.store(&tokens, 0, 2, "GPU");
+    };
+    // Until a first restart is seen: a restart is a live batch numbered at or below the last
+    // live one, and batches published before the subscription reaches the publisher are
+    // dropped (a replay at connect brings them, but not as live batches).
+    assert!(until(
+        || rewound(&mut publisher),
+        || feed_event(&p, "restart") >= 1.0
+    ));
+    let first = feed_event(&p, "restart");
+    // Each batch numbered 0 again: the proxy sees the publisher restart at every message.
+    for _ in 0..30 {
+        rewound(&mut publisher);
     }
     assert!(eventually(Duration::from_secs(20), || feed_event(
         &p, "restart"
-    ) == 30.0));
+    ) >= first + 30.0));
     // One replay at connect, then at most one a second.
     let bound = 2 + started.elapsed().as_secs();
     let replays = publisher.replays();
@@ -421,8 +431,9 @@ fn a_stream_with_a_gap_at_every_batch_is_not_replayed_at_every_batch() {
         "{replays} replays in {:?}",
         started.elapsed()
     );
-    // Gaps past the allowance are lost: withdrawn, not left standing.
+    // Gaps past the allowance are lost: withdrawn, not left standing (unless the 30 gaps took
+    // so long that the allowance covered every one).
     let refused = feed_event(&p, "replay_limited");
-    assert!(refused >= 1.0);
+    assert!(refused >= 1.0 || started.elapsed() >= Duration::from_secs(25));
     assert!(feed_event(&p, "resync") >= refused);
 }
