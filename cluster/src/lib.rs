@@ -100,6 +100,12 @@ pub struct FullPublication {
 }
 
 impl FullPublication {
+    /// Whether a full publication is due by time, `since_full` after the last one: past
+    /// `max_interval`, or past `min_interval` once removals made the published set `stale`.
+    fn due(&self, since_full: Duration, stale: bool) -> bool {
+        since_full >= self.max_interval || (stale && since_full >= self.min_interval)
+    }
+
     /// Full publications every `interval` whenever anything changed.
     pub fn every(interval: Duration) -> Self {
         FullPublication {
@@ -504,10 +510,10 @@ impl Cluster {
         let mut published = self.published.lock().await;
         let version = node.and_then(|n| index.node_version(n));
         let changed = published.version != Some(version);
-        let policy = self.cfg.residency_full;
-        let since_full = self.since_full(&published);
-        let due = since_full >= policy.max_interval
-            || (published.stale && since_full >= policy.min_interval);
+        let due = self
+            .cfg
+            .residency_full
+            .due(self.since_full(&published), published.stale);
         if changed || (published.owed && due) {
             let shorts = node.map_or_else(Vec::new, |n| {
                 index.node_keys(n, shards::SHARDS * shards::MAX_PER_SHARD)
@@ -560,7 +566,7 @@ impl Cluster {
             published.stale = stale;
             // Counting what went from the recent keys too: a sidecar that started cold has
             // all its residency there.
-            full = lost > held / 2 || (since_full >= policy.min_interval && stale);
+            full = lost > held / 2 || policy.due(since_full, stale);
             if !full && !added.is_empty() {
                 let (slot, value) = if published.recent_used < shards::RECENT_SLOTS {
                     published.recent_used += 1;

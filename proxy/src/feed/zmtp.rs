@@ -235,7 +235,7 @@ impl Zmtp {
             let n = tokio::time::timeout(WRITE_TIMEOUT, self.stream.write_buf(&mut self.out))
                 .await
                 .map_err(|_| ZmtpError::Timeout("the peer reads nothing"))??;
-            wrote(n)?;
+            self.wrote(n)?;
         }
         self.wrote_at = Instant::now();
         Ok(())
@@ -247,9 +247,8 @@ impl Zmtp {
         while !self.out.is_empty() {
             match self.stream.try_write(&self.out) {
                 Ok(n) => {
-                    wrote(n)?;
+                    self.wrote(n)?;
                     self.out.advance(n);
-                    self.wrote_at = Instant::now();
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => return Err(e.into()),
@@ -262,12 +261,7 @@ impl Zmtp {
     fn read_now(&mut self) -> Result<bool, ZmtpError> {
         self.buf.reserve(READ_CHUNK);
         match self.stream.try_read_buf(&mut self.buf) {
-            Ok(0) => Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-            Ok(_) => {
-                self.heard_at = Instant::now();
-                self.pinged_at = None;
-                Ok(true)
-            }
+            Ok(n) => self.heard(n).map(|()| true),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
             Err(e) => Err(e.into()),
         }
@@ -306,17 +300,8 @@ impl Zmtp {
             // our being alive), then reads, the timer last.
             tokio::select! {
                 biased;
-                n = wr.write_buf(&mut self.out), if writing => {
-                    wrote(n?)?;
-                    self.wrote_at = Instant::now();
-                }
-                n = rd.read_buf(&mut self.buf), if reading => {
-                    if n? == 0 {
-                        return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-                    }
-                    self.heard_at = Instant::now();
-                    self.pinged_at = None;
-                }
+                n = wr.write_buf(&mut self.out), if writing => self.wrote(n?)?,
+                n = rd.read_buf(&mut self.buf), if reading => self.heard(n?)?,
                 _ = tokio::time::sleep_until(deadline) => {
                     // What the socket holds now, before its readiness reached the runtime
                     // (a caller slow between two calls), still counts.
@@ -339,6 +324,25 @@ impl Zmtp {
                 }
             }
         }
+    }
+
+    /// `n` bytes were written: none means the socket takes no more, ever; any is progress.
+    fn wrote(&mut self, n: usize) -> Result<(), ZmtpError> {
+        if n == 0 {
+            return Err(ZmtpError::Io(std::io::ErrorKind::WriteZero.into()));
+        }
+        self.wrote_at = Instant::now();
+        Ok(())
+    }
+
+    /// `n` bytes were read: none means the peer closed; any is a sign of life.
+    fn heard(&mut self, n: usize) -> Result<(), ZmtpError> {
+        if n == 0 {
+            return Err(ZmtpError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        self.heard_at = Instant::now();
+        self.pinged_at = None;
+        Ok(())
     }
 
     /// Takes one frame: a command is handled (a PING answered), a message frame added to the
@@ -432,14 +436,6 @@ impl Zmtp {
             body: self.buf.split_to(len).freeze(),
         }))
     }
-}
-
-/// `n` bytes were written: none means the socket takes no more, ever.
-fn wrote(n: usize) -> Result<(), ZmtpError> {
-    if n == 0 {
-        return Err(ZmtpError::Io(std::io::ErrorKind::WriteZero.into()));
-    }
-    Ok(())
 }
 
 /// Appends one frame of `body` to `out`.
