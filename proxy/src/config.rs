@@ -149,6 +149,10 @@ impl Default for AdminConfig {
 
 /// The most fallbacks the picker lists (`picker.fallbacks`).
 pub const MAX_PICKER_FALLBACKS: usize = 16;
+/// The least `picker.max_message_bytes`: a 64 KiB body chunk and its message's fields.
+pub const MIN_PICKER_MESSAGE_BYTES: usize = 80 << 10;
+/// The most `picker.max_message_bytes` (64 MiB).
+pub const MAX_PICKER_MESSAGE_BYTES: usize = 64 << 20;
 
 /// The `[picker]` table: the Envoy ext_proc endpoint picker (`mode = "picker"`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -165,6 +169,12 @@ pub struct PickerConfig {
     /// destination header always names one endpoint, so with fallbacks the two differ). At
     /// most [`MAX_PICKER_FALLBACKS`].
     pub fallbacks: usize,
+    /// Largest ext_proc message accepted from Envoy; a longer one ends its stream with
+    /// `OUT_OF_RANGE`. Each stream is charged to `body_budget_bytes` with the largest message
+    /// it has begun, from the message's prefix to the stream's end. Between
+    /// [`MIN_PICKER_MESSAGE_BYTES`] and [`MAX_PICKER_MESSAGE_BYTES`], and at most
+    /// `body_budget_bytes`.
+    pub max_message_bytes: usize,
 }
 
 impl Default for PickerConfig {
@@ -174,6 +184,7 @@ impl Default for PickerConfig {
             health_listen: "127.0.0.1:9003".into(),
             metrics_listen: "127.0.0.1:9090".into(),
             fallbacks: 0,
+            max_message_bytes: 2 << 20,
         }
     }
 }
@@ -1072,6 +1083,21 @@ impl ProxyConfig {
                     pk.fallbacks
                 ));
             }
+            if !(MIN_PICKER_MESSAGE_BYTES..=MAX_PICKER_MESSAGE_BYTES)
+                .contains(&pk.max_message_bytes)
+            {
+                p.push(format!(
+                    "`picker.max_message_bytes` ({}) must be from {MIN_PICKER_MESSAGE_BYTES} \
+                     (80 KiB) to {MAX_PICKER_MESSAGE_BYTES} (64 MiB)",
+                    pk.max_message_bytes
+                ));
+            } else if pk.max_message_bytes > self.body_budget_bytes {
+                p.push(format!(
+                    "`picker.max_message_bytes` ({}) must be at most `body_budget_bytes` ({}): \
+                     each message in progress is charged to it",
+                    pk.max_message_bytes, self.body_budget_bytes
+                ));
+            }
             let mut seen = std::collections::HashSet::new();
             for (key, value) in [
                 ("picker.listen", &pk.listen),
@@ -1564,6 +1590,30 @@ mod tests {
         assert!(!mentions(
             format!("{base}{tls}require_client_cert = true\n"),
             "require_client_cert"
+        ));
+        let message = |n: usize, budget: usize| {
+            format!("body_budget_bytes = {budget}\nmax_body_bytes = 65536\n{base}[picker]\nmax_message_bytes = {n}\n")
+        };
+        let budget = 256 << 20;
+        assert!(mentions(
+            message(MIN_PICKER_MESSAGE_BYTES - 1, budget),
+            "(80 KiB)"
+        ));
+        assert!(mentions(
+            message(MAX_PICKER_MESSAGE_BYTES + 1, budget),
+            "(64 MiB)"
+        ));
+        assert!(!mentions(
+            message(MIN_PICKER_MESSAGE_BYTES, budget),
+            "max_message_bytes"
+        ));
+        assert!(!mentions(
+            message(MAX_PICKER_MESSAGE_BYTES, budget),
+            "max_message_bytes"
+        ));
+        assert!(mentions(
+            message(4 << 20, 3 << 20),
+            "at most `body_budget_bytes`"
         ));
         let capacity = |n: usize| format!("{base}[residency]\ncapacity_per_node = {n}\n");
         assert!(mentions(

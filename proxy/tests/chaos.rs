@@ -12,16 +12,6 @@ use common::*;
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// Resident set of process `pid`, KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
-}
-
 /// Nothing is left counted once the requests are over: in flight (proxy and per engine),
 /// pending prefill; and the proxy holds no more descriptors than `baseline` plus its pooled
 /// upstream connections (`slack`).

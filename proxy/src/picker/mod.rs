@@ -15,6 +15,7 @@
 //! ([`PickerConfig::health_listen`]: `liveness`, `readiness` and the ext_proc service name) and
 //! HTTP `/metrics`, `/health`, `/ready` ([`PickerConfig::metrics_listen`]).
 
+mod charge;
 pub mod envoy;
 mod exchange;
 
@@ -38,8 +39,6 @@ use exchange::{Exchange, Step};
 
 /// The gRPC service name Envoy's health check and the GIE protocol use for the picker.
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
-/// Largest ext_proc message accepted from Envoy (a body chunk is at most Envoy's buffer).
-const MAX_MESSAGE_BYTES: usize = 8 << 20;
 /// Replies queued per stream before the stream waits for Envoy to take them (body chunks of
 /// at most 64 KiB: what a stream whose peer stopped reading may leave held).
 const REPLY_QUEUE: usize = 16;
@@ -237,6 +236,11 @@ async fn run_stream(
                 if !ex.done() {
                     tracing::debug!(%status, "ext_proc stream reset before the response ended");
                 }
+                // A message refused on its way in (over `max_message_bytes` or the body
+                // budget, or unreadable): Envoy learns why, and applies its failure mode.
+                if status.code() != tonic::Code::Cancelled {
+                    let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
+                }
                 break;
             }
         };
@@ -390,14 +394,19 @@ pub async fn serve(
 
     let ext_addr = listeners.ext_proc.local_addr().ok();
     let health_addr = listeners.health.local_addr().ok();
-    let picker = ExternalProcessorServer::new(Picker {
-        gw: gw.clone(),
-        fallbacks: gw.live().cfg.picker.fallbacks,
-        streams: Arc::new(tokio::sync::Semaphore::new(max_streams(
-            usize::try_from(gw.live().cfg.max_inflight).unwrap_or(usize::MAX),
-        ))),
-    })
-    .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let max_message = gw.live().cfg.picker.max_message_bytes;
+    let picker = charge::Charged::new(
+        ExternalProcessorServer::new(Picker {
+            gw: gw.clone(),
+            fallbacks: gw.live().cfg.picker.fallbacks,
+            streams: Arc::new(tokio::sync::Semaphore::new(max_streams(
+                usize::try_from(gw.live().cfg.max_inflight).unwrap_or(usize::MAX),
+            ))),
+        })
+        .max_decoding_message_size(max_message),
+        gw.limits.clone(),
+        max_message,
+    );
     let max_streams =
         u32::try_from(gw.live().cfg.max_inflight.saturating_add(64)).unwrap_or(u32::MAX);
     let stopped = |mut rx: watch::Receiver<bool>| async move {

@@ -108,6 +108,16 @@ pub fn metric_sum(exposition: &str, prefix: &str) -> f64 {
         .sum()
 }
 
+/// Resident set of process `pid`, KiB.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
 /// Ports handed out by this test process: the TCP and UDP pickers never return one twice,
 /// so a proxy's HTTP port is never another's gossip port (gossip takes TCP on its port too,
 /// for bulk transfers).
