@@ -166,6 +166,11 @@ pub struct Limits {
     pub max_watchers: usize,
     /// Most concurrent gRPC calls (HTTP/2 streams) on one client connection.
     pub max_concurrent_streams: u32,
+    /// Most bytes of requests on their way in, over all calls and connections: each call is
+    /// charged with the largest message it has begun, from that message's 5-byte prefix until
+    /// the call ends (gRPC's decoder reserves that much there); a message past what is left
+    /// gets `ResourceExhausted`. At least `max_message_bytes`.
+    pub message_budget_bytes: usize,
 }
 
 impl Default for Limits {
@@ -177,6 +182,7 @@ impl Default for Limits {
             max_model_bytes: 256,
             max_watchers: 64,
             max_concurrent_streams: 256,
+            message_budget_bytes: 256 << 20,
         }
     }
 }
@@ -283,6 +289,12 @@ impl AgentConfig {
             return bad(format!(
                 "limits.max_message_bytes ({}) must exceed limits.max_block_bytes ({}) by at least 4096",
                 l.max_message_bytes, l.max_block_bytes
+            ));
+        }
+        if l.message_budget_bytes < l.max_message_bytes {
+            return bad(format!(
+                "limits.message_budget_bytes ({}) must be at least limits.max_message_bytes ({})",
+                l.message_budget_bytes, l.max_message_bytes
             ));
         }
         if l.max_batch == 0 || l.max_watchers == 0 || l.max_concurrent_streams == 0 {

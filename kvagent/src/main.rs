@@ -117,19 +117,25 @@ async fn run() -> anyhow::Result<()> {
         ));
     }
 
+    // Requests on their way in, charged before tonic buffers them (kvmesh_grpc::charge).
+    let messages = kvmesh_grpc::Budget::new(cfg.limits.message_budget_bytes);
     if let Some(l) = metrics_listener {
-        tokio::spawn(serve_metrics(l, metrics.clone()));
+        tokio::spawn(serve_metrics(l, metrics.clone(), messages.clone()));
     }
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<KvAgentServer<KvAgentService>>().await;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let service = KvAgentServer::new(
-        KvAgentService::new(store.clone(), scraper, cfg.limits.clone(), stop_rx.clone())
-            .with_access(AccessControl::from_config(&cfg.auth)?),
-    )
-    .max_decoding_message_size(cfg.limits.max_message_bytes)
-    .max_encoding_message_size(cfg.limits.max_message_bytes);
+    let service = kvmesh_grpc::Charged::new(
+        KvAgentServer::new(
+            KvAgentService::new(store.clone(), scraper, cfg.limits.clone(), stop_rx.clone())
+                .with_access(AccessControl::from_config(&cfg.auth)?),
+        )
+        .max_decoding_message_size(cfg.limits.max_message_bytes)
+        .max_encoding_message_size(cfg.limits.max_message_bytes),
+        messages.clone(),
+        cfg.limits.max_message_bytes,
+    );
     tracing::info!(listen = %cfg.listen, metrics = %cfg.metrics_listen, epoch = store.epoch(), "kvagent serving");
     let mut stopped = stop_rx;
     let stop = async move {
@@ -211,7 +217,11 @@ async fn shutdown_signal() {
 }
 
 /// `/metrics` (Prometheus text) and `/health` over plain HTTP/1.1.
-async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
+async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    messages: kvmesh_grpc::Budget,
+) {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -223,12 +233,17 @@ async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>)
             }
         };
         let metrics = metrics.clone();
+        let messages = messages.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let metrics = metrics.clone();
+                let used = i64::try_from(messages.used()).unwrap_or(i64::MAX);
                 async move {
                     let (status, body) = match req.uri().path() {
-                        "/metrics" => (StatusCode::OK, metrics.encode()),
+                        "/metrics" => {
+                            metrics.message_bytes.set(used);
+                            (StatusCode::OK, metrics.encode())
+                        }
                         "/health" => (StatusCode::OK, "ok\n".to_string()),
                         _ => (StatusCode::NOT_FOUND, "not found\n".to_string()),
                     };

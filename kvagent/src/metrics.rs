@@ -41,6 +41,8 @@ pub struct Metrics {
     pub kv_epoch: IntGauge,
     /// Open `WatchResidency` streams.
     pub watchers: IntGauge,
+    /// Bytes of requests on their way in (`limits.message_budget_bytes`), set at each scrape.
+    pub message_bytes: IntGauge,
     /// Engine scrapes that failed.
     pub scrape_errors: IntCounter,
 }
@@ -130,6 +132,10 @@ impl Metrics {
             disk_errors: counter("kvagent_disk_errors_total", "File-system errors."),
             kv_epoch: gauge("kvagent_kv_epoch", "Current residency epoch (low 63 bits)."),
             watchers: gauge("kvagent_watchers", "Open WatchResidency streams."),
+            message_bytes: gauge(
+                "kvagent_message_bytes",
+                "Bytes of requests on their way in, charged to limits.message_budget_bytes.",
+            ),
             scrape_errors: counter(
                 "kvagent_engine_scrape_errors_total",
                 "Failed engine scrapes.",

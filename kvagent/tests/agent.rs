@@ -63,6 +63,15 @@ impl Agent {
         agent
     }
 
+    /// A plain channel to the agent, for calls the client does not make.
+    async fn channel(&self) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", self.port))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
     async fn client(&self) -> kvagent::Client {
         kvagent::connect(format!("http://127.0.0.1:{}", self.port), 64 << 20)
             .await
@@ -275,12 +284,7 @@ async fn put_get_round_trip_lookup_and_bad_requests() {
     assert_eq!(stats(&mut c).await.ram_blocks, 0);
 
     // The standard health service answers SERVING for the KvAgent service.
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", agent.port))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+    let channel = agent.channel().await;
     let h = tonic_health::pb::health_client::HealthClient::new(channel)
         .check(tonic_health::pb::HealthCheckRequest {
             service: "kvmesh.kvagent.v1.KvAgent".into(),
@@ -710,12 +714,7 @@ fn rss_bytes(pid: u32) -> u64 {
 async fn a_small_block_in_a_big_request_does_not_pin_the_request() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), "[ssd]\ncapacity_bytes = 0\n").await;
-    let channel =
-        tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", agent.port))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+    let channel = agent.channel().await;
     let mut grpc = tonic::client::Grpc::new(channel);
     let before = rss_bytes(agent.child.id());
     let requests = 12u32;
@@ -1054,4 +1053,71 @@ fn agent_alive(agent: &Agent) -> bool {
         .status()
         .unwrap()
         .success()
+}
+
+/// tonic reserves a message's declared length at its 5-byte prefix and a call keeps that
+/// buffer, so calls that declare large messages and send part of them are charged to
+/// `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
+#[tokio::test]
+async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
+    use kvmesh_grpc::testing::RawCall;
+    const PUT: &str = "/kvmesh.kvagent.v1.KvAgent/PutBlocks";
+    const CALLS: usize = 64;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        "[limits]\nmax_block_bytes = 65536\nmax_message_bytes = 1048576\n\
+         message_budget_bytes = 4194304\n",
+    )
+    .await;
+    let channel = agent.channel().await;
+    // Each declares a message a little under the limit and sends half of it: 4 fit.
+    let declared = (1u32 << 20) - 64;
+    let mut calls = Vec::new();
+    for _ in 0..CALLS {
+        let mut c = RawCall::open(&channel, PUT).await;
+        c.declare(declared).await;
+        c.send(vec![0; 512 << 10]).await;
+        calls.push(c);
+    }
+    let fit = (4 << 20) / (declared as usize + 5);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while calls.iter().filter(|c| c.answered()).count() < CALLS - fit {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {CALLS} calls answered; all but {fit} must be refused",
+            calls.iter().filter(|c| c.answered()).count()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let gauge = |m: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("kvagent_message_bytes "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("kvagent_message_bytes")
+    };
+    let held = gauge(&agent.metrics());
+    assert!(
+        held <= 4 << 20 && held >= (fit as u64 - 1) * u64::from(declared),
+        "{held}"
+    );
+    let mut holding = Vec::new();
+    for c in calls {
+        if c.answered() {
+            let code = c.answer(Duration::from_secs(1)).await.unwrap();
+            assert_eq!(code, tonic::Code::ResourceExhausted);
+        } else {
+            holding.push(c);
+        }
+    }
+    assert!(holding.len() <= fit);
+    // Their charge goes back as they end; a put is served again.
+    drop(holding);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gauge(&agent.metrics()) != 0 {
+        assert!(Instant::now() < deadline, "the charge never went back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut c = agent.client().await;
+    assert_eq!(put(&mut c, vec![block(1, 1000)]).await.stored, 1);
 }

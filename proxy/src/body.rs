@@ -148,6 +148,26 @@ impl BodyPermit {
     }
 }
 
+/// The picker's ext_proc streams charged to the body budget ([`kvmesh_grpc::charge`]): a
+/// message on its way in is body bytes held.
+#[derive(Clone)]
+pub(crate) struct BodyCharger(pub(crate) Arc<Limits>);
+
+impl kvmesh_grpc::Charger for BodyCharger {
+    type Charge = BodyPermit;
+    const BUDGET: &'static str = "`body_budget_bytes`";
+
+    fn begin(&self) -> BodyPermit {
+        BodyPermit::new(&self.0)
+    }
+}
+
+impl kvmesh_grpc::Charge for BodyPermit {
+    fn cover(&mut self, bytes: usize) -> bool {
+        BodyPermit::cover(self, bytes)
+    }
+}
+
 impl Drop for BodyPermit {
     fn drop(&mut self) {
         self.limits

@@ -449,6 +449,7 @@ mod grpc {
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
     use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use kvmesh_grpc::testing::RawCall;
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
@@ -559,16 +560,10 @@ mod grpc {
                 .await
                 .unwrap_err();
             assert_eq!(err.code(), tonic::Code::FailedPrecondition);
-            let ok = exchange(
-                picker.ext_proc,
-                vec![
-                    chat_headers(),
-                    body(&chat_body("sim-model", "hi", ""), true),
-                ],
-            )
-            .await
-            .unwrap();
-            assert_eq!(destination(&ok[0]), sims[0].addr.to_string());
+            assert_eq!(
+                pick(picker.ext_proc, &chat_body("sim-model", "hi", "")).await,
+                sims[0].addr.to_string()
+            );
 
             let channel = tonic::transport::Channel::from_shared(format!(
                 "http://127.0.0.1:{}",
@@ -932,6 +927,8 @@ mod grpc {
         });
     }
 
+    const PROCESS: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+
     /// tonic buffers a message whole, reserving its declared length from its 5-byte prefix on,
     /// and a stream keeps that buffer: 200 streams that declared 8 MiB and sent nothing more
     /// took 415 MiB of the picker before each stream was charged to the body budget.
@@ -959,7 +956,7 @@ mod grpc {
             let before = rss_kib(pid);
             let mut streams = Vec::new();
             for _ in 0..STREAMS {
-                let mut s = RawStream::open(&channel).await;
+                let mut s = RawCall::open(&channel, PROCESS).await;
                 s.declare(DECLARED).await;
                 // Part of the message; a refused stream may no longer take it.
                 s.send(vec![b'x'; 64 << 10]).await;
@@ -1009,24 +1006,18 @@ mod grpc {
                 })
                 .await
             );
-            let ok = exchange(
-                picker.ext_proc,
-                vec![
-                    chat_headers(),
-                    body(&chat_body("sim-model", "hi", ""), true),
-                ],
-            )
-            .await
-            .unwrap();
-            assert_eq!(destination(&ok[0]), sims[0].addr.to_string());
+            assert_eq!(
+                pick(picker.ext_proc, &chat_body("sim-model", "hi", "")).await,
+                sims[0].addr.to_string()
+            );
             // Past `picker.max_message_bytes`: refused at its prefix.
-            let mut big = RawStream::open(&channel).await;
+            let mut big = RawCall::open(&channel, PROCESS).await;
             big.declare((2 << 20) + 1).await;
             let code = big.answer(Duration::from_secs(5)).await.unwrap();
             assert_eq!(code, tonic::Code::OutOfRange);
             // A message that does not decode: Envoy is told so (not a clean end it would take
             // for the picker being done).
-            let mut garbage = RawStream::open(&channel).await;
+            let mut garbage = RawCall::open(&channel, PROCESS).await;
             garbage.declare(3).await;
             garbage.send(vec![0xff; 3]).await;
             let code = garbage.answer(Duration::from_secs(5)).await.unwrap();

@@ -15,7 +15,6 @@
 //! ([`PickerConfig::health_listen`]: `liveness`, `readiness` and the ext_proc service name) and
 //! HTTP `/metrics`, `/health`, `/ready` ([`PickerConfig::metrics_listen`]).
 
-mod charge;
 pub mod envoy;
 mod exchange;
 
@@ -395,7 +394,7 @@ pub async fn serve(
     let ext_addr = listeners.ext_proc.local_addr().ok();
     let health_addr = listeners.health.local_addr().ok();
     let max_message = gw.live().cfg.picker.max_message_bytes;
-    let picker = charge::Charged::new(
+    let picker = kvmesh_grpc::Charged::new(
         ExternalProcessorServer::new(Picker {
             gw: gw.clone(),
             fallbacks: gw.live().cfg.picker.fallbacks,
@@ -404,7 +403,7 @@ pub async fn serve(
             ))),
         })
         .max_decoding_message_size(max_message),
-        gw.limits.clone(),
+        crate::body::BodyCharger(gw.limits.clone()),
         max_message,
     );
     let max_streams =

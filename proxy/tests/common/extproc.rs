@@ -14,12 +14,15 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 /// The destination the picker names for a chat request with `doc` as its body.
 pub fn pick_chat(port: u16, doc: &[u8]) -> String {
-    rt().block_on(async {
-        let replies = exchange(port, vec![chat_headers(), body(doc, true)])
-            .await
-            .unwrap();
-        destination(&replies[0])
-    })
+    rt().block_on(pick(port, doc))
+}
+
+/// [`pick_chat`], from inside a runtime.
+pub async fn pick(port: u16, doc: &[u8]) -> String {
+    let replies = exchange(port, vec![chat_headers(), body(doc, true)])
+        .await
+        .unwrap();
+    destination(&replies[0])
 }
 
 pub fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
@@ -287,78 +290,6 @@ pub fn immediate(r: &ProcessingResponse) -> (i32, serde_json::Value) {
         i.status.as_ref().unwrap().code,
         serde_json::from_slice(&i.body).unwrap(),
     )
-}
-
-/// One ext_proc stream with gRPC's framing written by hand, as a hostile peer would: a message
-/// can be declared and then sent in part, or never finished.
-pub struct RawStream {
-    body: http_body_util::channel::Sender<bytes::Bytes>,
-    /// The picker's answer: the gRPC status its trailers carry (or the error ending it).
-    answer: tokio::task::JoinHandle<Result<tonic::Code, String>>,
-}
-
-impl RawStream {
-    /// Opens a `Process` stream on `channel` (one HTTP/2 connection, many streams).
-    pub async fn open(channel: &tonic::transport::Channel) -> RawStream {
-        use tower::Service;
-        let (body, rx) = http_body_util::channel::Channel::<bytes::Bytes>::new(4);
-        let req = http::Request::builder()
-            .method("POST")
-            .uri("http://picker/envoy.service.ext_proc.v3.ExternalProcessor/Process")
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(tonic::body::Body::new(rx))
-            .unwrap();
-        let mut channel = channel.clone();
-        std::future::poll_fn(|cx| channel.poll_ready(cx))
-            .await
-            .unwrap();
-        let call = channel.call(req);
-        let answer = tokio::spawn(async move {
-            use http_body_util::BodyExt;
-            let resp = call.await.map_err(|e| e.to_string())?;
-            if let Some(status) = tonic::Status::from_header_map(resp.headers()) {
-                return Ok(status.code());
-            }
-            let mut body = resp.into_body();
-            while let Some(frame) = body.frame().await {
-                let frame = frame.map_err(|e| e.to_string())?;
-                if let Some(trailers) = frame.trailers_ref() {
-                    return tonic::Status::from_header_map(trailers)
-                        .map(|s| s.code())
-                        .ok_or_else(|| "trailers without grpc-status".to_string());
-                }
-            }
-            Err("the stream ended without trailers".into())
-        });
-        RawStream { body, answer }
-    }
-
-    /// Sends the 5-byte prefix of a message of `len` bytes (uncompressed).
-    pub async fn declare(&mut self, len: u32) -> bool {
-        let mut prefix = vec![0u8];
-        prefix.extend_from_slice(&len.to_be_bytes());
-        self.send(prefix).await
-    }
-
-    /// Sends raw bytes; `false` once the picker no longer takes them.
-    pub async fn send(&mut self, bytes: Vec<u8>) -> bool {
-        self.body.send_data(bytes.into()).await.is_ok()
-    }
-
-    /// Whether the picker has answered (ended the stream).
-    pub fn answered(&self) -> bool {
-        self.answer.is_finished()
-    }
-
-    /// The picker's answer, waiting at most `within`.
-    pub async fn answer(self, within: Duration) -> Result<tonic::Code, String> {
-        drop(self.body);
-        match tokio::time::timeout(within, self.answer).await {
-            Ok(joined) => joined.map_err(|e| e.to_string())?,
-            Err(_) => Err(format!("no answer within {within:?}")),
-        }
-    }
 }
 
 /// Polls `f` every 20 ms, yielding to the runtime between polls, until it holds or `timeout`

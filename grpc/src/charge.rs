@@ -1,16 +1,17 @@
-//! ext_proc messages on their way in, charged to `body_budget_bytes` before tonic buffers them.
+//! gRPC messages on their way in, charged to a byte budget before tonic buffers them.
 //!
-//! tonic gathers each gRPC message whole before the picker sees it, and it reserves a buffer of
-//! the message's declared length as soon as the 5-byte prefix arrives; the stream keeps that
-//! buffer until it ends. So a peer that opens many streams and declares a large message on each
-//! holds streams x message bytes that no budget counted (200 streams declaring 8 MiB, with
-//! nothing after the prefix, took 415 MiB of the picker's memory). This wraps each stream's
-//! body, follows gRPC's framing as the bytes pass, and charges the stream, from its first
-//! prefix to its end, with the largest message it has begun (at most
-//! `picker.max_message_bytes`; tonic refuses a longer one). A message the budget cannot cover
-//! ends the stream with `RESOURCE_EXHAUSTED` before tonic reserves anything for it.
+//! tonic gathers each message whole before a handler sees it, and it reserves a buffer of the
+//! message's declared length as soon as the 5-byte prefix arrives; the call keeps that buffer
+//! until it ends. So a peer that opens many calls and declares a large message on each holds
+//! calls x message bytes that no budget counted (200 picker streams that declared 8 MiB, with
+//! nothing after the prefix, took 415 MiB). [`Charged`] wraps each call's request body,
+//! follows gRPC's framing as the bytes pass, and charges the call, from its first prefix to its
+//! end, with the largest message it has begun (its length taken up to the decoder's own limit,
+//! past which tonic refuses the message). A message the budget cannot cover ends the call with
+//! `RESOURCE_EXHAUSTED` before tonic reserves anything for it.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -20,38 +21,120 @@ use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::Status;
 
-use crate::body::{BodyPermit, Limits};
-
 /// gRPC's message prefix: a compression flag and a big-endian u32 length.
 const PREFIX: usize = 5;
 
+/// Where the calls' charges come from: one [`Charge`] per call.
+pub trait Charger: Clone + Send + Sync + 'static {
+    /// One call's share of the budget.
+    type Charge: Charge;
+    /// The config key of the budget, named in the refusal.
+    const BUDGET: &'static str;
+    /// A charge of nothing yet, for a new call; what it covers goes back when it is dropped.
+    fn begin(&self) -> Self::Charge;
+}
+
+/// One call's share of a budget.
+pub trait Charge: Send + Unpin + 'static {
+    /// Makes the share at least `bytes`; `false`, and nothing more taken, past the budget.
+    fn cover(&mut self, bytes: usize) -> bool;
+}
+
+/// A plain shared byte budget: a [`Charger`] for a server with no budget of its own to share.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    used: Arc<AtomicUsize>,
+    cap: usize,
+}
+
+impl Budget {
+    /// A budget of `cap` bytes.
+    pub fn new(cap: usize) -> Self {
+        Budget {
+            used: Arc::new(AtomicUsize::new(0)),
+            cap,
+        }
+    }
+
+    /// Bytes charged now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+}
+
+/// A call's share of a [`Budget`].
+#[derive(Debug)]
+pub struct BudgetCharge {
+    budget: Budget,
+    bytes: usize,
+}
+
+impl Charger for Budget {
+    type Charge = BudgetCharge;
+    const BUDGET: &'static str = "the message budget";
+
+    fn begin(&self) -> BudgetCharge {
+        BudgetCharge {
+            budget: self.clone(),
+            bytes: 0,
+        }
+    }
+}
+
+impl Charge for BudgetCharge {
+    fn cover(&mut self, bytes: usize) -> bool {
+        if bytes <= self.bytes {
+            return true;
+        }
+        let more = bytes - self.bytes;
+        let cap = self.budget.cap;
+        let ok = self
+            .budget
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |cur| {
+                cur.checked_add(more).filter(|&t| t <= cap)
+            })
+            .is_ok();
+        if ok {
+            self.bytes = bytes;
+        }
+        ok
+    }
+}
+
+impl Drop for BudgetCharge {
+    fn drop(&mut self) {
+        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
+}
+
 /// A gRPC service whose request bodies are charged as they arrive (see the module docs).
 #[derive(Clone)]
-pub(super) struct Charged<S> {
+pub struct Charged<S, C> {
     inner: S,
-    limits: Arc<Limits>,
+    charger: C,
     max_message: usize,
 }
 
-impl<S> Charged<S> {
-    /// `inner`, its streams charged to `limits`' body budget; `max_message` is the decoder's
-    /// own limit.
-    pub(super) fn new(inner: S, limits: Arc<Limits>, max_message: usize) -> Self {
+impl<S, C> Charged<S, C> {
+    /// `inner`, its calls charged by `charger`; `max_message` is `inner`'s decoding limit.
+    pub fn new(inner: S, charger: C, max_message: usize) -> Self {
         Charged {
             inner,
-            limits,
+            charger,
             max_message,
         }
     }
 }
 
-impl<S: NamedService> NamedService for Charged<S> {
+impl<S: NamedService, C> NamedService for Charged<S, C> {
     const NAME: &'static str = S::NAME;
 }
 
-impl<S> tower::Service<http::Request<Body>> for Charged<S>
+impl<S, C> tower::Service<http::Request<Body>> for Charged<S, C>
 where
     S: tower::Service<http::Request<Body>>,
+    C: Charger,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -62,11 +145,11 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let (limits, max_message) = (&self.limits, self.max_message);
+        let (charger, max_message) = (&self.charger, self.max_message);
         self.inner.call(req.map(|inner| {
-            Body::new(ChargedBody {
+            Body::new(ChargedBody::<C> {
                 inner,
-                permit: BodyPermit::new(limits),
+                charge: charger.begin(),
                 framing: Framing::new(max_message),
                 refused: false,
             })
@@ -74,16 +157,16 @@ where
     }
 }
 
-/// One stream's body, charged with the largest message it has begun.
-struct ChargedBody {
+/// One call's body, charged with the largest message it has begun.
+struct ChargedBody<C: Charger> {
     inner: Body,
-    /// Released when tonic drops the body: when the stream ends.
-    permit: BodyPermit,
+    /// Given back when tonic drops the body: when the call ends.
+    charge: C::Charge,
     framing: Framing,
     refused: bool,
 }
 
-impl http_body::Body for ChargedBody {
+impl<C: Charger> http_body::Body for ChargedBody<C> {
     type Data = Bytes;
     type Error = Status;
 
@@ -98,11 +181,12 @@ impl http_body::Body for ChargedBody {
         if let Some(data) = frame.as_ref().and_then(|f| f.as_ref().ok()?.data_ref()) {
             let this = &mut *self;
             this.framing.feed(data);
-            if !this.permit.cover(this.framing.largest) {
+            if !this.charge.cover(this.framing.largest) {
                 this.refused = true;
                 return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                    "an ext_proc message of {} bytes is past what `body_budget_bytes` has left",
-                    this.framing.largest - PREFIX
+                    "a gRPC message of {} bytes is past what {} has left",
+                    this.framing.largest - PREFIX,
+                    C::BUDGET
                 )))));
             }
         }
@@ -205,5 +289,22 @@ mod tests {
         let mut g = Framing::new(1000);
         g.feed(&message(u32::MAX)[..PREFIX]);
         assert_eq!(g.largest, PREFIX + 1000);
+    }
+
+    #[test]
+    fn a_budget_takes_what_fits_and_gets_it_back_on_drop() {
+        let b = Budget::new(100);
+        let mut one = b.begin();
+        assert!(one.cover(60));
+        assert!(one.cover(40), "already covered");
+        let mut two = b.begin();
+        assert!(!two.cover(41));
+        assert_eq!(b.used(), 60, "a refusal takes nothing");
+        assert!(two.cover(40));
+        assert!(!one.cover(61));
+        drop(one);
+        assert_eq!(b.used(), 40);
+        drop(two);
+        assert_eq!(b.used(), 0);
     }
 }
