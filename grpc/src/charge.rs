@@ -1,14 +1,23 @@
 //! gRPC messages on their way in, charged to a byte budget before tonic buffers them.
 //!
-//! tonic gathers each message whole before a handler sees it, and it reserves a buffer of the
-//! message's declared length as soon as the 5-byte prefix arrives; the call keeps that buffer
-//! until it ends. So a peer that opens many calls and declares a large message on each holds
-//! calls x message bytes that no budget counted (200 picker streams that declared 8 MiB, with
-//! nothing after the prefix, took 415 MiB). [`Charged`] wraps each call's request body,
-//! follows gRPC's framing as the bytes pass, and charges the call, from its first prefix to its
-//! end, with the largest message it has begun (its length taken up to the decoder's own limit,
-//! past which tonic refuses the message). A message the budget cannot cover ends the call with
-//! `RESOURCE_EXHAUSTED` before tonic reserves anything for it.
+//! tonic gathers each message whole before a handler sees it: it copies every HTTP/2 DATA
+//! frame into one buffer per call, reserves the message's declared length in it as soon as the
+//! 5-byte prefix arrives, and keeps that buffer until the call's body is dropped. So a peer that
+//! opens many calls and declares a large message on each holds calls x message bytes that no
+//! budget counted (200 picker streams that declared 8 MiB, with nothing after the prefix, took
+//! 415 MiB). [`Charged`] wraps each call's request body, follows gRPC's framing as the frames
+//! pass, and charges the call with what tonic's buffer may hold, from the first prefix until
+//! the body is dropped (the call's end for a streaming request; for a unary request, once its
+//! message is decoded):
+//! - a call that carries [one message](Charged::one_message): that message, prefix included;
+//!   a byte past it is refused, so the buffer never grows past what was reserved;
+//! - any other call: twice the largest message begun plus the largest frame. The buffer holds
+//!   at most the message in progress and one frame past it, and grows by doubling.
+//!
+//! A message over the decoder's own limit is not charged: tonic refuses it at its prefix,
+//! before reserving anything. A charge the budget cannot cover ends the call with
+//! `RESOURCE_EXHAUSTED` before the frame reaches tonic. Compressed messages are charged by
+//! their compressed length: neither server accepts compression.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,35 +33,22 @@ use tonic::Status;
 /// gRPC's message prefix: a compression flag and a big-endian u32 length.
 const PREFIX: usize = 5;
 
-/// Where the calls' charges come from: one [`Charge`] per call.
-pub trait Charger: Clone + Send + Sync + 'static {
-    /// One call's share of the budget.
-    type Charge: Charge;
-    /// The config key of the budget, named in the refusal.
-    const BUDGET: &'static str;
-    /// A charge of nothing yet, for a new call; what it covers goes back when it is dropped.
-    fn begin(&self) -> Self::Charge;
-}
-
-/// One call's share of a budget.
-pub trait Charge: Send + Unpin + 'static {
-    /// Makes the share at least `bytes`; `false`, and nothing more taken, past the budget.
-    fn cover(&mut self, bytes: usize) -> bool;
-}
-
-/// A plain shared byte budget: a [`Charger`] for a server with no budget of its own to share.
+/// A byte budget shared by the calls of one or more [`Charged`] services.
 #[derive(Clone, Debug)]
 pub struct Budget {
     used: Arc<AtomicUsize>,
     cap: usize,
+    /// The config key that sets `cap`, named in refusals.
+    key: &'static str,
 }
 
 impl Budget {
-    /// A budget of `cap` bytes.
-    pub fn new(cap: usize) -> Self {
+    /// A budget of `cap` bytes, set by the config key `key`.
+    pub fn new(cap: usize, key: &'static str) -> Self {
         Budget {
             used: Arc::new(AtomicUsize::new(0)),
             cap,
+            key,
         }
     }
 
@@ -62,26 +58,15 @@ impl Budget {
     }
 }
 
-/// A call's share of a [`Budget`].
+/// One call's share of a [`Budget`], given back when it is dropped.
 #[derive(Debug)]
-pub struct BudgetCharge {
+struct Share {
     budget: Budget,
     bytes: usize,
 }
 
-impl Charger for Budget {
-    type Charge = BudgetCharge;
-    const BUDGET: &'static str = "the message budget";
-
-    fn begin(&self) -> BudgetCharge {
-        BudgetCharge {
-            budget: self.clone(),
-            bytes: 0,
-        }
-    }
-}
-
-impl Charge for BudgetCharge {
+impl Share {
+    /// Makes the share at least `bytes`; `false`, and nothing more taken, past the budget.
     fn cover(&mut self, bytes: usize) -> bool {
         if bytes <= self.bytes {
             return true;
@@ -102,7 +87,7 @@ impl Charge for BudgetCharge {
     }
 }
 
-impl Drop for BudgetCharge {
+impl Drop for Share {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
     }
@@ -110,31 +95,40 @@ impl Drop for BudgetCharge {
 
 /// A gRPC service whose request bodies are charged as they arrive (see the module docs).
 #[derive(Clone)]
-pub struct Charged<S, C> {
+pub struct Charged<S> {
     inner: S,
-    charger: C,
+    budget: Budget,
     max_message: usize,
+    one_message: bool,
 }
 
-impl<S, C> Charged<S, C> {
-    /// `inner`, its calls charged by `charger`; `max_message` is `inner`'s decoding limit.
-    pub fn new(inner: S, charger: C, max_message: usize) -> Self {
+impl<S> Charged<S> {
+    /// `inner`, its calls charged to `budget`; `max_message` is `inner`'s decoding limit.
+    pub fn new(inner: S, budget: Budget, max_message: usize) -> Self {
         Charged {
             inner,
-            charger,
+            budget,
             max_message,
+            one_message: false,
         }
+    }
+
+    /// Every method takes a single request message (unary and server-streaming calls): a
+    /// byte past it ends the call with `INVALID_ARGUMENT`, and the call is charged with that
+    /// message alone.
+    pub fn one_message(mut self) -> Self {
+        self.one_message = true;
+        self
     }
 }
 
-impl<S: NamedService, C> NamedService for Charged<S, C> {
+impl<S: NamedService> NamedService for Charged<S> {
     const NAME: &'static str = S::NAME;
 }
 
-impl<S, C> tower::Service<http::Request<Body>> for Charged<S, C>
+impl<S> tower::Service<http::Request<Body>> for Charged<S>
 where
     S: tower::Service<http::Request<Body>>,
-    C: Charger,
 {
     type Response = S::Response;
     type Error = S::Error;
@@ -145,28 +139,51 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let (charger, max_message) = (&self.charger, self.max_message);
+        let share = Share {
+            budget: self.budget.clone(),
+            bytes: 0,
+        };
+        let (max_message, one_message) = (self.max_message, self.one_message);
         self.inner.call(req.map(|inner| {
-            Body::new(ChargedBody::<C> {
+            Body::new(ChargedBody {
                 inner,
-                charge: charger.begin(),
+                share,
                 framing: Framing::new(max_message),
-                refused: false,
+                one_message,
+                ended: false,
             })
         }))
     }
 }
 
-/// One call's body, charged with the largest message it has begun.
-struct ChargedBody<C: Charger> {
+/// One call's body and its share of the budget.
+struct ChargedBody {
     inner: Body,
-    /// Given back when tonic drops the body: when the call ends.
-    charge: C::Charge,
+    share: Share,
     framing: Framing,
-    refused: bool,
+    one_message: bool,
+    /// Refused: nothing more is read.
+    ended: bool,
 }
 
-impl<C: Charger> http_body::Body for ChargedBody<C> {
+impl ChargedBody {
+    /// What tonic's buffer may hold, after the frames seen so far.
+    fn holds(&self) -> usize {
+        let f = &self.framing;
+        if self.one_message {
+            f.largest
+        } else {
+            f.largest.saturating_add(f.largest_frame).saturating_mul(2)
+        }
+    }
+
+    fn refuse(&mut self, status: Status) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        self.ended = true;
+        Poll::Ready(Some(Err(status)))
+    }
+}
+
+impl http_body::Body for ChargedBody {
     type Data = Bytes;
     type Error = Status;
 
@@ -174,27 +191,32 @@ impl<C: Charger> http_body::Body for ChargedBody<C> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        if self.refused {
+        if self.ended {
             return Poll::Ready(None);
         }
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        if let Some(data) = frame.as_ref().and_then(|f| f.as_ref().ok()?.data_ref()) {
-            let this = &mut *self;
-            this.framing.feed(data);
-            if !this.charge.cover(this.framing.largest) {
-                this.refused = true;
-                return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                    "a gRPC message of {} bytes is past what {} has left",
-                    this.framing.largest - PREFIX,
-                    C::BUDGET
-                )))));
-            }
+        let Some(data) = frame.as_ref().and_then(|f| f.as_ref().ok()?.data_ref()) else {
+            return Poll::Ready(frame);
+        };
+        let this = &mut *self;
+        this.framing.feed(data);
+        if this.one_message && this.framing.past_first {
+            return this.refuse(Status::invalid_argument(
+                "bytes after the request message: this call takes exactly one",
+            ));
+        }
+        let holds = this.holds();
+        if !this.share.cover(holds) {
+            let key = this.share.budget.key;
+            return this.refuse(Status::resource_exhausted(format!(
+                "a gRPC request holding {holds} bytes is past what `{key}` has left"
+            )));
         }
         Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.refused || self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -209,8 +231,15 @@ struct Framing {
     have: usize,
     /// Payload bytes of the current message still to come.
     left: usize,
-    /// The largest message begun, prefix included, its length taken up to `cap`.
+    /// The largest message begun, prefix included (messages over `cap` left out: the decoder
+    /// refuses them at their prefix).
     largest: usize,
+    /// The largest frame seen.
+    largest_frame: usize,
+    /// A byte came after the first message.
+    past_first: bool,
+    /// The first message is complete.
+    first_done: bool,
     cap: usize,
 }
 
@@ -221,13 +250,20 @@ impl Framing {
             have: 0,
             left: 0,
             largest: 0,
+            largest_frame: 0,
+            past_first: false,
+            first_done: false,
             cap,
         }
     }
 
     /// Follows the bytes of one frame.
     fn feed(&mut self, mut data: &[u8]) {
+        self.largest_frame = self.largest_frame.max(data.len());
         while !data.is_empty() {
+            if self.first_done {
+                self.past_first = true;
+            }
             if self.have < PREFIX {
                 let take = (PREFIX - self.have).min(data.len());
                 self.prefix[self.have..self.have + take].copy_from_slice(&data[..take]);
@@ -239,13 +275,16 @@ impl Framing {
                 let [_, a, b, c, d] = self.prefix;
                 let len = u32::from_be_bytes([a, b, c, d]) as usize;
                 self.left = len;
-                self.largest = self.largest.max(PREFIX.saturating_add(len.min(self.cap)));
+                if len <= self.cap {
+                    self.largest = self.largest.max(PREFIX + len);
+                }
             }
             let take = self.left.min(data.len());
             self.left -= take;
             data = &data[take..];
             if self.left == 0 {
                 self.have = 0;
+                self.first_done = true;
             }
         }
     }
@@ -273,14 +312,16 @@ mod tests {
                 largest_seen.push(f.largest);
             }
             assert_eq!(f.largest, PREFIX + 300, "frames of {split} bytes");
+            assert_eq!(f.largest_frame, split.min(stream.len()));
             // Between messages: nothing of a prefix is held.
             assert_eq!((f.have, f.left), (0, 0), "frames of {split} bytes");
+            assert!(f.past_first);
             assert!(largest_seen.windows(2).all(|w| w[0] <= w[1]));
         }
     }
 
     #[test]
-    fn a_declared_length_counts_from_its_prefix_and_is_capped() {
+    fn a_declared_length_counts_from_its_prefix_unless_the_decoder_refuses_it() {
         let mut f = Framing::new(1000);
         f.feed(&[0, 0, 0]);
         assert_eq!(f.largest, 0);
@@ -288,16 +329,33 @@ mod tests {
         assert_eq!(f.largest, PREFIX + 256, "charged before any payload");
         let mut g = Framing::new(1000);
         g.feed(&message(u32::MAX)[..PREFIX]);
-        assert_eq!(g.largest, PREFIX + 1000);
+        assert_eq!(g.largest, 0, "over the decoder's limit: refused there");
+    }
+
+    #[test]
+    fn one_byte_after_the_first_message_is_seen() {
+        let one = message(3);
+        let mut f = Framing::new(1000);
+        f.feed(&one);
+        assert!(!f.past_first, "exactly one message");
+        f.feed(&[0]);
+        assert!(f.past_first);
+        let mut g = Framing::new(1000);
+        g.feed(&[one.as_slice(), &[0]].concat());
+        assert!(g.past_first, "in the same frame");
     }
 
     #[test]
     fn a_budget_takes_what_fits_and_gets_it_back_on_drop() {
-        let b = Budget::new(100);
-        let mut one = b.begin();
+        let b = Budget::new(100, "test.budget");
+        let share = || Share {
+            budget: b.clone(),
+            bytes: 0,
+        };
+        let mut one = share();
         assert!(one.cover(60));
         assert!(one.cover(40), "already covered");
-        let mut two = b.begin();
+        let mut two = share();
         assert!(!two.cover(41));
         assert_eq!(b.used(), 60, "a refusal takes nothing");
         assert!(two.cover(40));

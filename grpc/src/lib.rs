@@ -5,4 +5,8 @@ pub mod charge;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use charge::{Budget, Charge, Charged, Charger};
+pub use charge::{Budget, Charged};
+
+/// The largest `grpc.health.v1` request a server takes: a service name. tonic's default (4
+/// MiB) would let each health call hold 4 MiB before any budget sees it.
+pub const HEALTH_MAX_MESSAGE_BYTES: usize = 1024;

@@ -167,9 +167,9 @@ pub struct Limits {
     /// Most concurrent gRPC calls (HTTP/2 streams) on one client connection.
     pub max_concurrent_streams: u32,
     /// Most bytes of requests on their way in, over all calls and connections: each call is
-    /// charged with the largest message it has begun, from that message's 5-byte prefix until
-    /// the call ends (gRPC's decoder reserves that much there); a message past what is left
-    /// gets `ResourceExhausted`. At least `max_message_bytes`.
+    /// charged with its request message, from the message's 5-byte prefix (where gRPC's
+    /// decoder reserves that much) until the message is decoded; a message past what is left
+    /// gets `ResourceExhausted`. At least `max_message_bytes` + 64 KiB.
     pub message_budget_bytes: usize,
 }
 
@@ -182,7 +182,7 @@ impl Default for Limits {
             max_model_bytes: 256,
             max_watchers: 64,
             max_concurrent_streams: 256,
-            message_budget_bytes: 256 << 20,
+            message_budget_bytes: 1 << 30,
         }
     }
 }
@@ -291,9 +291,10 @@ impl AgentConfig {
                 l.max_message_bytes, l.max_block_bytes
             ));
         }
-        if l.message_budget_bytes < l.max_message_bytes {
+        if l.message_budget_bytes < l.max_message_bytes.saturating_add(64 << 10) {
             return bad(format!(
-                "limits.message_budget_bytes ({}) must be at least limits.max_message_bytes ({})",
+                "limits.message_budget_bytes ({}) must be at least limits.max_message_bytes ({}) \
+                 + 65536",
                 l.message_budget_bytes, l.max_message_bytes
             ));
         }

@@ -118,7 +118,10 @@ async fn run() -> anyhow::Result<()> {
     }
 
     // Requests on their way in, charged before tonic buffers them (kvmesh_grpc::charge).
-    let messages = kvmesh_grpc::Budget::new(cfg.limits.message_budget_bytes);
+    let messages = kvmesh_grpc::Budget::new(
+        cfg.limits.message_budget_bytes,
+        "limits.message_budget_bytes",
+    );
     if let Some(l) = metrics_listener {
         tokio::spawn(serve_metrics(l, metrics.clone(), messages.clone()));
     }
@@ -135,7 +138,9 @@ async fn run() -> anyhow::Result<()> {
         .max_encoding_message_size(cfg.limits.max_message_bytes),
         messages.clone(),
         cfg.limits.max_message_bytes,
-    );
+    )
+    // Every KvAgent method takes one request message.
+    .one_message();
     tracing::info!(listen = %cfg.listen, metrics = %cfg.metrics_listen, epoch = store.epoch(), "kvagent serving");
     let mut stopped = stop_rx;
     let stop = async move {
@@ -146,7 +151,9 @@ async fn run() -> anyhow::Result<()> {
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(cfg.limits.max_concurrent_streams)
-        .add_service(health_service)
+        .add_service(
+            health_service.max_decoding_message_size(kvmesh_grpc::HEALTH_MAX_MESSAGE_BYTES),
+        )
         .add_service(service);
     let tls = if cfg.tls.enabled() {
         Some(kvmesh_tls::ServerTls::new(cfg.tls.files()).context("[tls]")?)

@@ -1055,9 +1055,9 @@ fn agent_alive(agent: &Agent) -> bool {
         .success()
 }
 
-/// tonic reserves a message's declared length at its 5-byte prefix and a call keeps that
-/// buffer, so calls that declare large messages and send part of them are charged to
-/// `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
+/// tonic reserves a message's declared length at its 5-byte prefix and keeps that buffer until
+/// the message is decoded, so calls that declare large messages and send part of them are
+/// charged to `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
 #[tokio::test]
 async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
     use kvmesh_grpc::testing::RawCall;
@@ -1120,4 +1120,15 @@ async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
     }
     let mut c = agent.client().await;
     assert_eq!(put(&mut c, vec![block(1, 1000)]).await.stored, 1);
+    // Every method takes one message: a second would make tonic keep the first (whose
+    // payloads point into its buffer) and reserve again.
+    let mut two = RawCall::open(&channel, "/kvmesh.kvagent.v1.KvAgent/Stats").await;
+    two.send(vec![0, 0, 0, 0, 0, 0]).await;
+    let code = two.answer(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(code, Code::InvalidArgument);
+    // The health service on the same port takes a service name, not 4 MiB.
+    let mut check = RawCall::open(&channel, "/grpc.health.v1.Health/Check").await;
+    check.declare(2048).await;
+    let code = check.answer(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(code, Code::OutOfRange);
 }

@@ -85,6 +85,9 @@ impl Observed {
             .inflight_requests
             .set(self.limits.inflight() as i64);
         self.metrics.body_bytes.set(self.limits.body_bytes() as i64);
+        self.metrics
+            .ext_proc_message_bytes
+            .set(i64::try_from(self.limits.messages.used()).unwrap_or(i64::MAX));
         Bytes::from(self.metrics.render(&self.fleet, &self.index))
     }
 

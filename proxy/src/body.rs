@@ -39,16 +39,20 @@ pub struct Limits {
     max_inflight: u64,
     body_bytes: AtomicUsize,
     body_budget: usize,
+    /// ext_proc messages on their way in (picker mode): `picker.message_budget_bytes`.
+    pub(crate) messages: kvmesh_grpc::Budget,
 }
 
 impl Limits {
-    /// Limits of `max_inflight` requests and `body_budget` body bytes.
-    pub fn new(max_inflight: u64, body_budget: usize) -> Arc<Self> {
+    /// Limits of `max_inflight` requests, `body_budget` body bytes and (picker mode)
+    /// `message_budget` bytes of ext_proc messages on their way in.
+    pub fn new(max_inflight: u64, body_budget: usize, message_budget: usize) -> Arc<Self> {
         Arc::new(Limits {
             inflight: AtomicU64::new(0),
             max_inflight,
             body_bytes: AtomicUsize::new(0),
             body_budget,
+            messages: kvmesh_grpc::Budget::new(message_budget, "picker.message_budget_bytes"),
         })
     }
 
@@ -145,26 +149,6 @@ impl BodyPermit {
         buf.reserve_exact(target - buf.len());
         // The allocation may round up: charge what is really held.
         buf.capacity() <= self.bytes || self.grow(buf.capacity() - self.bytes)
-    }
-}
-
-/// The picker's ext_proc streams charged to the body budget ([`kvmesh_grpc::charge`]): a
-/// message on its way in is body bytes held.
-#[derive(Clone)]
-pub(crate) struct BodyCharger(pub(crate) Arc<Limits>);
-
-impl kvmesh_grpc::Charger for BodyCharger {
-    type Charge = BodyPermit;
-    const BUDGET: &'static str = "`body_budget_bytes`";
-
-    fn begin(&self) -> BodyPermit {
-        BodyPermit::new(&self.0)
-    }
-}
-
-impl kvmesh_grpc::Charge for BodyPermit {
-    fn cover(&mut self, bytes: usize) -> bool {
-        BodyPermit::cover(self, bytes)
     }
 }
 

@@ -170,11 +170,13 @@ pub struct PickerConfig {
     /// most [`MAX_PICKER_FALLBACKS`].
     pub fallbacks: usize,
     /// Largest ext_proc message accepted from Envoy; a longer one ends its stream with
-    /// `OUT_OF_RANGE`. Each stream is charged to `body_budget_bytes` with the largest message
-    /// it has begun, from the message's prefix to the stream's end. Between
-    /// [`MIN_PICKER_MESSAGE_BYTES`] and [`MAX_PICKER_MESSAGE_BYTES`], and at most
-    /// `body_budget_bytes`.
+    /// `OUT_OF_RANGE`. Between [`MIN_PICKER_MESSAGE_BYTES`] and [`MAX_PICKER_MESSAGE_BYTES`].
     pub max_message_bytes: usize,
+    /// Most bytes of ext_proc messages on their way in, over all streams: each stream is
+    /// charged with what the gRPC decoder may hold for it (twice its largest message begun
+    /// plus its largest frame) until it ends; past it, the stream ends with
+    /// `RESOURCE_EXHAUSTED`. At least twice `max_message_bytes` plus 64 KiB.
+    pub message_budget_bytes: usize,
 }
 
 impl Default for PickerConfig {
@@ -185,6 +187,7 @@ impl Default for PickerConfig {
             metrics_listen: "127.0.0.1:9090".into(),
             fallbacks: 0,
             max_message_bytes: 2 << 20,
+            message_budget_bytes: 512 << 20,
         }
     }
 }
@@ -1091,11 +1094,16 @@ impl ProxyConfig {
                      (80 KiB) to {MAX_PICKER_MESSAGE_BYTES} (64 MiB)",
                     pk.max_message_bytes
                 ));
-            } else if pk.max_message_bytes > self.body_budget_bytes {
+            } else if pk.message_budget_bytes
+                < pk.max_message_bytes
+                    .saturating_mul(2)
+                    .saturating_add(64 << 10)
+            {
                 p.push(format!(
-                    "`picker.max_message_bytes` ({}) must be at most `body_budget_bytes` ({}): \
-                     each message in progress is charged to it",
-                    pk.max_message_bytes, self.body_budget_bytes
+                    "`picker.message_budget_bytes` ({}) must be at least twice \
+                     `picker.max_message_bytes` ({}) plus 65536: a stream with one such message \
+                     is charged that much",
+                    pk.message_budget_bytes, pk.max_message_bytes
                 ));
             }
             let mut seen = std::collections::HashSet::new();
@@ -1592,9 +1600,9 @@ mod tests {
             "require_client_cert"
         ));
         let message = |n: usize, budget: usize| {
-            format!("body_budget_bytes = {budget}\nmax_body_bytes = 65536\n{base}[picker]\nmax_message_bytes = {n}\n")
+            format!("{base}[picker]\nmax_message_bytes = {n}\nmessage_budget_bytes = {budget}\n")
         };
-        let budget = 256 << 20;
+        let budget = 1 << 30;
         assert!(mentions(
             message(MIN_PICKER_MESSAGE_BYTES - 1, budget),
             "(80 KiB)"
@@ -1605,16 +1613,15 @@ mod tests {
         ));
         assert!(!mentions(
             message(MIN_PICKER_MESSAGE_BYTES, budget),
-            "max_message_bytes"
+            "message_bytes"
         ));
         assert!(!mentions(
             message(MAX_PICKER_MESSAGE_BYTES, budget),
-            "max_message_bytes"
+            "message_bytes"
         ));
-        assert!(mentions(
-            message(4 << 20, 3 << 20),
-            "at most `body_budget_bytes`"
-        ));
+        let least = (2 << 21) + (64 << 10);
+        assert!(mentions(message(2 << 20, least - 1), "at least twice"));
+        assert!(!mentions(message(2 << 20, least), "message_bytes"));
         let capacity = |n: usize| format!("{base}[residency]\ncapacity_per_node = {n}\n");
         assert!(mentions(
             capacity(MAX_CAPACITY_PER_NODE + 1),

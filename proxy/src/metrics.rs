@@ -79,6 +79,8 @@ pub struct Metrics {
     pub inflight_requests: IntGauge,
     /// Request-body bytes reserved from `body_budget_bytes`.
     pub body_bytes: IntGauge,
+    /// ext_proc request bytes on their way in, charged to `picker.message_budget_bytes`.
+    pub ext_proc_message_bytes: IntGauge,
     /// Reloads of the configuration file by outcome (`applied`, `unchanged`, `refused`).
     pub config_reloads: IntCounterVec,
     /// 1 when the last reload of the configuration file was put in force (or found nothing to
@@ -291,6 +293,11 @@ impl Metrics {
         )?;
         registry.register(Box::new(inflight_requests.clone()))?;
         registry.register(Box::new(body_bytes.clone()))?;
+        let ext_proc_message_bytes = IntGauge::new(
+            "kvmesh_ext_proc_message_bytes",
+            "ext_proc request bytes on their way in (picker mode), out of picker.message_budget_bytes",
+        )?;
+        registry.register(Box::new(ext_proc_message_bytes.clone()))?;
         registry.register(Box::new(forwards.clone()))?;
         registry.register(Box::new(gossip_peers.clone()))?;
         registry.register(Box::new(gossip_bytes.clone()))?;
@@ -397,6 +404,7 @@ impl Metrics {
             engine_residency,
             inflight_requests,
             body_bytes,
+            ext_proc_message_bytes,
         })
     }
 

@@ -163,7 +163,11 @@ impl Gateway {
             .max_inflight
             .set(i64::try_from(cfg.max_inflight).unwrap_or(i64::MAX));
         Ok(Gateway {
-            limits: Limits::new(cfg.max_inflight, cfg.body_budget_bytes),
+            limits: Limits::new(
+                cfg.max_inflight,
+                cfg.body_budget_bytes,
+                cfg.picker.message_budget_bytes,
+            ),
             model_gates: ModelGates::new(cfg.admission.clone()),
             auth,
             upstream_tls,

@@ -565,14 +565,7 @@ mod grpc {
                 sims[0].addr.to_string()
             );
 
-            let channel = tonic::transport::Channel::from_shared(format!(
-                "http://127.0.0.1:{}",
-                picker.health
-            ))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+            let channel = channel(picker.health).await;
             let mut health = HealthClient::new(channel);
             // Readiness is republished every 50 ms, so it may trail `/ready` by one poll.
             for service in [
@@ -931,97 +924,104 @@ mod grpc {
 
     /// tonic buffers a message whole, reserving its declared length from its 5-byte prefix on,
     /// and a stream keeps that buffer: 200 streams that declared 8 MiB and sent nothing more
-    /// took 415 MiB of the picker before each stream was charged to the body budget.
+    /// took 415 MiB of the picker before each stream was charged to
+    /// `picker.message_budget_bytes`.
     #[test]
-    fn messages_on_their_way_in_are_charged_to_the_body_budget() {
+    fn messages_on_their_way_in_are_charged_to_the_message_budget() {
         const BUDGET: usize = 32 << 20;
         const STREAMS: usize = 200;
-        // A message a little under `picker.max_message_bytes` (2 MiB): 16 fit in the budget.
+        // A message a little under `picker.max_message_bytes` (2 MiB), sent in part: each
+        // stream is charged twice that plus its largest frame, so 7 fit.
         const DECLARED: u32 = (2 << 20) - 64;
         let sims = [Sim::instant("e0")];
-        let picker = Picker::start(
+        // Streams that hold a charge wait for the rest of their message: not past the test.
+        let picker = Picker::start_with(
             &[&sims[0]],
-            &format!("body_budget_bytes = {BUDGET}\nmax_body_bytes = 1048576"),
+            "body_read_timeout_secs = 600",
+            &format!("message_budget_bytes = {BUDGET}"),
         );
         let pid = picker.child.id();
         rt().block_on(async {
-            let channel = tonic::transport::Channel::from_shared(format!(
-                "http://127.0.0.1:{}",
-                picker.ext_proc
-            ))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
+            let ext_proc = channel(picker.ext_proc).await;
             let before = rss_kib(pid);
             let mut streams = Vec::new();
             for _ in 0..STREAMS {
-                let mut s = RawCall::open(&channel, PROCESS).await;
+                let mut s = RawCall::open(&ext_proc, PROCESS).await;
                 s.declare(DECLARED).await;
                 // Part of the message; a refused stream may no longer take it.
                 s.send(vec![b'x'; 64 << 10]).await;
                 streams.push(s);
             }
-            let fit = BUDGET / (DECLARED as usize + 5);
+            let answered = |streams: &[RawCall]| streams.iter().filter(|s| s.answered()).count();
+            // What a stream is charged at most: its message twice, and its frames (HTTP/2's
+            // 16 KiB) twice.
+            let most = 2 * (DECLARED as usize + 5 + (16 << 10));
+            let fit = BUDGET / (2 * (DECLARED as usize + 5));
             assert!(
                 eventually_async(Duration::from_secs(10), || {
-                    streams.iter().filter(|s| s.answered()).count() >= STREAMS - fit
+                    answered(&streams) >= STREAMS - fit
                 })
                 .await,
                 "{} of {STREAMS} streams were answered; all but {fit} must be refused",
-                streams.iter().filter(|s| s.answered()).count()
+                answered(&streams)
             );
             let grown_mib = rss_kib(pid).saturating_sub(before) / 1024;
-            let held = picker.metric("kvmesh_request_body_bytes");
+            let held = picker.metric("kvmesh_ext_proc_message_bytes");
             eprintln!("held {held} bytes of the budget; the picker grew {grown_mib} MiB");
-            assert!(held <= BUDGET as f64 && held >= (fit as f64 - 1.0) * DECLARED as f64);
+            assert!(
+                held <= BUDGET as f64 && held >= (BUDGET - most) as f64,
+                "{held}"
+            );
+            // The bodies' budget is another: a request is still routed.
+            assert_eq!(
+                pick(picker.ext_proc, &chat_body("sim-model", "hi", "")).await,
+                sims[0].addr.to_string()
+            );
+            let mut holding = Vec::new();
+            for s in streams {
+                if s.answered() {
+                    let code = s.answer(Duration::from_secs(1)).await.unwrap();
+                    assert_eq!(code, tonic::Code::ResourceExhausted);
+                } else {
+                    holding.push(s);
+                }
+            }
+            assert!(
+                holding.len() <= fit,
+                "{} streams hold a charge",
+                holding.len()
+            );
             // Before the charge: about 2 MiB a stream.
             assert!(
                 grown_mib < 3 * (BUDGET >> 20) as u64,
                 "grew {grown_mib} MiB"
             );
-            // The budget is the bodies': a request whose message it cannot cover now is
-            // refused (Envoy applies its failure mode).
-            let doc = chat_body("sim-model", &"word ".repeat(1000), "");
-            let err = exchange(picker.ext_proc, vec![chat_headers(), body(&doc, true)])
-                .await
-                .unwrap_err();
-            assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
-            let (mut refused, mut holding) = (0, Vec::new());
-            for s in streams {
-                if s.answered() {
-                    let code = s.answer(Duration::from_secs(1)).await.unwrap();
-                    assert_eq!(code, tonic::Code::ResourceExhausted);
-                    refused += 1;
-                } else {
-                    holding.push(s);
-                }
-            }
-            assert!(refused >= STREAMS - fit && holding.len() <= fit);
             // The streams that hold a charge give it back as they end.
             drop(holding);
             assert!(
                 eventually_async(Duration::from_secs(10), || {
-                    picker.metric("kvmesh_request_body_bytes") == 0.0
+                    picker.metric("kvmesh_ext_proc_message_bytes") == 0.0
                 })
                 .await
             );
-            assert_eq!(
-                pick(picker.ext_proc, &chat_body("sim-model", "hi", "")).await,
-                sims[0].addr.to_string()
-            );
-            // Past `picker.max_message_bytes`: refused at its prefix.
-            let mut big = RawCall::open(&channel, PROCESS).await;
+            // Past `picker.max_message_bytes`: refused at its prefix, charged nothing.
+            let mut big = RawCall::open(&ext_proc, PROCESS).await;
             big.declare((2 << 20) + 1).await;
             let code = big.answer(Duration::from_secs(5)).await.unwrap();
             assert_eq!(code, tonic::Code::OutOfRange);
             // A message that does not decode: Envoy is told so (not a clean end it would take
             // for the picker being done).
-            let mut garbage = RawCall::open(&channel, PROCESS).await;
+            let mut garbage = RawCall::open(&ext_proc, PROCESS).await;
             garbage.declare(3).await;
             garbage.send(vec![0xff; 3]).await;
             let code = garbage.answer(Duration::from_secs(5)).await.unwrap();
             assert_eq!(code, tonic::Code::Internal);
+            // The health port takes a service name, not 4 MiB.
+            let health = channel(picker.health).await;
+            let mut check = RawCall::open(&health, "/grpc.health.v1.Health/Check").await;
+            check.declare(2048).await;
+            let code = check.answer(Duration::from_secs(5)).await.unwrap();
+            assert_eq!(code, tonic::Code::OutOfRange);
         });
     }
 }

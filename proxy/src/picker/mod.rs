@@ -221,7 +221,7 @@ async fn run_stream(
                         "no ext_proc message in time (the first within body_read_timeout_secs, \
                          later ones within upstream.read_timeout_secs)",
                     );
-                    let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
+                    end_with(&out, status);
                 }
                 break;
             }
@@ -235,11 +235,10 @@ async fn run_stream(
                 if !ex.done() {
                     tracing::debug!(%status, "ext_proc stream reset before the response ended");
                 }
-                // A message refused on its way in (over `max_message_bytes` or the body
-                // budget, or unreadable): Envoy learns why, and applies its failure mode.
-                if status.code() != tonic::Code::Cancelled {
-                    let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
-                }
+                // A message refused on its way in (over `picker.max_message_bytes` or
+                // `picker.message_budget_bytes`, or unreadable): Envoy learns why and applies
+                // its failure mode. (A reset reaches here as the end of the stream.)
+                end_with(&out, status);
                 break;
             }
         };
@@ -255,12 +254,22 @@ async fn run_stream(
             }
             Err(status) => {
                 tracing::warn!(%status, "ext_proc protocol error; ending the stream");
-                let _ = out.tx.send_timeout(Err(status), timeouts.reply(&ex)).await;
+                end_with(&out, status);
                 break;
             }
         }
     }
     ex.finish();
+}
+
+/// Ends the stream with `status`, without waiting on Envoy: when it has left replies untaken
+/// (the queue is full), the stream is marked abandoned instead, so it ends with
+/// `DEADLINE_EXCEEDED` as soon as Envoy reads again, never with OK after a cut-off body, and
+/// its slot, body and load go back now.
+fn end_with(out: &Out, status: Status) {
+    if let Err(mpsc::error::TrySendError::Full(_)) = out.tx.try_send(Err(status)) {
+        out.abandoned.store(true, Ordering::Relaxed);
+    }
 }
 
 /// `now + d`, or far ahead when that does not fit.
@@ -403,7 +412,7 @@ pub async fn serve(
             ))),
         })
         .max_decoding_message_size(max_message),
-        crate::body::BodyCharger(gw.limits.clone()),
+        gw.limits.messages.clone(),
         max_message,
     );
     let max_streams =
@@ -442,7 +451,9 @@ pub async fn serve(
         tonic::transport::Server::builder()
             .max_concurrent_streams(Some(HEALTH_STREAMS))
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .add_service(health_service),
+            .add_service(
+                health_service.max_decoding_message_size(kvmesh_grpc::HEALTH_MAX_MESSAGE_BYTES),
+            ),
         listeners.health,
         stop.clone(),
     );

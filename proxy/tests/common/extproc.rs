@@ -292,6 +292,15 @@ pub fn immediate(r: &ProcessingResponse) -> (i32, serde_json::Value) {
     )
 }
 
+/// A plaintext gRPC channel to a port on loopback.
+pub async fn channel(port: u16) -> tonic::transport::Channel {
+    tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// Polls `f` every 20 ms, yielding to the runtime between polls, until it holds or `timeout`
 /// passes.
 pub async fn eventually_async(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
