@@ -1,20 +1,21 @@
 //! gRPC messages on their way in, charged to a byte budget before tonic buffers them.
 //!
 //! tonic gathers each message whole before a handler sees it: it copies every HTTP/2 DATA
-//! frame into one buffer per call, reserves the message's declared length in it as soon as the
-//! 5-byte prefix arrives, and keeps that buffer until the call's body is dropped. So a peer that
-//! opens many calls and declares a large message on each holds calls x message bytes that no
-//! budget counted (200 picker streams that declared 8 MiB, with nothing after the prefix, took
-//! 415 MiB). [`Charged`] wraps each call's request body, follows gRPC's framing as the frames
-//! pass, and charges the call with what tonic's buffer may hold, from the first prefix until
-//! the body is dropped (the call's end for a streaming request; for a unary request, once its
-//! message is decoded):
-//! - a call that carries [one message](Charged::one_message): that message, prefix included;
-//!   a byte past it is refused, so the buffer never grows past what was reserved;
-//! - any other call: twice the largest message begun plus the largest frame. The buffer holds
-//!   at most the message in progress and one frame past it, and grows by doubling.
+//! frame into one buffer per call (8 KiB to start with), reserves the message's declared length
+//! in it as soon as the 5-byte prefix arrives, and keeps that buffer until the request ends. So
+//! a peer that opens many calls and declares a large message on each holds calls x message
+//! bytes that no budget counted (200 picker streams that declared 8 MiB, with nothing after the
+//! prefix, took 415 MiB). [`Charged`] wraps each call's request body, follows gRPC's framing as
+//! the frames pass, and charges the call, from its first frame until the request ends, with
+//! what that buffer may grow to. The buffer holds the message in progress and at most one frame
+//! past it, and grows by doubling (`Vec::reserve`), so with `M` the largest message begun
+//! (prefix included) and `F` the largest frame:
+//! - a call that carries [one message](Charged::one_message) is charged `M + 2F + 16 KiB`
+//!   (reserving `M` with a frame already held, or doubling the first frame); a byte past its
+//!   message is refused, so no second message is reserved beside a decoded one;
+//! - any other call, `2 (M + 2F) + 16 KiB`, since each larger message may double the buffer.
 //!
-//! A message over the decoder's own limit is not charged: tonic refuses it at its prefix,
+//! A message over the decoder's own limit is not counted: tonic refuses it at its prefix,
 //! before reserving anything. A charge the budget cannot cover ends the call with
 //! `RESOURCE_EXHAUSTED` before the frame reaches tonic. Compressed messages are charged by
 //! their compressed length: neither server accepts compression.
@@ -32,18 +33,21 @@ use tonic::Status;
 
 /// gRPC's message prefix: a compression flag and a big-endian u32 length.
 const PREFIX: usize = 5;
+/// Twice tonic's starting buffer (8 KiB), which a call holds whatever it sends.
+const START: usize = 16 << 10;
 
 /// A byte budget shared by the calls of one or more [`Charged`] services.
 #[derive(Clone, Debug)]
 pub struct Budget {
     used: Arc<AtomicUsize>,
     cap: usize,
-    /// The config key that sets `cap`, named in refusals.
+    /// Where `cap` is set, named in refusals.
     key: &'static str,
 }
 
 impl Budget {
-    /// A budget of `cap` bytes, set by the config key `key`.
+    /// A budget of `cap` bytes; `key` says where it is set, in refusals (e.g. a config key in
+    /// backquotes).
     pub fn new(cap: usize, key: &'static str) -> Self {
         Budget {
             used: Arc::new(AtomicUsize::new(0)),
@@ -114,8 +118,8 @@ impl<S> Charged<S> {
     }
 
     /// Every method takes a single request message (unary and server-streaming calls): a
-    /// byte past it ends the call with `INVALID_ARGUMENT`, and the call is charged with that
-    /// message alone.
+    /// byte past it ends the call with `INVALID_ARGUMENT`, and the buffer is charged once,
+    /// not for doubling.
     pub fn one_message(mut self) -> Self {
         self.one_message = true;
         self
@@ -167,14 +171,16 @@ struct ChargedBody {
 }
 
 impl ChargedBody {
-    /// What tonic's buffer may hold, after the frames seen so far.
+    /// What tonic's buffer may grow to, after the frames seen so far (see the module docs).
     fn holds(&self) -> usize {
         let f = &self.framing;
-        if self.one_message {
-            f.largest
+        let held = f.largest.saturating_add(f.largest_frame.saturating_mul(2));
+        let held = if self.one_message {
+            held
         } else {
-            f.largest.saturating_add(f.largest_frame).saturating_mul(2)
-        }
+            held.saturating_mul(2)
+        };
+        held.saturating_add(START)
     }
 
     fn refuse(&mut self, status: Status) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
@@ -209,7 +215,7 @@ impl http_body::Body for ChargedBody {
         if !this.share.cover(holds) {
             let key = this.share.budget.key;
             return this.refuse(Status::resource_exhausted(format!(
-                "a gRPC request holding {holds} bytes is past what `{key}` has left"
+                "a gRPC request holding {holds} bytes is past what {key} has left"
             )));
         }
         Poll::Ready(frame)

@@ -150,6 +150,9 @@ impl SsdConfig {
     }
 }
 
+/// Largest HTTP/2 frame the agent accepts (clients may set theirs for what they receive).
+pub const MAX_FRAME_BYTES: usize = 1 << 20;
+
 /// Bounds on requests.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -167,9 +170,10 @@ pub struct Limits {
     /// Most concurrent gRPC calls (HTTP/2 streams) on one client connection.
     pub max_concurrent_streams: u32,
     /// Most bytes of requests on their way in, over all calls and connections: each call is
-    /// charged with its request message, from the message's 5-byte prefix (where gRPC's
-    /// decoder reserves that much) until the message is decoded; a message past what is left
-    /// gets `ResourceExhausted`. At least `max_message_bytes` + 64 KiB.
+    /// charged with what gRPC's decoder may hold for its one request message (the message,
+    /// twice its largest HTTP/2 frame, and 16 KiB), from its first frame until the request
+    /// ends; a message past what is left gets `ResourceExhausted`. At least
+    /// `max_message_bytes` + 2 MiB + 64 KiB.
     pub message_budget_bytes: usize,
 }
 
@@ -291,10 +295,14 @@ impl AgentConfig {
                 l.max_message_bytes, l.max_block_bytes
             ));
         }
-        if l.message_budget_bytes < l.max_message_bytes.saturating_add(64 << 10) {
+        let least = l
+            .max_message_bytes
+            .saturating_add(2 * MAX_FRAME_BYTES)
+            .saturating_add(64 << 10);
+        if l.message_budget_bytes < least {
             return bad(format!(
                 "limits.message_budget_bytes ({}) must be at least limits.max_message_bytes ({}) \
-                 + 65536",
+                 + 2 MiB (two 1 MiB frames) + 64 KiB = {least}",
                 l.message_budget_bytes, l.max_message_bytes
             ));
         }

@@ -47,7 +47,7 @@ enum Command {
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
 /// Largest HTTP/2 frame the agent accepts (clients may set theirs for what they receive).
-const MAX_FRAME: u32 = 1 << 20;
+const MAX_FRAME: u32 = kvagent::config::MAX_FRAME_BYTES as u32;
 /// How long a graceful stop waits for in-flight calls.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -151,9 +151,7 @@ async fn run() -> anyhow::Result<()> {
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(cfg.limits.max_concurrent_streams)
-        .add_service(
-            health_service.max_decoding_message_size(kvmesh_grpc::HEALTH_MAX_MESSAGE_BYTES),
-        )
+        .add_service(kvmesh_grpc::health(health_service))
         .add_service(service);
     let tls = if cfg.tls.enabled() {
         Some(kvmesh_tls::ServerTls::new(cfg.tls.files()).context("[tls]")?)

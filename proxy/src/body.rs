@@ -52,7 +52,7 @@ impl Limits {
             max_inflight,
             body_bytes: AtomicUsize::new(0),
             body_budget,
-            messages: kvmesh_grpc::Budget::new(message_budget, "picker.message_budget_bytes"),
+            messages: kvmesh_grpc::Budget::new(message_budget, "`picker.message_budget_bytes`"),
         })
     }
 

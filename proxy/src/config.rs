@@ -174,8 +174,8 @@ pub struct PickerConfig {
     pub max_message_bytes: usize,
     /// Most bytes of ext_proc messages on their way in, over all streams: each stream is
     /// charged with what the gRPC decoder may hold for it (twice its largest message begun
-    /// plus its largest frame) until it ends; past it, the stream ends with
-    /// `RESOURCE_EXHAUSTED`. At least twice `max_message_bytes` plus 64 KiB.
+    /// and two of its largest frames, and 16 KiB) until it ends; past it, the stream ends with
+    /// `RESOURCE_EXHAUSTED`. At least twice `max_message_bytes` plus 128 KiB.
     pub message_budget_bytes: usize,
 }
 
@@ -1097,11 +1097,11 @@ impl ProxyConfig {
             } else if pk.message_budget_bytes
                 < pk.max_message_bytes
                     .saturating_mul(2)
-                    .saturating_add(64 << 10)
+                    .saturating_add(128 << 10)
             {
                 p.push(format!(
                     "`picker.message_budget_bytes` ({}) must be at least twice \
-                     `picker.max_message_bytes` ({}) plus 65536: a stream with one such message \
+                     `picker.max_message_bytes` ({}) plus 131072: a stream with one such message \
                      is charged that much",
                     pk.message_budget_bytes, pk.max_message_bytes
                 ));
@@ -1619,7 +1619,7 @@ mod tests {
             message(MAX_PICKER_MESSAGE_BYTES, budget),
             "message_bytes"
         ));
-        let least = (2 << 21) + (64 << 10);
+        let least = (2 << 21) + (128 << 10);
         assert!(mentions(message(2 << 20, least - 1), "at least twice"));
         assert!(!mentions(message(2 << 20, least), "message_bytes"));
         let capacity = |n: usize| format!("{base}[residency]\ncapacity_per_node = {n}\n");

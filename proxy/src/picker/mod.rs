@@ -106,15 +106,18 @@ impl ExternalProcessor for Picker {
             idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
         };
         let abandoned = Arc::new(AtomicBool::new(false));
+        let last = Arc::new(parking_lot::Mutex::new(None));
         let out = Out {
             tx,
             abandoned: abandoned.clone(),
+            last: last.clone(),
         };
         tokio::spawn(run_stream(exchange, inbound, out, timeouts));
         Ok(Response::new(Replies {
             rx: ReceiverStream::new(rx),
             _open: open,
             abandoned,
+            last,
             ended: false,
         }))
     }
@@ -125,11 +128,13 @@ impl ExternalProcessor for Picker {
 /// its window opens) until the connection goes, so it counts until then.
 /// Once the stream gave up on a reply Envoy left untaken, what is still queued is dropped and
 /// the stream ends with `DEADLINE_EXCEEDED` as soon as Envoy reads again: not with OK, which
-/// would pass a truncated body on as complete.
+/// would pass a truncated body on as complete. A stream that ended with an error its full
+/// queue could not take ends with that error once the queue is drained.
 pub struct Replies {
     rx: ReceiverStream<Result<ProcessingResponse, Status>>,
     _open: tokio::sync::OwnedSemaphorePermit,
     abandoned: Arc<AtomicBool>,
+    last: Arc<parking_lot::Mutex<Option<Status>>>,
     ended: bool,
 }
 
@@ -150,14 +155,22 @@ impl tokio_stream::Stream for Replies {
                 "Envoy left an ext_proc reply untaken past its timeout",
             ))));
         }
-        std::pin::Pin::new(&mut self.rx).poll_next(cx)
+        match std::task::ready!(std::pin::Pin::new(&mut self.rx).poll_next(cx)) {
+            Some(reply) => std::task::Poll::Ready(Some(reply)),
+            None => {
+                self.ended = true;
+                std::task::Poll::Ready(self.last.lock().take().map(Err))
+            }
+        }
     }
 }
 
-/// Where a stream's replies go, and the flag it raises when it gives up on Envoy taking one.
+/// Where a stream's replies go, the flag it raises when it gives up on Envoy taking one, and
+/// the error it ends with when the queue is full.
 struct Out {
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
     abandoned: Arc<AtomicBool>,
+    last: Arc<parking_lot::Mutex<Option<Status>>>,
 }
 
 /// How long a stream may wait for Envoy.
@@ -262,13 +275,13 @@ async fn run_stream(
     ex.finish();
 }
 
-/// Ends the stream with `status`, without waiting on Envoy: when it has left replies untaken
-/// (the queue is full), the stream is marked abandoned instead, so it ends with
-/// `DEADLINE_EXCEEDED` as soon as Envoy reads again, never with OK after a cut-off body, and
-/// its slot, body and load go back now.
+/// Ends the stream with `status`, without waiting on Envoy (its slot, body and load go back
+/// at once): queued after the replies, or, when the queue is full, kept for [`Replies`] to end
+/// with once Envoy has taken them.
 fn end_with(out: &Out, status: Status) {
-    if let Err(mpsc::error::TrySendError::Full(_)) = out.tx.try_send(Err(status)) {
-        out.abandoned.store(true, Ordering::Relaxed);
+    tracing::debug!(%status, "ending the ext_proc stream");
+    if let Err(mpsc::error::TrySendError::Full(Err(status))) = out.tx.try_send(Err(status)) {
+        *out.last.lock() = Some(status);
     }
 }
 
@@ -451,9 +464,7 @@ pub async fn serve(
         tonic::transport::Server::builder()
             .max_concurrent_streams(Some(HEALTH_STREAMS))
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .add_service(
-                health_service.max_decoding_message_size(kvmesh_grpc::HEALTH_MAX_MESSAGE_BYTES),
-            ),
+            .add_service(kvmesh_grpc::health(health_service)),
         listeners.health,
         stop.clone(),
     );
