@@ -7,13 +7,16 @@
 //! bytes that no budget counted (200 picker streams that declared 8 MiB, with nothing after the
 //! prefix, took 415 MiB). [`Charged`] wraps each call's request body, follows gRPC's framing as
 //! the frames pass, and charges the call, from its first frame until the request ends, with
-//! what that buffer may grow to. The buffer holds the message in progress and at most one frame
-//! past it, and grows by doubling (`Vec::reserve`), so with `M` the largest message begun
-//! (prefix included) and `F` the largest frame:
+//! what that buffer may grow to. The buffer holds the message in progress, at most one frame
+//! past it, and bytes already read that it has not reclaimed, and grows by doubling
+//! (`Vec::reserve`), so with `M` the largest message begun (prefix included) and `F` the
+//! largest frame:
 //! - a call that carries [one message](Charged::one_message) is charged `M + 2F + 16 KiB`
 //!   (reserving `M` with a frame already held, or doubling the first frame); a byte past its
 //!   message is refused, so no second message is reserved beside a decoded one;
-//! - any other call, `2 (M + 2F) + 16 KiB`, since each larger message may double the buffer.
+//! - any other call, `4 (M + F) + 16 KiB`: what the buffer needs stays under `2M + F` (a
+//!   message, unreclaimed bytes of the one before it, a frame), and each growth at most
+//!   doubles it.
 //!
 //! A message over the decoder's own limit is not counted: tonic refuses it at its prefix,
 //! before reserving anything. A charge the budget cannot cover ends the call with
@@ -33,7 +36,8 @@ use tonic::Status;
 
 /// gRPC's message prefix: a compression flag and a big-endian u32 length.
 const PREFIX: usize = 5;
-/// Twice tonic's starting buffer (8 KiB), which a call holds whatever it sends.
+/// Twice tonic's starting buffer (8 KiB, allocated with the call and charged from its first
+/// frame), which a first frame may double.
 const START: usize = 16 << 10;
 
 /// A byte budget shared by the calls of one or more [`Charged`] services.
@@ -174,11 +178,10 @@ impl ChargedBody {
     /// What tonic's buffer may grow to, after the frames seen so far (see the module docs).
     fn holds(&self) -> usize {
         let f = &self.framing;
-        let held = f.largest.saturating_add(f.largest_frame.saturating_mul(2));
         let held = if self.one_message {
-            held
+            f.largest.saturating_add(f.largest_frame.saturating_mul(2))
         } else {
-            held.saturating_mul(2)
+            f.largest.saturating_add(f.largest_frame).saturating_mul(4)
         };
         held.saturating_add(START)
     }

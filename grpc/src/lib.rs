@@ -11,12 +11,10 @@ pub use charge::{Budget, Charged};
 /// MiB) would let each health call hold 4 MiB before any budget sees it.
 pub const HEALTH_MAX_MESSAGE_BYTES: usize = 1024;
 
-/// What all health calls of a server may hold at once ([`health`]).
-pub const HEALTH_BUDGET_BYTES: usize = 16 << 20;
-
-/// `grpc.health.v1` bounded: requests of at most [`HEALTH_MAX_MESSAGE_BYTES`], one per call,
-/// charged to a budget of [`HEALTH_BUDGET_BYTES`] of the health service's own (a peer that
-/// fills it cannot take the other services' budget, nor theirs the health checks').
+/// `grpc.health.v1` bounded per call: one request of at most [`HEALTH_MAX_MESSAGE_BYTES`], a
+/// byte past it refused, so a call holds tonic's starting buffer and one small frame (about
+/// 20 KiB). Health calls are not charged to a budget that could refuse them: a peer holding
+/// stalled calls would then fail the node's health checks.
 pub fn health<S>(
     service: tonic_health::pb::health_server::HealthServer<S>,
 ) -> Charged<tonic_health::pb::health_server::HealthServer<S>>
@@ -25,7 +23,7 @@ where
 {
     Charged::new(
         service.max_decoding_message_size(HEALTH_MAX_MESSAGE_BYTES),
-        Budget::new(HEALTH_BUDGET_BYTES, "the health service's 16 MiB"),
+        Budget::new(usize::MAX, "no budget"),
         HEALTH_MAX_MESSAGE_BYTES,
     )
     .one_message()

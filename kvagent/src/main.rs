@@ -120,7 +120,7 @@ async fn run() -> anyhow::Result<()> {
     // Requests on their way in, charged before tonic buffers them (kvmesh_grpc::charge).
     let messages = kvmesh_grpc::Budget::new(
         cfg.limits.message_budget_bytes,
-        "limits.message_budget_bytes",
+        "`limits.message_budget_bytes`",
     );
     if let Some(l) = metrics_listener {
         tokio::spawn(serve_metrics(l, metrics.clone(), messages.clone()));

@@ -1056,8 +1056,8 @@ fn agent_alive(agent: &Agent) -> bool {
 }
 
 /// tonic reserves a message's declared length at its 5-byte prefix and keeps that buffer until
-/// the message is decoded, so calls that declare large messages and send part of them are
-/// charged to `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
+/// the request ends, so calls that declare large messages and send nothing more are charged
+/// to `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
 #[tokio::test]
 async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
     use kvmesh_grpc::testing::RawCall;
@@ -1072,7 +1072,7 @@ async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
     .await;
     let channel = agent.channel().await;
     // Each declares a message a little under the limit and sends nothing more: each is charged
-    // more than that message and less than that message and 64 KiB, so 3 or 4 fit.
+    // more than that message and less than that message and 64 KiB, so 3 (at most 4) fit.
     let declared = (1u32 << 20) - 64;
     let mut calls = Vec::new();
     for _ in 0..CALLS {

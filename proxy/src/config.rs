@@ -173,9 +173,9 @@ pub struct PickerConfig {
     /// `OUT_OF_RANGE`. Between [`MIN_PICKER_MESSAGE_BYTES`] and [`MAX_PICKER_MESSAGE_BYTES`].
     pub max_message_bytes: usize,
     /// Most bytes of ext_proc messages on their way in, over all streams: each stream is
-    /// charged with what the gRPC decoder may hold for it (twice its largest message begun
-    /// and two of its largest frames, and 16 KiB) until it ends; past it, the stream ends with
-    /// `RESOURCE_EXHAUSTED`. At least twice `max_message_bytes` plus 128 KiB.
+    /// charged with what the gRPC decoder may hold for it (four times its largest message
+    /// begun and largest frame, and 16 KiB) until it ends; past it, the stream ends with
+    /// `RESOURCE_EXHAUSTED`. At least 4 x `max_message_bytes` + 128 KiB.
     pub message_budget_bytes: usize,
 }
 
@@ -1096,12 +1096,12 @@ impl ProxyConfig {
                 ));
             } else if pk.message_budget_bytes
                 < pk.max_message_bytes
-                    .saturating_mul(2)
+                    .saturating_mul(4)
                     .saturating_add(128 << 10)
             {
                 p.push(format!(
-                    "`picker.message_budget_bytes` ({}) must be at least twice \
-                     `picker.max_message_bytes` ({}) plus 131072: a stream with one such message \
+                    "`picker.message_budget_bytes` ({}) must be at least 4 x \
+                     `picker.max_message_bytes` ({}) + 131072: a stream with one such message \
                      is charged that much",
                     pk.message_budget_bytes, pk.max_message_bytes
                 ));
@@ -1619,8 +1619,8 @@ mod tests {
             message(MAX_PICKER_MESSAGE_BYTES, budget),
             "message_bytes"
         ));
-        let least = (2 << 21) + (128 << 10);
-        assert!(mentions(message(2 << 20, least - 1), "at least twice"));
+        let least = (4 << 21) + (128 << 10);
+        assert!(mentions(message(2 << 20, least - 1), "at least 4 x"));
         assert!(!mentions(message(2 << 20, least), "message_bytes"));
         let capacity = |n: usize| format!("{base}[residency]\ncapacity_per_node = {n}\n");
         assert!(mentions(
