@@ -24,8 +24,6 @@
 //! their compressed length: neither server accepts compression.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -34,72 +32,13 @@ use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::Status;
 
+use crate::budget::{Budget, Share};
+
 /// gRPC's message prefix: a compression flag and a big-endian u32 length.
 const PREFIX: usize = 5;
 /// Twice tonic's starting buffer (8 KiB, allocated with the call and charged from its first
 /// frame), which a first frame may double.
 const START: usize = 16 << 10;
-
-/// A byte budget shared by the calls of one or more [`Charged`] services.
-#[derive(Clone, Debug)]
-pub struct Budget {
-    used: Arc<AtomicUsize>,
-    cap: usize,
-    /// Where `cap` is set, named in refusals.
-    key: &'static str,
-}
-
-impl Budget {
-    /// A budget of `cap` bytes; `key` says where it is set, in refusals (e.g. a config key in
-    /// backquotes).
-    pub fn new(cap: usize, key: &'static str) -> Self {
-        Budget {
-            used: Arc::new(AtomicUsize::new(0)),
-            cap,
-            key,
-        }
-    }
-
-    /// Bytes charged now.
-    pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
-    }
-}
-
-/// One call's share of a [`Budget`], given back when it is dropped.
-#[derive(Debug)]
-struct Share {
-    budget: Budget,
-    bytes: usize,
-}
-
-impl Share {
-    /// Makes the share at least `bytes`; `false`, and nothing more taken, past the budget.
-    fn cover(&mut self, bytes: usize) -> bool {
-        if bytes <= self.bytes {
-            return true;
-        }
-        let more = bytes - self.bytes;
-        let cap = self.budget.cap;
-        let ok = self
-            .budget
-            .used
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |cur| {
-                cur.checked_add(more).filter(|&t| t <= cap)
-            })
-            .is_ok();
-        if ok {
-            self.bytes = bytes;
-        }
-        ok
-    }
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
-    }
-}
 
 /// A gRPC service whose request bodies are charged as they arrive (see the module docs).
 #[derive(Clone)]
@@ -147,10 +86,7 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        let share = Share {
-            budget: self.budget.clone(),
-            bytes: 0,
-        };
+        let share = self.budget.share();
         let (max_message, one_message) = (self.max_message, self.one_message);
         self.inner.call(req.map(|inner| {
             Body::new(ChargedBody {
@@ -216,7 +152,7 @@ impl http_body::Body for ChargedBody {
         }
         let holds = this.holds();
         if !this.share.cover(holds) {
-            let key = this.share.budget.key;
+            let key = this.share.budget_key();
             return this.refuse(Status::resource_exhausted(format!(
                 "a gRPC request holding {holds} bytes is past what {key} has left"
             )));
@@ -352,26 +288,5 @@ mod tests {
         let mut g = Framing::new(1000);
         g.feed(&[one.as_slice(), &[0]].concat());
         assert!(g.past_first, "in the same frame");
-    }
-
-    #[test]
-    fn a_budget_takes_what_fits_and_gets_it_back_on_drop() {
-        let b = Budget::new(100, "test.budget");
-        let share = || Share {
-            budget: b.clone(),
-            bytes: 0,
-        };
-        let mut one = share();
-        assert!(one.cover(60));
-        assert!(one.cover(40), "already covered");
-        let mut two = share();
-        assert!(!two.cover(41));
-        assert_eq!(b.used(), 60, "a refusal takes nothing");
-        assert!(two.cover(40));
-        assert!(!one.cover(61));
-        drop(one);
-        assert_eq!(b.used(), 40);
-        drop(two);
-        assert_eq!(b.used(), 0);
     }
 }

@@ -1,11 +1,14 @@
 //! What kvmesh's gRPC servers (the picker, kvagent) share: messages on their way in charged to
-//! a byte budget before tonic buffers them ([`charge`]).
+//! a byte budget before tonic buffers them ([`charge`]), and the budget itself ([`budget`],
+//! which the proxy's request bodies use too).
 
+pub mod budget;
 pub mod charge;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use charge::{Budget, Charged};
+pub use budget::{Budget, Share};
+pub use charge::Charged;
 
 /// The largest `grpc.health.v1` request a server takes: a service name. tonic's default (4
 /// MiB) would let each health call hold 4 MiB before any budget sees it.

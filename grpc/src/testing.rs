@@ -77,3 +77,26 @@ impl RawCall {
         }
     }
 }
+
+/// Waits, at most `within`, until at least `n` of `calls` are answered; how many are.
+pub async fn await_answers(calls: &[RawCall], n: usize, within: Duration) -> usize {
+    let answered = || calls.iter().filter(|c| c.answered()).count();
+    let end = tokio::time::Instant::now() + within;
+    while answered() < n && tokio::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    answered()
+}
+
+/// The calls still open, once each answered one is checked to have ended with `code`.
+pub async fn still_open(calls: Vec<RawCall>, code: tonic::Code) -> Vec<RawCall> {
+    let mut open = Vec::new();
+    for c in calls {
+        if c.answered() {
+            assert_eq!(c.answer(Duration::from_secs(1)).await.unwrap(), code);
+        } else {
+            open.push(c);
+        }
+    }
+    open
+}

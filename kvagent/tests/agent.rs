@@ -1060,7 +1060,7 @@ fn agent_alive(agent: &Agent) -> bool {
 /// to `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.
 #[tokio::test]
 async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
-    use kvmesh_grpc::testing::RawCall;
+    use kvmesh_grpc::testing::{await_answers, still_open, RawCall};
     const PUT: &str = "/kvmesh.kvagent.v1.KvAgent/PutBlocks";
     const CALLS: usize = 64;
     let dir = tempfile::tempdir().unwrap();
@@ -1081,15 +1081,11 @@ async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
         calls.push(c);
     }
     let fit = (4 << 20) / (declared as usize + 5);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while calls.iter().filter(|c| c.answered()).count() < CALLS - fit {
-        assert!(
-            Instant::now() < deadline,
-            "{} of {CALLS} calls answered; all but {fit} must be refused",
-            calls.iter().filter(|c| c.answered()).count()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let answered = await_answers(&calls, CALLS - fit, Duration::from_secs(10)).await;
+    assert!(
+        answered >= CALLS - fit,
+        "{answered} of {CALLS} calls answered; all but {fit} must be refused"
+    );
     let gauge = |m: &str| {
         m.lines()
             .find_map(|l| l.strip_prefix("kvagent_message_bytes "))
@@ -1098,15 +1094,7 @@ async fn calls_that_declare_large_messages_are_charged_to_the_message_budget() {
     };
     let held = gauge(&agent.metrics());
     assert!(held <= 4 << 20 && held >= 3 * u64::from(declared), "{held}");
-    let mut holding = Vec::new();
-    for c in calls {
-        if c.answered() {
-            let code = c.answer(Duration::from_secs(1)).await.unwrap();
-            assert_eq!(code, tonic::Code::ResourceExhausted);
-        } else {
-            holding.push(c);
-        }
-    }
+    let holding = still_open(calls, Code::ResourceExhausted).await;
     assert!(holding.len() <= fit);
     // Their charge goes back as they end; a put is served again.
     drop(holding);

@@ -2,7 +2,7 @@
 //! for the whole read), staging it so that Pingora can still send it upstream, the proxy-wide
 //! limits (admission slots, body budget permits) and the lingering close after a refusal.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,8 +37,8 @@ const MAX_TRAILING_BYTES: usize = 16 << 10;
 pub struct Limits {
     inflight: AtomicU64,
     max_inflight: u64,
-    body_bytes: AtomicUsize,
-    body_budget: usize,
+    /// Request bodies held: `body_budget_bytes`.
+    bodies: kvmesh_grpc::Budget,
     /// ext_proc messages on their way in (picker mode): `picker.message_budget_bytes`.
     pub(crate) messages: kvmesh_grpc::Budget,
 }
@@ -50,8 +50,7 @@ impl Limits {
         Arc::new(Limits {
             inflight: AtomicU64::new(0),
             max_inflight,
-            body_bytes: AtomicUsize::new(0),
-            body_budget,
+            bodies: kvmesh_grpc::Budget::new(body_budget, "`body_budget_bytes`"),
             messages: kvmesh_grpc::Budget::new(message_budget, "`picker.message_budget_bytes`"),
         })
     }
@@ -63,7 +62,7 @@ impl Limits {
 
     /// Body bytes reserved now.
     pub fn body_bytes(&self) -> usize {
-        self.body_bytes.load(Ordering::Relaxed)
+        self.bodies.used()
     }
 
     /// Takes an admission slot, or `None` at the cap.
@@ -87,41 +86,17 @@ impl Drop for Admitted {
 }
 
 /// Body bytes reserved from the budget by one request; released on drop.
-pub(crate) struct BodyPermit {
-    limits: Arc<Limits>,
-    bytes: usize,
-}
+pub(crate) struct BodyPermit(kvmesh_grpc::Share);
 
 impl BodyPermit {
     pub(crate) fn new(limits: &Arc<Limits>) -> Self {
-        BodyPermit {
-            limits: limits.clone(),
-            bytes: 0,
-        }
+        BodyPermit(limits.bodies.share())
     }
 
-    /// Reserves `n` more bytes; `false` (and nothing reserved) past the budget.
-    fn grow(&mut self, n: usize) -> bool {
-        let budget = self.limits.body_budget;
-        let ok = self
-            .limits
-            .body_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |cur| {
-                cur.checked_add(n).filter(|&t| t <= budget)
-            })
-            .is_ok();
-        if ok {
-            self.bytes += n;
-        }
-        ok
-    }
-}
-
-impl BodyPermit {
     /// Makes the permit cover at least `len` bytes (a body rewritten larger); `false` (and
     /// nothing more reserved) past the budget.
     pub(crate) fn cover(&mut self, len: usize) -> bool {
-        len <= self.bytes || self.grow(len - self.bytes)
+        self.0.cover(len)
     }
 
     /// Makes room in `buf` (the one buffer this permit pays for) for `need` bytes, charging the
@@ -139,24 +114,16 @@ impl BodyPermit {
             need.max(buf.capacity().saturating_mul(2))
         };
         let target = grown.min(ceiling.max(need));
-        let target = if self.grow(target.saturating_sub(self.bytes)) {
+        let target = if self.0.cover(target) {
             target
-        } else if self.grow(need.saturating_sub(self.bytes)) {
+        } else if self.0.cover(need) {
             need
         } else {
             return false;
         };
         buf.reserve_exact(target - buf.len());
         // The allocation may round up: charge what is really held.
-        buf.capacity() <= self.bytes || self.grow(buf.capacity() - self.bytes)
-    }
-}
-
-impl Drop for BodyPermit {
-    fn drop(&mut self) {
-        self.limits
-            .body_bytes
-            .fetch_sub(self.bytes, Ordering::AcqRel);
+        self.0.cover(buf.capacity())
     }
 }
 

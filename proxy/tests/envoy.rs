@@ -449,7 +449,7 @@ mod grpc {
     use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
     use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
-    use kvmesh_grpc::testing::RawCall;
+    use kvmesh_grpc::testing::{await_answers, still_open, RawCall};
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
@@ -952,15 +952,11 @@ mod grpc {
                 s.send(vec![b'x'; 64 << 10]).await;
                 streams.push(s);
             }
-            let answered = |streams: &[RawCall]| streams.iter().filter(|s| s.answered()).count();
             let fit = BUDGET / (4 * (DECLARED as usize + 5));
+            let answered = await_answers(&streams, STREAMS - fit, Duration::from_secs(10)).await;
             assert!(
-                eventually_async(Duration::from_secs(10), || {
-                    answered(&streams) >= STREAMS - fit
-                })
-                .await,
-                "{} of {STREAMS} streams were answered; all but {fit} must be refused",
-                answered(&streams)
+                answered >= STREAMS - fit,
+                "{answered} of {STREAMS} streams were answered; all but {fit} must be refused"
             );
             let grown_mib = rss_kib(pid).saturating_sub(before) / 1024;
             let held = picker.metric("kvmesh_ext_proc_message_bytes");
@@ -976,15 +972,7 @@ mod grpc {
                 pick(picker.ext_proc, &chat_body("sim-model", "hi", "")).await,
                 sims[0].addr.to_string()
             );
-            let mut holding = Vec::new();
-            for s in streams {
-                if s.answered() {
-                    let code = s.answer(Duration::from_secs(1)).await.unwrap();
-                    assert_eq!(code, tonic::Code::ResourceExhausted);
-                } else {
-                    holding.push(s);
-                }
-            }
+            let holding = still_open(streams, tonic::Code::ResourceExhausted).await;
             assert!(
                 holding.len() <= fit,
                 "{} streams hold a charge",

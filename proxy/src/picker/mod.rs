@@ -105,19 +105,16 @@ impl ExternalProcessor for Picker {
             body: Duration::from_secs(self.gw.live().cfg.body_read_timeout_secs),
             idle: Duration::from_secs(self.gw.live().cfg.upstream.read_timeout_secs),
         };
-        let abandoned = Arc::new(AtomicBool::new(false));
-        let last = Arc::new(parking_lot::Mutex::new(None));
+        let ending = Arc::new(Ending::default());
         let out = Out {
             tx,
-            abandoned: abandoned.clone(),
-            last: last.clone(),
+            ending: ending.clone(),
         };
         tokio::spawn(run_stream(exchange, inbound, out, timeouts));
         Ok(Response::new(Replies {
             rx: ReceiverStream::new(rx),
             _open: open,
-            abandoned,
-            last,
+            ending,
             ended: false,
         }))
     }
@@ -133,9 +130,17 @@ impl ExternalProcessor for Picker {
 pub struct Replies {
     rx: ReceiverStream<Result<ProcessingResponse, Status>>,
     _open: tokio::sync::OwnedSemaphorePermit,
-    abandoned: Arc<AtomicBool>,
-    last: Arc<parking_lot::Mutex<Option<Status>>>,
+    ending: Arc<Ending>,
     ended: bool,
+}
+
+/// How a stream ends, as its driver ([`run_stream`]) tells its [`Replies`].
+#[derive(Default)]
+struct Ending {
+    /// Envoy left a reply untaken past its timeout: end at once, with `DEADLINE_EXCEEDED`.
+    abandoned: AtomicBool,
+    /// The error to end with once the queued replies are taken (the queue was full for it).
+    last: parking_lot::Mutex<Option<Status>>,
 }
 
 impl tokio_stream::Stream for Replies {
@@ -148,7 +153,7 @@ impl tokio_stream::Stream for Replies {
         if self.ended {
             return std::task::Poll::Ready(None);
         }
-        if self.abandoned.load(Ordering::Relaxed) {
+        if self.ending.abandoned.load(Ordering::Relaxed) {
             self.ended = true;
             self.rx.close();
             return std::task::Poll::Ready(Some(Err(Status::deadline_exceeded(
@@ -159,18 +164,16 @@ impl tokio_stream::Stream for Replies {
             Some(reply) => std::task::Poll::Ready(Some(reply)),
             None => {
                 self.ended = true;
-                std::task::Poll::Ready(self.last.lock().take().map(Err))
+                std::task::Poll::Ready(self.ending.last.lock().take().map(Err))
             }
         }
     }
 }
 
-/// Where a stream's replies go, the flag it raises when it gives up on Envoy taking one, and
-/// the error it ends with when the queue is full.
+/// Where a stream's replies go, and how it tells its [`Replies`] the way it ends.
 struct Out {
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    abandoned: Arc<AtomicBool>,
-    last: Arc<parking_lot::Mutex<Option<Status>>>,
+    ending: Arc<Ending>,
 }
 
 /// How long a stream may wait for Envoy.
@@ -281,7 +284,7 @@ async fn run_stream(
 fn end_with(out: &Out, status: Status) {
     tracing::debug!(%status, "ending the ext_proc stream");
     if let Err(mpsc::error::TrySendError::Full(Err(status))) = out.tx.try_send(Err(status)) {
-        *out.last.lock() = Some(status);
+        *out.ending.last.lock() = Some(status);
     }
 }
 
@@ -298,7 +301,7 @@ async fn send_all(out: &Out, replies: Vec<ProcessingResponse>, within: Duration)
     for r in replies {
         if let Err(e) = out.tx.send_timeout(Ok(r), within).await {
             if matches!(e, mpsc::error::SendTimeoutError::Timeout(_)) {
-                out.abandoned.store(true, Ordering::Relaxed);
+                out.ending.abandoned.store(true, Ordering::Relaxed);
                 tracing::debug!("Envoy left an ext_proc reply untaken; ending the stream");
             }
             return false;
