@@ -22,9 +22,10 @@
 //! its sequence number: a recorded reply does not answer a new request, and chunks cannot be
 //! reordered, dropped or spliced from another reply. A sealed request is served once: its
 //! challenge is remembered, so a captured request replayed gets nothing. A serve slot (at most
-//! [`MAX_CONCURRENT_SERVES`]) is taken only once the request has authenticated, and at most
-//! [`MAX_PENDING_HANDSHAKES`] connections may be sending theirs; everything is bounded in time
-//! and bytes, on both sides. A node that seals its gossip never answers in plaintext; only a
+//! [`MAX_CONCURRENT_SERVES`]) is taken only once the request has authenticated; at most
+//! [`MAX_PENDING_HANDSHAKES`] connections may be sending theirs ([`MAX_PENDING_PER_SOURCE`]
+//! from one IP), and one more closes the oldest; everything is bounded in time and bytes, on
+//! both sides. A node that seals its gossip never answers in plaintext; only a
 //! plaintext-gossip node does, and a node that verifies incoming gossip refuses plaintext
 //! replies.
 
@@ -47,8 +48,13 @@ pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 pub const OVERLAY_TTL: Duration = Duration::from_secs(30);
 /// Transfers served at once; further requests are refused (and counted).
 pub const MAX_CONCURRENT_SERVES: usize = 2;
-/// Connections that may be sending their request at once; more are closed (and counted).
+/// Connections that may be sending their request at once. One more closes the oldest of
+/// them (counted as refused): a host that opens connections and sends nothing can hold every
+/// slot only by opening them faster than a joiner sends its request, not by keeping them.
 pub const MAX_PENDING_HANDSHAKES: usize = 16;
+/// Connections from one IP that may be sending their request at once; more from it are
+/// closed (and counted).
+pub const MAX_PENDING_PER_SOURCE: usize = 2;
 /// Challenges of served requests remembered against replays.
 const MAX_SEEN_CHALLENGES: usize = 4096;
 /// How long a serialised snapshot serves further transfers: building one copies the whole
@@ -119,6 +125,9 @@ pub enum BulkError {
     /// The peer took longer than the transfer's bound.
     #[error("bulk transfer timed out")]
     Timeout,
+    /// Newer connections took this one's handshake slot before its request came.
+    #[error("bulk transfer request not sent before newer connections took its slot")]
+    Evicted,
     /// A frame did not authenticate.
     #[error("bulk transfer frame refused: {}", .0.label())]
     Refused(Rejection),
@@ -443,7 +452,7 @@ pub(crate) async fn serve(
 ) {
     // Connections still sending their request hold a handshake slot only; a serve permit is
     // taken once the request has authenticated, so unauthenticated hosts cannot hold them.
-    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_PENDING_HANDSHAKES));
+    let handshakes = Arc::new(Mutex::new(Handshakes::default()));
     let shared = Arc::new(Serving {
         permits: tokio::sync::Semaphore::new(MAX_CONCURRENT_SERVES),
         seen: Mutex::new(SeenChallenges::default()),
@@ -461,9 +470,9 @@ pub(crate) async fn serve(
                 continue;
             }
         };
-        let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+        let Some(handshake) = Handshakes::admit(&handshakes, from.ip()) else {
             ep.stats.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%from, "bulk transfer refused: too many requests pending");
+            tracing::debug!(%from, "bulk transfer refused: too many requests pending from it");
             continue;
         };
         let (ep, own, current, shared) = (ep.clone(), own.clone(), current.clone(), shared.clone());
@@ -480,6 +489,61 @@ pub(crate) async fn serve(
                 }
             }
         });
+    }
+}
+
+/// The connections still sending their request, oldest first.
+#[derive(Default)]
+struct Handshakes {
+    pending: std::collections::VecDeque<PendingHandshake>,
+    next: u64,
+}
+
+/// One entry of [`Handshakes`]; `evict` tells its connection to give up.
+struct PendingHandshake {
+    id: u64,
+    from: std::net::IpAddr,
+    evict: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Handshakes {
+    /// A slot for a connection from `from`, closing the oldest pending one when all are
+    /// taken; `None` when `from` already has [`MAX_PENDING_PER_SOURCE`] pending.
+    fn admit(this: &Arc<Mutex<Handshakes>>, from: std::net::IpAddr) -> Option<HandshakeSlot> {
+        let mut h = lock(this);
+        if h.pending.iter().filter(|p| p.from == from).count() >= MAX_PENDING_PER_SOURCE {
+            return None;
+        }
+        if h.pending.len() >= MAX_PENDING_HANDSHAKES {
+            if let Some(oldest) = h.pending.pop_front() {
+                // Gone already if its connection has just ended.
+                let _ = oldest.evict.send(());
+            }
+        }
+        let (evict, evicted) = tokio::sync::oneshot::channel();
+        let id = h.next;
+        h.next = h.next.wrapping_add(1);
+        h.pending.push_back(PendingHandshake { id, from, evict });
+        Some(HandshakeSlot {
+            table: this.clone(),
+            id,
+            evicted,
+        })
+    }
+}
+
+/// A connection's place in [`Handshakes`] while it sends its request; dropped once the
+/// request has come (or the connection ends), which frees it.
+struct HandshakeSlot {
+    table: Arc<Mutex<Handshakes>>,
+    id: u64,
+    /// Resolves when a newer connection took the slot.
+    evicted: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        lock(&self.table).pending.retain(|p| p.id != self.id);
     }
 }
 
@@ -526,13 +590,16 @@ async fn serve_one(
     ep: &Endpoint,
     mut own: Vec<SocketAddr>,
     current: &CurrentChitchat,
-    handshake: tokio::sync::OwnedSemaphorePermit,
+    mut handshake: HandshakeSlot,
     shared: &Serving,
 ) -> Result<usize, BulkError> {
     own.push(s.local_addr()?);
-    let frame = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME))
-        .await
-        .map_err(|_| BulkError::Timeout)??;
+    let frame = tokio::select! {
+        read = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME)) => {
+            read.map_err(|_| BulkError::Timeout)??
+        }
+        _ = &mut handshake.evicted => return Err(BulkError::Evicted),
+    };
     let mut opener = ep.opener(own);
     let (request, sealed) = ep.open(&mut opener, frame, from)?;
     // A node that seals its gossip never answers in plaintext (a migration's middle step

@@ -49,7 +49,8 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     /// Feed-forward width.
     pub ffn: usize,
-    /// Context length the model was trained for.
+    /// Context length the model was trained for, at most [`MAX_CONTEXT`] (positions past it
+    /// are not served).
     pub context: usize,
     /// RoPE base.
     pub rope_base: f64,
@@ -107,6 +108,15 @@ impl std::str::FromStr for WeightType {
         }
     }
 }
+
+/// The most positions served, whatever the file's `context_length` says: the RoPE tables are
+/// built for every position at load (twice `head_dim` f32 values each, and their plain copies
+/// with Q8_0), so a file's context is believed only this far (128 MiB of tables at 64-wide
+/// heads).
+pub const MAX_CONTEXT: usize = 1 << 17;
+
+/// The tensors each layer holds: Q, K, V, output, gate, up, down and the two norms.
+const TENSORS_PER_LAYER: usize = 9;
 
 /// candle's repacked x86 kernels need the inner dimension in whole 256-value superblocks.
 const Q8_K_MULTIPLE: usize = 256;
@@ -486,7 +496,8 @@ impl Llama {
         let n_head = u("attention.head_count")?;
         let n_kv_head = u("attention.head_count_kv")?;
         let ffn = u("feed_forward_length")?;
-        if n_head == 0
+        if d_model == 0
+            || n_head == 0
             || n_kv_head == 0
             || !d_model.is_multiple_of(n_head)
             || !n_head.is_multiple_of(n_kv_head)
@@ -503,14 +514,29 @@ impl Llama {
             .and_then(|t| t.dims.get(1).copied())
             .ok_or_else(|| GgufError::MissingTensor("token_embd.weight".into()))?
             as usize;
+        // The layer count and the context size buffers and tables before any tensor is read:
+        // a layer count is believed only as far as the file holds that many layers' tensors.
+        let n_layer = u("block_count")?;
+        if n_layer == 0 || n_layer > g.tensors.len() / TENSORS_PER_LAYER {
+            return Err(ModelError::Shape(format!(
+                "{n_layer} layers, but the file holds {} tensors ({TENSORS_PER_LAYER} a layer)",
+                g.tensors.len()
+            )));
+        }
+        let context = u("context_length")?;
+        if context == 0 || vocab == 0 {
+            return Err(ModelError::Shape(format!(
+                "a context of {context} positions and a vocabulary of {vocab} tokens"
+            )));
+        }
         let cfg = LlamaConfig {
-            n_layer: u("block_count")?,
+            n_layer,
             d_model,
             n_head,
             n_kv_head,
             head_dim,
             ffn,
-            context: u("context_length")?,
+            context: context.min(MAX_CONTEXT),
             rope_base: g.get_f64("llama.rope.freq_base").unwrap_or(10_000.0),
             eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")?,
             vocab,

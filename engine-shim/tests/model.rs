@@ -572,3 +572,78 @@ fn segment_spans_on_the_real_template_hold_each_passage_and_nothing_else() {
         "{rest:?}"
     );
 }
+
+/// A file's layer count and context length size buffers and tables before any tensor is read:
+/// a layer count past what the file's tensors hold is refused (4 billion layers reserved 320
+/// GiB of layer entries and aborted the process), and a context past `MAX_CONTEXT` is believed
+/// only that far (4 billion positions asked libtorch for 16 GiB of RoPE angles). Zero layers,
+/// positions or width are refused.
+#[test]
+fn layer_counts_and_contexts_from_the_file_are_believed_only_as_far_as_it_holds() {
+    use engine_shim::gguf::Value;
+    use engine_shim::model::{ModelError, MAX_CONTEXT};
+    let with = |key: &str, v: u64| {
+        let mut g = Gguf::parse(gguf().bytes().to_vec()).unwrap();
+        g.metadata.insert(key.into(), Value::U64(v));
+        g
+    };
+    for (key, v) in [
+        ("llama.block_count", u64::from(u32::MAX)),
+        ("llama.block_count", 31),
+        ("llama.block_count", 0),
+        ("llama.context_length", 0),
+        ("llama.embedding_length", 0),
+    ] {
+        match Llama::load(&with(key, v), WeightType::F32) {
+            Err(ModelError::Shape(m)) => assert!(!m.is_empty(), "{key} = {v}"),
+            Err(e) => panic!("{key} = {v}: {e}"),
+            Ok(_) => panic!("{key} = {v} was accepted"),
+        }
+    }
+    let long = Llama::load(
+        &with("llama.context_length", u64::from(u32::MAX)),
+        WeightType::F32,
+    )
+    .expect("a long context is served up to the bound");
+    assert_eq!(long.cfg.context, MAX_CONTEXT);
+    let mut kv = KvCache::new(&long.cfg, 4);
+    let logits = long.forward(&france()[..4], &mut kv, true);
+    assert_eq!(logits.size(), [1, long.cfg.vocab as i64]);
+}
+
+/// The vocabulary is sized and its special ids checked before anything is built from it: an
+/// id past 2^32 was cut to 32 bits (2^32 + 1 became token 1), an id past the vocabulary named
+/// no token, and a 100 MB entry disabled the prompt bound taken before tokenising.
+#[test]
+fn vocabularies_and_special_ids_from_the_file_are_checked() {
+    use engine_shim::gguf::Value;
+    use engine_shim::tokenizer::TokenizerError;
+    let n = gguf().get_strings("tokenizer.ggml.tokens").unwrap().len() as u64;
+    let with = |key: &str, v: Value| {
+        let mut g = Gguf::parse(gguf().bytes().to_vec()).unwrap();
+        g.metadata.insert(key.into(), v);
+        g
+    };
+    let mut long = gguf()
+        .get_strings("tokenizer.ggml.tokens")
+        .unwrap()
+        .iter()
+        .map(|t| Value::Str(t.to_string()))
+        .collect::<Vec<_>>();
+    long[1000] = Value::Str("y".repeat(4096));
+    for (key, v) in [
+        ("tokenizer.ggml.bos_token_id", Value::U64((1 << 32) + 1)),
+        ("tokenizer.ggml.eos_token_id", Value::U64(n)),
+        ("tokenizer.ggml.tokens", Value::Array(long)),
+        ("tokenizer.ggml.tokens", Value::Array(Vec::new())),
+    ] {
+        match ModelTokenizer::from_gguf(&with(key, v)) {
+            Err(TokenizerError::Vocabulary(m)) => assert!(!m.is_empty(), "{key}"),
+            Err(e) => panic!("{key}: {e}"),
+            Ok(_) => panic!("{key} was accepted"),
+        }
+    }
+    let last = ModelTokenizer::from_gguf(&with("tokenizer.ggml.eos_token_id", Value::U64(n - 1)))
+        .expect("the last id is in the vocabulary");
+    assert_eq!(last.eos as u64, n - 1);
+}

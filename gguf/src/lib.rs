@@ -96,6 +96,10 @@ const MAX_ALIGNMENT: u64 = 1 << 20;
 const MIN_TENSOR_INFO: usize = 8 + 4 + 4 + 8;
 /// The most array elements reserved ahead of reading them (a hint, not a bound).
 const MAX_ARRAY_RESERVE: usize = 1 << 16;
+/// The most metadata array elements a file may hold, all arrays together. An element takes a
+/// byte of the file and ~32 in memory, so the file's size alone bounded memory only at 32-64x
+/// its size; real models hold under a million (vocabulary, scores, token types, merges).
+pub const MAX_METADATA_ELEMENTS: usize = 1 << 22;
 
 /// ggml tensor types this reader knows by name.
 const F32: u32 = 0;
@@ -159,6 +163,8 @@ pub struct Gguf {
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
+    /// Metadata array elements still allowed ([`MAX_METADATA_ELEMENTS`]).
+    elements_left: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -216,6 +222,11 @@ impl<'a> Cursor<'a> {
             9 if depth < 2 => {
                 let inner = self.u32()?;
                 let n = self.len()?;
+                self.elements_left = self.elements_left.checked_sub(n).ok_or_else(|| {
+                    GgufError::Malformed(format!(
+                        "more than {MAX_METADATA_ELEMENTS} metadata array elements"
+                    ))
+                })?;
                 // Every element takes a byte or more of the file; the reserve is capped too, as an
                 // element costs far more in memory than in the file.
                 let mut v =
@@ -255,7 +266,11 @@ impl Gguf {
 
     /// Parses a whole GGUF file.
     pub fn parse(data: Vec<u8>) -> Result<Self, GgufError> {
-        let mut c = Cursor { buf: &data, pos: 0 };
+        let mut c = Cursor {
+            buf: &data,
+            pos: 0,
+            elements_left: MAX_METADATA_ELEMENTS,
+        };
         if c.take(4)? != b"GGUF" {
             return Err(GgufError::Malformed("not a GGUF file (bad magic)".into()));
         }
@@ -566,5 +581,32 @@ mod tests {
             kv.push(b'x');
         }
         assert!(err(one_tensor(&kv, 2, &[4], 0)).contains("twice"));
+    }
+
+    /// Metadata arrays are bounded all together: two arrays of u8 that each fit but together
+    /// pass [`MAX_METADATA_ELEMENTS`] are refused (an element costs ~32 bytes of memory for
+    /// one of the file), the same arrays one element shorter parse.
+    #[test]
+    fn metadata_arrays_are_bounded_in_elements_all_together() {
+        let arrays = |first: usize, second: usize| {
+            let mut kv = Vec::new();
+            for (key, n) in [(b"a.one", first), (b"a.two", second)] {
+                kv.extend_from_slice(&5u64.to_le_bytes());
+                kv.extend_from_slice(key);
+                kv.extend_from_slice(&9u32.to_le_bytes()); // array
+                kv.extend_from_slice(&0u32.to_le_bytes()); // of u8
+                kv.extend_from_slice(&(n as u64).to_le_bytes());
+                kv.resize(kv.len() + n, 7);
+            }
+            one_tensor(&kv, 2, &[4], 0)
+        };
+        let half = MAX_METADATA_ELEMENTS / 2;
+        let ok = Gguf::parse(arrays(half, half)).expect("at the bound");
+        assert!(matches!(ok.metadata.get("a.two"), Some(Value::Array(v)) if v.len() == half));
+        match Gguf::parse(arrays(half, half + 1)) {
+            Err(GgufError::Malformed(m)) => assert!(m.contains("metadata array elements"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("past the bound, accepted"),
+        }
     }
 }

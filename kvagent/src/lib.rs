@@ -58,6 +58,10 @@ pub enum ConnectError {
     /// The token cannot go into a header.
     #[error("the kvagent token must be printable ASCII")]
     Token,
+    /// The agent did not finish the TCP, TLS and HTTP/2 handshakes within [`CONNECT_TIMEOUT`]
+    /// (a peer that accepts connections and never answers).
+    #[error("no connection to the kvagent within {}s", CONNECT_TIMEOUT.as_secs())]
+    Timeout,
     /// A TLS file cannot be read.
     #[error("reading {path}: {source}")]
     File {
@@ -102,11 +106,14 @@ impl ClientTls {
     }
 }
 
+/// The longest a connection to the agent may take, handshakes (TCP, TLS, HTTP/2) included.
+pub const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Connects a client to the agent at `url` (`http://host:port`) with the HTTP/2 settings the
 /// benchmarks were measured with: large flow-control windows and 1 MiB DATA frames, so
 /// multi-megabyte blocks stream without stalls; messages up to `max_message_bytes` both ways.
-/// Connecting gives up after 5 s; an idle channel is pinged every 10 s and dropped when a ping
-/// goes 5 s unanswered.
+/// Connecting gives up after [`CONNECT_TIMEOUT`]; an idle channel is pinged every 10 s and
+/// dropped when a ping goes 5 s unanswered.
 pub async fn connect(url: String, max_message_bytes: usize) -> Result<Client, ConnectError> {
     connect_with_token(url, max_message_bytes, None).await
 }
@@ -140,19 +147,22 @@ pub async fn connect_with(
         endpoint = endpoint.tls_config(t.config()?)?;
     }
     // Keepalive pings find a dead peer or path on an idle channel (a watch stream that hears
-    // nothing would otherwise wait forever), and connecting to a black hole gives up.
-    let channel = endpoint
+    // nothing would otherwise wait forever). tonic's connect timeout covers the TCP connect
+    // only: a peer that accepts and then never answers the TLS ClientHello held the caller
+    // forever, so the whole connection is bounded.
+    let endpoint = endpoint
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(32 << 20)
         .max_frame_size(1 << 20)
         .tcp_nodelay(true)
-        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect_timeout(CONNECT_TIMEOUT)
         .tcp_keepalive(Some(std::time::Duration::from_secs(30)))
         .http2_keep_alive_interval(std::time::Duration::from_secs(10))
         .keep_alive_timeout(std::time::Duration::from_secs(5))
-        .keep_alive_while_idle(true)
-        .connect()
-        .await?;
+        .keep_alive_while_idle(true);
+    let channel = tokio::time::timeout(CONNECT_TIMEOUT, endpoint.connect())
+        .await
+        .map_err(|_| ConnectError::Timeout)??;
     Ok(KvAgentClient::with_interceptor(channel, bearer)
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(max_message_bytes))

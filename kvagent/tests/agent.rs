@@ -1055,6 +1055,48 @@ fn agent_alive(agent: &Agent) -> bool {
         .success()
 }
 
+/// An agent address that accepts TCP and never answers the TLS ClientHello: connecting gives
+/// up with `Timeout` rather than holding its caller (the proxy's residency feed, the engine's
+/// page-in client) forever. tonic's own connect timeout covers the TCP connect only.
+#[tokio::test]
+async fn connecting_to_a_peer_that_never_answers_the_tls_handshake_gives_up() {
+    use kvmesh_tls::testing::Ca;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = Ca::new("kvmesh test CA");
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.pem).unwrap();
+    let tarpit = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = tarpit.local_addr().unwrap().port();
+    // Accepts and holds every connection, reading nothing.
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = tarpit.accept().await {
+            conns.push(c);
+        }
+    });
+    let tls = kvagent::ClientTls {
+        ca_file: ca_file.display().to_string(),
+        cert_file: String::new(),
+        key_file: String::new(),
+    };
+    let connecting = kvagent::connect_with(
+        format!("https://127.0.0.1:{port}"),
+        64 << 20,
+        None,
+        Some(&tls),
+    );
+    // Far past the bound: before it, this waited forever.
+    let outcome = tokio::time::timeout(kvagent::CONNECT_TIMEOUT * 6, connecting)
+        .await
+        .expect("connecting to a peer that never answers the handshake never gave up");
+    assert!(
+        matches!(outcome, Err(kvagent::ConnectError::Timeout)),
+        "expected a connection timeout, got {:?}",
+        outcome.map(|_| "a client")
+    );
+    held.abort();
+}
+
 /// tonic reserves a message's declared length at its 5-byte prefix and keeps that buffer until
 /// the request ends, so calls that declare large messages and send nothing more are charged
 /// to `limits.message_budget_bytes` from the prefix: past it, `ResourceExhausted`.

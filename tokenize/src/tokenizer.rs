@@ -24,6 +24,9 @@ pub enum TokenizerError {
     /// The tokenizer kind or pre-tokenizer is not one this engine implements.
     #[error("unsupported tokenizer: {0}")]
     Unsupported(String),
+    /// The vocabulary in the metadata is out of bounds or inconsistent.
+    #[error("tokenizer metadata: {0}")]
+    Vocabulary(String),
     /// The tokenizers crate failed.
     #[error("tokenizer: {0}")]
     Tokenizers(String),
@@ -78,6 +81,30 @@ pub const MAX_TEMPLATE_FUEL: u64 = 50_000_000;
 /// adds a few tags per message, never a copy of the conversation many times over.
 pub const TEMPLATE_SLACK_BYTES: usize = 1 << 20;
 
+/// Most tokens (and most merges) a vocabulary may have: real ones have up to ~260k.
+pub const MAX_VOCAB: usize = 1 << 21;
+
+/// Longest text one vocabulary entry may have, bytes: real ones have under 200, and the
+/// longest sizes the prompt bound checked before tokenising.
+pub const MAX_TOKEN_TEXT_BYTES: usize = 1024;
+
+/// Longest chat template accepted, bytes: real ones are a few KiB (tool-calling ones tens).
+pub const MAX_TEMPLATE_BYTES: usize = 256 << 10;
+
+/// Widest `indent` a chat template may ask for: minijinja's own builds its indentation at
+/// whatever width it is given, so `indent(2**40)` alone asked for a terabyte and aborted
+/// the process.
+pub const MAX_TEMPLATE_INDENT: usize = 256;
+
+/// Longest string the `replace` filter may build in a chat template: minijinja's own has no
+/// bound, and one call on a long string can multiply it by the length of another.
+pub const MAX_TEMPLATE_REPLACED_BYTES: usize = 64 << 20;
+
+/// A template error that says what was refused.
+fn refused(what: String) -> minijinja::Error {
+    minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, what)
+}
+
 /// The chat template compiled, with the `raise_exception` function HF templates call.
 fn compile_chat(template: Option<&str>) -> Result<minijinja::Environment<'static>, String> {
     compile_chat_fueled(template, MAX_TEMPLATE_FUEL)
@@ -89,8 +116,63 @@ fn compile_chat_fueled(
     fuel: u64,
 ) -> Result<minijinja::Environment<'static>, String> {
     let template = template.ok_or("the model has no tokenizer.chat_template")?;
+    if template.len() > MAX_TEMPLATE_BYTES {
+        return Err(format!(
+            "the chat template has {} bytes, more than {MAX_TEMPLATE_BYTES}",
+            template.len()
+        ));
+    }
     let mut env = minijinja::Environment::new();
     env.set_fuel(Some(fuel));
+    // The two builtin filters whose output one call can make huge, bounded. Fuel counts
+    // instructions, not the work or memory of one; what a template writes out is bounded
+    // by `render`. What a template builds and never writes (`~`, `*` up to minijinja's 100
+    // MB) is not bounded here: docs/engine-shim.md, "A model file is hostile input".
+    env.add_filter(
+        "indent",
+        |value: minijinja::value::StringInput<'_>,
+         width: Option<usize>,
+         first: Option<bool>,
+         blank: Option<bool>,
+         kwargs: minijinja::value::Kwargs|
+         -> Result<minijinja::Value, minijinja::Error> {
+            let asked = match width {
+                Some(w) => Some(w),
+                None => kwargs.peek::<Option<usize>>("width")?,
+            };
+            if asked.is_some_and(|w| w > MAX_TEMPLATE_INDENT) {
+                return Err(refused(format!(
+                    "indent wider than {MAX_TEMPLATE_INDENT} in the chat template"
+                )));
+            }
+            minijinja::filters::indent(value, width, first, blank, kwargs)
+        },
+    );
+    env.add_filter(
+        "replace",
+        |state: &minijinja::State<'_, '_>,
+         value: minijinja::value::StringInput<'_>,
+         from: minijinja::value::StringInput<'_>,
+         to: minijinja::value::StringInput<'_>|
+         -> Result<minijinja::Value, minijinja::Error> {
+            // What `str::replace` would build (an empty `from` matches between every char).
+            let (v, f) = (value.as_str(), from.as_str());
+            let hits = if f.is_empty() {
+                v.chars().count().saturating_add(1)
+            } else {
+                v.matches(f).count()
+            };
+            let longest = hits
+                .saturating_mul(to.as_str().len())
+                .saturating_add(v.len());
+            if longest > MAX_TEMPLATE_REPLACED_BYTES {
+                return Err(refused(format!(
+                    "replace would build more than {MAX_TEMPLATE_REPLACED_BYTES} bytes in the chat template"
+                )));
+            }
+            minijinja::filters::replace(state, value, from, to)
+        },
+    );
     env.add_function(
         "raise_exception",
         |msg: String| -> Result<String, minijinja::Error> {
@@ -127,8 +209,27 @@ impl ModelTokenizer {
             }
         };
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
-        let merges: Vec<(String, String)> = g
-            .get_strings("tokenizer.ggml.merges")?
+        let merge_lines = g.get_strings("tokenizer.ggml.merges")?;
+        // The vocabulary comes from the file: sized before anything is built from it (each
+        // entry is copied into several maps), and every id must fit the u32 ids are.
+        if tokens.is_empty() || tokens.len() > MAX_VOCAB {
+            return Err(TokenizerError::Vocabulary(format!(
+                "a vocabulary of {} tokens (1 to {MAX_VOCAB})",
+                tokens.len()
+            )));
+        }
+        if merge_lines.len() > MAX_VOCAB {
+            return Err(TokenizerError::Vocabulary(format!(
+                "{} merges (at most {MAX_VOCAB})",
+                merge_lines.len()
+            )));
+        }
+        if let Some(long) = tokens.iter().position(|t| t.len() > MAX_TOKEN_TEXT_BYTES) {
+            return Err(TokenizerError::Vocabulary(format!(
+                "token {long} is longer than {MAX_TOKEN_TEXT_BYTES} bytes"
+            )));
+        }
+        let merges: Vec<(String, String)> = merge_lines
             .into_iter()
             .map(|m| {
                 m.split_once(' ')
@@ -170,8 +271,22 @@ impl ModelTokenizer {
         tokenizer
             .add_special_tokens(specials)
             .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
-        let bos = g.get_u64("tokenizer.ggml.bos_token_id")? as u32;
-        let eos = g.get_u64("tokenizer.ggml.eos_token_id")? as u32;
+        // Ids past the vocabulary were cut to 32 bits (2^32 + 1 became 1) or named no token.
+        let special_id = |key: &str| -> Result<u32, TokenizerError> {
+            let id = g.get_u64(key)?;
+            usize::try_from(id)
+                .ok()
+                .filter(|&i| i < tokens.len())
+                .and_then(|i| u32::try_from(i).ok())
+                .ok_or_else(|| {
+                    TokenizerError::Vocabulary(format!(
+                        "{key} = {id}, past the vocabulary of {} tokens",
+                        tokens.len()
+                    ))
+                })
+        };
+        let bos = special_id("tokenizer.ggml.bos_token_id")?;
+        let eos = special_id("tokenizer.ggml.eos_token_id")?;
         let text_of = |id: u32| {
             tokens
                 .get(id as usize)
@@ -591,21 +706,38 @@ mod tests {
             let env = compile_chat_fueled(Some(t), 1_000_000).unwrap();
             render(&env, &msgs, "<s>", "</s>")
         };
-        let endless =
-            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
-        assert!(
-            matches!(run(endless), Err(TokenizerError::Template(e)) if e.contains("fuel")),
-            "{:?}",
-            run(endless).map(|s| s.len())
+        let fails = |t: &str, why: &str| match run(t) {
+            Err(TokenizerError::Template(e)) => assert!(e.contains(why), "{t}: {e}"),
+            other => panic!("{t}: {:?}", other.map(|s| s.len())),
+        };
+        fails(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "fuel",
         );
-        let copies = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}";
-        assert!(
-            matches!(run(copies), Err(TokenizerError::Template(e)) if e.contains("passed")),
-            "{:?}",
-            run(copies).map(|s| s.len())
+        fails(
+            "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}",
+            "passed",
         );
         let plain = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}";
         assert_eq!(run(plain).unwrap().len(), (1 << 20) + "<|user|>".len());
+        // One filter call that would build a terabyte (the process aborted), or multiply a
+        // megabyte by a megabyte: refused, while the same filters at sane sizes still work.
+        fails(
+            "{{ messages[0].role|indent(1099511627776) }}",
+            "indent wider",
+        );
+        fails(
+            "{{ messages[0].role|indent(width=1099511627776) }}",
+            "indent wider",
+        );
+        fails(
+            "{{ messages[0].content|replace('x', messages[0].content)|length }}",
+            "replace would build",
+        );
+        let sane = "{{ 'a\nb'|indent(2, true) }}|{{ messages[0].role|replace('u', 'U') }}|{{ 'ab'|replace('', '-') }}";
+        assert_eq!(run(sane).unwrap(), "  a\n  b|User|-a-b-");
+        let huge = "x".repeat(super::MAX_TEMPLATE_BYTES + 1);
+        assert!(compile_chat_fueled(Some(&huge), 1).is_err());
     }
 
     #[test]

@@ -57,6 +57,17 @@ fn protocol(msg: impl Into<String>) -> ZmtpError {
     ZmtpError::Protocol(msg.into())
 }
 
+/// Most bytes of peer-chosen text quoted in an error (which is logged at every reconnect).
+const MAX_QUOTED: usize = 64;
+
+/// Peer-chosen bytes as they go into an error: at most [`MAX_QUOTED`] of them, escaped, so a
+/// peer can neither flood the log nor write lines of its own into it.
+fn quoted(bytes: &[u8]) -> String {
+    let shown = bytes.get(..MAX_QUOTED).unwrap_or(bytes);
+    let more = if shown.len() < bytes.len() { "..." } else { "" };
+    format!("\"{}\"{more}", shown.escape_ascii())
+}
+
 /// The socket type this end plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SocketType {
@@ -90,6 +101,11 @@ pub struct Limits {
     pub max_frame: usize,
     /// Most frames in one message.
     pub max_parts: usize,
+    /// Longest one frame may take to arrive once its first byte has: a peer that trickles a
+    /// frame's bytes is alive by every other measure (each byte resets the idle timer), so
+    /// without it a stalled publisher would hold the connection, and the residency last heard
+    /// from it, forever.
+    pub max_frame_time: Duration,
 }
 
 /// One frame as read: its flags and body.
@@ -118,6 +134,8 @@ pub struct Zmtp {
     heard_at: Instant,
     /// When we pinged it, if it has sent nothing since.
     pinged_at: Option<Instant>,
+    /// When `buf` first held part of a frame not yet whole ([`Limits::max_frame_time`]).
+    partial_since: Option<Instant>,
 }
 
 /// Most bytes asked of the socket per read.
@@ -141,6 +159,7 @@ impl Zmtp {
             wrote_at: now,
             heard_at: now,
             pinged_at: None,
+            partial_since: None,
         };
         tokio::time::timeout(HANDSHAKE_TIMEOUT, z.handshake(kind))
             .await
@@ -184,23 +203,20 @@ impl Zmtp {
         match name {
             b"READY" => {}
             b"ERROR" => {
-                return Err(protocol(format!(
-                    "the peer refused: {}",
-                    String::from_utf8_lossy(data.get(1..).unwrap_or_default())
-                )))
+                // The reason is a short string: one length byte, then at most 255 bytes.
+                let reason = match data.split_first() {
+                    Some((&n, rest)) => rest.get(..usize::from(n)).unwrap_or(rest),
+                    None => &[],
+                };
+                return Err(protocol(format!("the peer refused: {}", quoted(reason))));
             }
-            other => {
-                return Err(protocol(format!(
-                    "expected READY, got {:?}",
-                    String::from_utf8_lossy(other)
-                )))
-            }
+            other => return Err(protocol(format!("expected READY, got {}", quoted(other)))),
         }
         let peer_type = ready_socket_type(data)?;
         if !kind.peers().contains(&peer_type.as_slice()) {
             return Err(protocol(format!(
                 "the peer is a {} socket, not {}",
-                String::from_utf8_lossy(&peer_type),
+                quoted(&peer_type),
                 kind.peers()
                     .iter()
                     .map(|p| String::from_utf8_lossy(p).into_owned())
@@ -291,9 +307,11 @@ impl Zmtp {
                     .map_or((self.heard_at, idle), |at| (at, PONG_TIMEOUT))
             };
             // A far-off deadline for an `idle` too long to add.
-            let deadline = from
-                .checked_add(wait)
-                .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 86_400));
+            let far = || Instant::now() + Duration::from_secs(365 * 86_400);
+            let deadline = from.checked_add(wait).unwrap_or_else(far);
+            let frame_deadline = self
+                .partial_since
+                .and_then(|at| at.checked_add(self.limits.max_frame_time));
             self.buf.reserve(READ_CHUNK);
             let (mut rd, mut wr) = self.stream.split();
             // Writes first (they are bounded, and a peer may count only what it receives as
@@ -302,6 +320,11 @@ impl Zmtp {
                 biased;
                 n = wr.write_buf(&mut self.out), if writing => self.wrote(n?)?,
                 n = rd.read_buf(&mut self.buf), if reading => self.heard(n?)?,
+                _ = tokio::time::sleep_until(frame_deadline.unwrap_or_else(far)),
+                    if frame_deadline.is_some() =>
+                {
+                    return Err(ZmtpError::Timeout("a frame took too long to arrive"));
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     // What the socket holds now, before its readiness reached the runtime
                     // (a caller slow between two calls), still counts.
@@ -406,6 +429,7 @@ impl Zmtp {
         };
         let (head, len) = if flags & 0x02 != 0 {
             let Some(b) = self.buf.get(1..9) else {
+                self.partial_since.get_or_insert_with(Instant::now);
                 return Ok(None);
             };
             let mut n = [0u8; 8];
@@ -413,6 +437,7 @@ impl Zmtp {
             (9, u64::from_be_bytes(n))
         } else {
             let Some(&n) = self.buf.get(1) else {
+                self.partial_since.get_or_insert_with(Instant::now);
                 return Ok(None);
             };
             (2, u64::from(n))
@@ -427,8 +452,10 @@ impl Zmtp {
                 ))
             })?;
         if self.buf.len() < head + len {
+            self.partial_since.get_or_insert_with(Instant::now);
             return Ok(None);
         }
+        self.partial_since = None;
         let _ = self.buf.split_to(head);
         Ok(Some(Frame {
             more: flags & 0x01 != 0,
@@ -556,6 +583,7 @@ mod tests {
         let limits = Limits {
             max_frame: 1 << 20,
             max_parts: 4,
+            max_frame_time: Duration::from_secs(30),
         };
         let mut z = Zmtp::connect(addr, SocketType::Sub, limits).await.unwrap();
         z.subscribe(b"").await.unwrap();
@@ -585,6 +613,108 @@ mod tests {
         put_property(&mut ready, b"Socket-Type", b"PUB");
         s.write_all(&[0x04, ready.len() as u8]).await.unwrap();
         s.write_all(&ready).await.unwrap();
+    }
+
+    /// A peer that trickles a frame a byte at a time is alive by every other measure (each
+    /// byte resets the idle timer, so it is never pinged); the frame's bound gives it up.
+    /// Before, the 100-byte frame below took 20 s and its residency stayed recorded meanwhile.
+    #[test]
+    fn a_frame_trickled_past_its_time_is_given_up() {
+        runtime().block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap().to_string();
+            tokio::spawn(async move {
+                let (mut s, _) = listener.accept().await.unwrap();
+                handshake_as_pub(&mut s).await;
+                s.write_all(&[0x00, 100]).await.unwrap();
+                for i in 0..100u8 {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    if s.write_all(&[i]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            let limits = Limits {
+                max_frame: 1 << 20,
+                max_parts: 4,
+                max_frame_time: Duration::from_secs(1),
+            };
+            let mut z = Zmtp::connect(&addr, SocketType::Sub, limits).await.unwrap();
+            z.subscribe(b"").await.unwrap();
+            let got =
+                tokio::time::timeout(Duration::from_secs(60), z.recv(Duration::from_secs(60)))
+                    .await
+                    .expect("recv neither gave up nor returned");
+            match got {
+                Err(ZmtpError::Timeout(why)) => assert!(why.contains("frame"), "{why}"),
+                other => panic!("expected the frame's timeout, got {other:?}"),
+            }
+        });
+    }
+
+    /// What a peer says of itself goes into the error (logged at every reconnect) quoted,
+    /// escaped and cut: an ERROR's reason is its length byte's worth, not the whole command,
+    /// and a multi-megabyte command name or socket type shows as its first bytes.
+    #[test]
+    fn a_peers_words_reach_the_error_short_and_escaped() {
+        let refused = |reason: &[u8], trailer: &[u8], name: &[u8], socket: &[u8]| {
+            runtime().block_on(async {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let addr = listener.local_addr().unwrap().to_string();
+                let (reason, trailer, name, socket) = (
+                    reason.to_vec(),
+                    trailer.to_vec(),
+                    name.to_vec(),
+                    socket.to_vec(),
+                );
+                tokio::spawn(async move {
+                    let (mut s, _) = listener.accept().await.unwrap();
+                    s.write_all(&greeting()).await.unwrap();
+                    let mut cmd = vec![name.len() as u8];
+                    cmd.extend_from_slice(&name);
+                    if name == b"ERROR" {
+                        cmd.push(reason.len() as u8);
+                        cmd.extend_from_slice(&reason);
+                        cmd.extend_from_slice(&trailer);
+                    } else {
+                        put_property(&mut cmd, b"Socket-Type", &socket);
+                    }
+                    s.write_all(&[0x06]).await.unwrap();
+                    s.write_all(&(cmd.len() as u64).to_be_bytes())
+                        .await
+                        .unwrap();
+                    s.write_all(&cmd).await.unwrap();
+                    let mut sink = [0u8; 1024];
+                    while s.read(&mut sink).await.unwrap_or(0) > 0 {}
+                });
+                let limits = Limits {
+                    max_frame: 1 << 20,
+                    max_parts: 4,
+                    max_frame_time: Duration::from_secs(30),
+                };
+                match Zmtp::connect(&addr, SocketType::Sub, limits).await {
+                    Err(e) => e.to_string(),
+                    Ok(_) => panic!("the handshake succeeded"),
+                }
+            })
+        };
+        let long = b"line one\nline two ".repeat(40);
+        let e = refused(&long[..255], &[b'x'; 4096], b"ERROR", b"");
+        assert!(
+            e.starts_with("protocol: the peer refused: \"line one\\nline two"),
+            "{e}"
+        );
+        assert!(!e.contains('\n') && !e.contains('x'), "{e}");
+        assert!(e.len() < 2 * MAX_QUOTED + 60, "{} bytes: {e}", e.len());
+        let e = refused(b"", b"", b"READY", &[b'\r'; 100_000]);
+        assert!(e.contains("the peer is a \"\\r\\r"), "{e}");
+        assert!(
+            !e.contains('\r') && e.len() < 4 * MAX_QUOTED + 80,
+            "{} bytes: {e}",
+            e.len()
+        );
+        let e = refused(b"", b"", b"NOPE\n", b"");
+        assert!(e.contains("got \"NOPE\\n\""), "{e}");
     }
 
     #[test]

@@ -46,6 +46,8 @@ use schema::{Batch, Event, Removed, Stored};
 const LIMITS: Limits = Limits {
     max_frame: 8 << 20,
     max_parts: 4,
+    // 8 MiB in 30 s is 280 KB/s: slower than that, the publisher is stalled, not sending.
+    max_frame_time: Duration::from_secs(30),
 };
 /// A silent publisher is pinged after this long (vLLM publishes only when blocks change).
 const IDLE: Duration = Duration::from_secs(10);
@@ -70,6 +72,11 @@ const END_SEQ: u64 = u64::MAX;
 /// while the replay runs). Past it, the replay socket lied or belongs to another publisher:
 /// taken at its word, every live batch after would look old and be dropped.
 const REPLAY_AHEAD: u64 = MAX_REPLAY_BATCHES as u64;
+/// How far below the connect replay's last batch the first live one may be numbered and still
+/// be the same stream: the batches published while the replay ran (vLLM publishes at most one
+/// per scheduler step, ~3,000 in the replay's 30 s at 10 ms steps). Further below, the
+/// publisher restarted.
+const RESTART_SKEW: u64 = 10_000;
 
 /// One engine's KV events feed.
 #[derive(Clone)]
@@ -235,9 +242,19 @@ impl Subscriber {
             self.set.count(event::MALFORMED, 1);
             return;
         }
-        if self.live_last.is_some_and(|l| seq <= l) {
-            // Back to an earlier number on the same stream: a publisher behind a forwarder
-            // restarted, and its hashes are a new lifetime's.
+        let restarted = match self.live_last {
+            // Back to an earlier (or the same) number on the same stream: a publisher behind
+            // a forwarder restarted, and its hashes are a new lifetime's. One subscription
+            // never gets a message twice, so a repeat is a restart too.
+            Some(l) => seq <= l,
+            // The first live batch since the connect's replay: a little below the replay's
+            // last is what was published while it ran; far below, the publisher restarted
+            // after it (the connection, to a forwarder, survived).
+            None => self
+                .last
+                .is_some_and(|l| seq.saturating_add(RESTART_SKEW) < l),
+        };
+        if restarted {
             self.set.count(event::RESTART, 1);
             self.forget();
             self.replay(0, Some(seq)).await;
@@ -465,10 +482,11 @@ impl Subscriber {
         self.set.add(digests.iter().map(|d| (d.short(), bit)));
         let mut dropped = Vec::new();
         for (h, d) in s.block_hashes.iter().zip(&digests) {
-            // A mapping pushed out is a block whose removal could no longer be resolved: its
-            // claim goes with it.
+            // A mapping pushed out, or replaced by another digest for the same hash, is a
+            // block whose removal could no longer be resolved: its claim goes with it (a hash
+            // given twice in one batch costs the first digest's claim, never leaves one).
             if let Some((k, old)) = self.hashes.push(h.key(), *d) {
-                if k != h.key() {
+                if k != h.key() || old != *d {
                     dropped.push((old.short(), u8::MAX));
                 }
             }
@@ -624,6 +642,37 @@ mod tests {
         assert_eq!(events(&s.set, event::UNMAPPED), 1);
     }
 
+    /// A publisher behind a forwarder that restarts after the connect's replay and before any
+    /// live batch came: its new stream's first batch, far below the replay's last, is a
+    /// restart (before, 50,000 batches of the new lifetime were dropped as duplicates while
+    /// the old lifetime's claims stayed). A live batch a little below the replay's last is
+    /// overlap.
+    #[test]
+    fn a_restart_before_the_first_live_batch_is_noticed() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let live = |s: &mut Subscriber, seq: u64, v: serde_json::Value| {
+            rt.block_on(s.on_live(seq, &Bytes::from(batch(v))))
+        };
+        let mut s = subscriber();
+        // What the connect's replay gave: up to batch 50,000.
+        s.apply(50_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        live(&mut s, 49_990, json!([]));
+        assert_eq!(events(&s.set, event::RESTART), 0);
+        assert_eq!(events(&s.set, event::DUPLICATE), 1);
+        assert_eq!(feed_entries(&s.set), 1);
+        let mut s = subscriber();
+        s.apply(50_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        live(&mut s, 0, json!([stored(&[20], None, &[3, 4])]));
+        assert_eq!(events(&s.set, event::RESTART), 1);
+        assert_eq!(feed_entries(&s.set), 1, "only the new lifetime's block");
+        assert_eq!(s.last, Some(0));
+        live(&mut s, 1, json!([]));
+        assert_eq!(events(&s.set, event::RESTART), 1);
+        assert_eq!(feed_entries(&s.set), 1);
+    }
+
     #[test]
     fn offloads_add_a_medium_and_mappings_go_with_their_blocks() {
         let mut s = subscriber();
@@ -672,5 +721,28 @@ mod tests {
             .held
             .iter()
             .all(|(k, _)| s.hashes.iter().any(|(_, d)| d.short() == *k)));
+    }
+
+    /// A hash stored again as other tokens (or given twice in one batch) maps to the new
+    /// digest; the old one's claim goes with its mapping instead of being re-recorded for
+    /// good with no removal able to reach it.
+    #[test]
+    fn a_hash_stored_again_as_other_tokens_takes_the_old_claim() {
+        let mut s = subscriber();
+        s.apply(0, &batch(json!([stored(&[10], None, &[1, 2])])));
+        s.apply(1, &batch(json!([stored(&[10], None, &[3, 4])])));
+        assert_eq!(feed_entries(&s.set), 1);
+        s.apply(2, &batch(json!([stored(&[11, 11], None, &[5, 6, 7, 8])])));
+        assert!(s
+            .set
+            .held
+            .iter()
+            .all(|(k, _)| s.hashes.iter().any(|(_, d)| d.short() == *k)));
+        // Removing the hashes leaves nothing claimed.
+        s.apply(
+            3,
+            &batch(json!([{"type": "BlockRemoved", "block_hashes": [10, 11], "medium": "GPU"}])),
+        );
+        assert_eq!(feed_entries(&s.set), 0);
     }
 }

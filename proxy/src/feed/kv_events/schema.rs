@@ -226,10 +226,10 @@ pub struct Batch {
 /// Most events and block hashes, together, one batch may hold. A publisher sends a batch per
 /// scheduler step: a few thousand at most (a removal per evicted block, a store per request
 /// with new full blocks). The bound keeps what a hostile publisher can make this proxy hold
-/// per message within a few times the message's own size: a one-byte hash decodes to 16
-/// bytes and a two-byte event to 24 (a boxed variant's at most ~180 more, for at least that
-/// many bytes of message); token ids, 4 bytes each from at least 1, are bounded by the
-/// message size alone.
+/// per message within about 8 MiB whatever the message's size: each event and each block hash
+/// is an item, and a boxed event (a store or a removal, ~180 bytes decoded from 17 of
+/// message) also pays its box in items of 32 bytes; token ids, 4 bytes each from at least 1,
+/// are bounded by the message size alone.
 pub const MAX_BATCH_ITEMS: usize = 1 << 18;
 
 thread_local! {
@@ -239,15 +239,26 @@ thread_local! {
 
 /// Takes one item of the batch's budget, or fails once it is spent.
 fn spend<E: de::Error>() -> Result<(), E> {
-    BUDGET.with(|b| match b.get() {
-        0 => Err(E::custom(format!(
+    spend_n(1)
+}
+
+/// Takes `n` items of the batch's budget, or fails once it is spent.
+fn spend_n<E: de::Error>(n: usize) -> Result<(), E> {
+    BUDGET.with(|b| match b.get().checked_sub(n) {
+        None => Err(E::custom(format!(
             "a batch of more than {MAX_BATCH_ITEMS} events and block hashes"
         ))),
-        n => {
-            b.set(n - 1);
+        Some(left) => {
+            b.set(left);
             Ok(())
         }
     })
+}
+
+/// What a boxed event costs beside its own item: its box, in items of an [`Event`]'s size,
+/// so that a batch's events and hashes together stay within [`MAX_BATCH_ITEMS`] x 32 bytes.
+fn boxed<T, E: de::Error>() -> Result<(), E> {
+    spend_n(std::mem::size_of::<T>().div_ceil(std::mem::size_of::<Event>()))
 }
 
 /// The decoder's depth budget: rmp-serde refuses the level that spends it, so a batch nests
@@ -346,6 +357,7 @@ impl<'de> Deserialize<'de> for Event {
                         s.has_extra_keys = a.next_element::<ExtraKeys>()?.is_some_and(|k| k.0);
                         s.group_idx = Loose::int(a.next_element()?, &mut odd);
                         s.has_extra_keys |= odd;
+                        boxed::<Stored, _>()?;
                         Event::BlockStored(Box::new(s))
                     }
                     "BlockRemoved" => {
@@ -355,6 +367,7 @@ impl<'de> Deserialize<'de> for Event {
                         let mut ignored = false;
                         let medium = Loose::string(a.next_element()?, &mut ignored);
                         let group_idx = Loose::int(a.next_element()?, &mut ignored);
+                        boxed::<Removed, _>()?;
                         Event::BlockRemoved(Box::new(Removed {
                             block_hashes,
                             medium,
@@ -411,14 +424,18 @@ impl<'de> Deserialize<'de> for Event {
                     "BlockStored" if !size => return Err(missing("block_size")),
                     "BlockStored" => {
                         s.has_extra_keys |= odd;
+                        boxed::<Stored, _>()?;
                         Event::BlockStored(Box::new(s))
                     }
                     "BlockRemoved" if !hashes => return Err(missing("block_hashes")),
-                    "BlockRemoved" => Event::BlockRemoved(Box::new(Removed {
-                        block_hashes: s.block_hashes,
-                        medium: s.medium,
-                        group_idx: s.group_idx,
-                    })),
+                    "BlockRemoved" => {
+                        boxed::<Removed, _>()?;
+                        Event::BlockRemoved(Box::new(Removed {
+                            block_hashes: s.block_hashes,
+                            medium: s.medium,
+                            group_idx: s.group_idx,
+                        }))
+                    }
                     "AllBlocksCleared" => Event::AllBlocksCleared,
                     _ => Event::Unknown(tag),
                 })
@@ -587,10 +604,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("more than"));
-        let at_bound = pack(&(0, vec![("BlockRemoved", vec![0u8; n - 1])]));
+        let removal = std::mem::size_of::<Removed>().div_ceil(std::mem::size_of::<Event>());
+        let at_bound = pack(&(0, vec![("BlockRemoved", vec![0u8; n - 1 - removal])]));
         assert_eq!(decode(&at_bound).unwrap().events.len(), 1);
         // The budget is the batch's, not the thread's: the next batch starts afresh.
         assert!(decode(&at_bound).is_ok());
+        // Stores decode to ~180 bytes from 17: they pay for their boxes, so a batch of
+        // minimal stores holds far fewer than MAX_BATCH_ITEMS / 2 of them (which it did).
+        let store = ("BlockStored", vec![0u8], None::<u8>, Vec::<u8>::new(), 1u8);
+        let stores = |k: usize| pack(&(0, vec![store.clone(); k]));
+        let per = 2 + std::mem::size_of::<Stored>().div_ceil(std::mem::size_of::<Event>());
+        assert!(
+            per >= 6,
+            "a store's box is {} bytes",
+            std::mem::size_of::<Stored>()
+        );
+        assert_eq!(decode(&stores(n / per)).unwrap().events.len(), n / per);
+        assert!(decode(&stores(n / per + 1))
+            .unwrap_err()
+            .to_string()
+            .contains("more than"));
     }
 
     /// `n` bytes, packed as msgpack bin.
