@@ -24,8 +24,8 @@
 //! challenge is remembered, so a captured request replayed gets nothing. A serve slot (at most
 //! [`MAX_CONCURRENT_SERVES`]) is taken only once the request has authenticated; at most
 //! [`MAX_PENDING_HANDSHAKES`] connections may be sending theirs ([`MAX_PENDING_PER_SOURCE`]
-//! from one IP), and one more closes the oldest; everything is bounded in time and bytes, on
-//! both sides. A node that seals its gossip never answers in plaintext; only a
+//! from one source), and one more closes the oldest (of its source, else of all); everything
+//! is bounded in time and bytes, on both sides. A node that seals its gossip never answers in plaintext; only a
 //! plaintext-gossip node does, and a node that verifies incoming gossip refuses plaintext
 //! replies.
 
@@ -49,11 +49,12 @@ pub const OVERLAY_TTL: Duration = Duration::from_secs(30);
 /// Transfers served at once; further requests are refused (and counted).
 pub const MAX_CONCURRENT_SERVES: usize = 2;
 /// Connections that may be sending their request at once. One more closes the oldest of
-/// them (counted as refused): a host that opens connections and sends nothing can hold every
+/// them (counted as evicted): a host that opens connections and sends nothing can hold every
 /// slot only by opening them faster than a joiner sends its request, not by keeping them.
 pub const MAX_PENDING_HANDSHAKES: usize = 16;
-/// Connections from one IP that may be sending their request at once; more from it are
-/// closed (and counted).
+/// Connections from one source (an IPv4 address, an IPv6 /64) that may be sending their
+/// request at once; one more from it closes its oldest (counted as evicted), so a neighbour
+/// behind the same NAT address cannot lock the others out by holding two.
 pub const MAX_PENDING_PER_SOURCE: usize = 2;
 /// Challenges of served requests remembered against replays.
 const MAX_SEEN_CHALLENGES: usize = 4096;
@@ -152,6 +153,7 @@ pub struct BulkStats {
     pub(crate) pull_failed: AtomicU64,
     served: AtomicU64,
     refused: AtomicU64,
+    evicted: AtomicU64,
     built: AtomicU64,
 }
 
@@ -168,9 +170,14 @@ impl BulkStats {
     pub fn served(&self) -> u64 {
         self.served.load(Ordering::Relaxed)
     }
-    /// Requests this node refused (unauthenticated, malformed, or too many at once).
+    /// Requests this node refused (unauthenticated, malformed, or too many transfers at once).
     pub fn refused(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
+    }
+    /// Connections closed before their request came, to make room for newer ones
+    /// ([`MAX_PENDING_PER_SOURCE`], [`MAX_PENDING_HANDSHAKES`]).
+    pub fn evicted(&self) -> u64 {
+        self.evicted.load(Ordering::Relaxed)
     }
     /// Snapshots of the state this node built to serve transfers (one serves every transfer
     /// within [`SNAPSHOT_REUSE`] of it).
@@ -470,11 +477,7 @@ pub(crate) async fn serve(
                 continue;
             }
         };
-        let Some(handshake) = Handshakes::admit(&handshakes, from.ip()) else {
-            ep.stats.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(%from, "bulk transfer refused: too many requests pending from it");
-            continue;
-        };
+        let handshake = Handshakes::admit(&handshakes, from.ip());
         let (ep, own, current, shared) = (ep.clone(), own.clone(), current.clone(), shared.clone());
         conns.spawn(async move {
             let result = serve_one(stream, from, &ep, own, &current, handshake, &shared).await;
@@ -482,6 +485,10 @@ pub(crate) async fn serve(
                 Ok(bytes) => {
                     ep.stats.served.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(%from, bytes, "bulk transfer served");
+                }
+                Err(BulkError::Evicted) => {
+                    ep.stats.evicted.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%from, "bulk transfer request closed: newer connections took its slot");
                 }
                 Err(e) => {
                     ep.stats.refused.fetch_add(1, Ordering::Relaxed);
@@ -502,33 +509,55 @@ struct Handshakes {
 /// One entry of [`Handshakes`]; `evict` tells its connection to give up.
 struct PendingHandshake {
     id: u64,
-    from: std::net::IpAddr,
+    source: Source,
     evict: tokio::sync::oneshot::Sender<()>,
 }
 
-impl Handshakes {
-    /// A slot for a connection from `from`, closing the oldest pending one when all are
-    /// taken; `None` when `from` already has [`MAX_PENDING_PER_SOURCE`] pending.
-    fn admit(this: &Arc<Mutex<Handshakes>>, from: std::net::IpAddr) -> Option<HandshakeSlot> {
-        let mut h = lock(this);
-        if h.pending.iter().filter(|p| p.from == from).count() >= MAX_PENDING_PER_SOURCE {
-            return None;
+/// Where a connection comes from, as far as one host can choose: an IPv4 address (an
+/// IPv4-mapped IPv6 one included), or an IPv6 /64, of which a host may hold every address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    V4(std::net::Ipv4Addr),
+    V6Prefix(u64),
+}
+
+impl Source {
+    fn of(ip: std::net::IpAddr) -> Source {
+        match ip.to_canonical() {
+            std::net::IpAddr::V4(v4) => Source::V4(v4),
+            std::net::IpAddr::V6(v6) => Source::V6Prefix((v6.to_bits() >> 64) as u64),
         }
-        if h.pending.len() >= MAX_PENDING_HANDSHAKES {
-            if let Some(oldest) = h.pending.pop_front() {
-                // Gone already if its connection has just ended.
-                let _ = oldest.evict.send(());
-            }
+    }
+}
+
+impl Handshakes {
+    /// A slot for a connection from `ip`. When its source already has
+    /// [`MAX_PENDING_PER_SOURCE`] pending, the oldest of those is closed; else, when all
+    /// [`MAX_PENDING_HANDSHAKES`] are taken, the oldest of all.
+    fn admit(this: &Arc<Mutex<Handshakes>>, ip: std::net::IpAddr) -> HandshakeSlot {
+        let source = Source::of(ip);
+        let mut h = lock(this);
+        let of_source = h.pending.iter().filter(|p| p.source == source).count();
+        let oldest = if of_source >= MAX_PENDING_PER_SOURCE {
+            h.pending.iter().position(|p| p.source == source)
+        } else if h.pending.len() >= MAX_PENDING_HANDSHAKES {
+            Some(0)
+        } else {
+            None
+        };
+        if let Some(old) = oldest.and_then(|i| h.pending.remove(i)) {
+            // Gone already if its connection has just ended.
+            let _ = old.evict.send(());
         }
         let (evict, evicted) = tokio::sync::oneshot::channel();
         let id = h.next;
         h.next = h.next.wrapping_add(1);
-        h.pending.push_back(PendingHandshake { id, from, evict });
-        Some(HandshakeSlot {
+        h.pending.push_back(PendingHandshake { id, source, evict });
+        HandshakeSlot {
             table: this.clone(),
             id,
             evicted,
-        })
+        }
     }
 }
 

@@ -451,14 +451,9 @@ fn run() -> anyhow::Result<()> {
     let g = Gguf::open(&cfg.model).with_context(|| format!("loading {}", cfg.model.display()))?;
     let tokenizer = Arc::new(ModelTokenizer::from_gguf(&g)?);
     let model = Llama::load(&g, cfg.weights)?;
-    // An id past the embedding table failed every step that met it (BOS: every request).
-    anyhow::ensure!(
-        tokenizer.vocab_size() <= model.cfg.vocab,
-        "the tokenizer has {} tokens but the model embeds {}: {} is inconsistent",
-        tokenizer.vocab_size(),
-        model.cfg.vocab,
-        cfg.model.display()
-    );
+    model
+        .check_vocabulary(tokenizer.vocab_size())
+        .with_context(|| format!("{} is inconsistent", cfg.model.display()))?;
     let (sampling, warnings) = engine_shim::engine::SamplingDefaults::from_gguf(&g);
     for w in warnings {
         tracing::warn!("{w}");

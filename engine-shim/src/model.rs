@@ -49,8 +49,8 @@ pub struct LlamaConfig {
     pub head_dim: usize,
     /// Feed-forward width.
     pub ffn: usize,
-    /// Context length the model was trained for, at most [`MAX_CONTEXT`] (positions past it
-    /// are not served).
+    /// Context length the model was trained for, at most [`MAX_CONTEXT`] and
+    /// [`MAX_ROPE_VALUES`] / `head_dim` (positions past it are not served).
     pub context: usize,
     /// RoPE base.
     pub rope_base: f64,
@@ -109,11 +109,14 @@ impl std::str::FromStr for WeightType {
     }
 }
 
-/// The most positions served, whatever the file's `context_length` says: the RoPE tables are
-/// built for every position at load (twice `head_dim` f32 values each, and their plain copies
-/// with Q8_0), so a file's context is believed only this far (128 MiB of tables at 64-wide
-/// heads).
+/// The most positions served, whatever the file's `context_length` says (Llama 3.1's 128k).
 pub const MAX_CONTEXT: usize = 1 << 17;
+
+/// The most values one RoPE table may hold (64 MiB of f32): the cosine and sine tables are
+/// built for every position at load, `head_dim` values a position, and copied once more with
+/// Q8_0, so the context is believed only as far as `MAX_ROPE_VALUES / head_dim` (131,072
+/// positions at 128-wide heads, 2,048 at a hostile file's 8,192).
+pub const MAX_ROPE_VALUES: usize = 1 << 24;
 
 /// The tensors each layer holds: Q, K, V, output, gate, up, down and the two norms.
 const TENSORS_PER_LAYER: usize = 9;
@@ -536,7 +539,7 @@ impl Llama {
             n_kv_head,
             head_dim,
             ffn,
-            context: context.min(MAX_CONTEXT),
+            context: context.min(MAX_CONTEXT).min(MAX_ROPE_VALUES / head_dim),
             rope_base: g.get_f64("llama.rope.freq_base").unwrap_or(10_000.0),
             eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")?,
             vocab,
@@ -623,6 +626,18 @@ impl Llama {
             cfg,
             q8,
         })
+    }
+
+    /// Refuses a tokenizer of `tokens` ids that this model cannot embed: an id past the
+    /// embedding table fails every step that meets it (the BOS id: every request).
+    pub fn check_vocabulary(&self, tokens: usize) -> Result<(), ModelError> {
+        if tokens > self.cfg.vocab {
+            return Err(ModelError::Shape(format!(
+                "the tokenizer has {tokens} tokens but the model embeds {}",
+                self.cfg.vocab
+            )));
+        }
+        Ok(())
     }
 
     fn norm(&self, x: &Tensor, w: &Tensor) -> Tensor {

@@ -581,7 +581,7 @@ fn segment_spans_on_the_real_template_hold_each_passage_and_nothing_else() {
 #[test]
 fn layer_counts_and_contexts_from_the_file_are_believed_only_as_far_as_it_holds() {
     use engine_shim::gguf::Value;
-    use engine_shim::model::{ModelError, MAX_CONTEXT};
+    use engine_shim::model::{ModelError, MAX_CONTEXT, MAX_ROPE_VALUES};
     let with = |key: &str, v: u64| {
         let mut g = Gguf::parse(gguf().bytes().to_vec()).unwrap();
         g.metadata.insert(key.into(), Value::U64(v));
@@ -605,7 +605,27 @@ fn layer_counts_and_contexts_from_the_file_are_believed_only_as_far_as_it_holds(
         WeightType::F32,
     )
     .expect("a long context is served up to the bound");
-    assert_eq!(long.cfg.context, MAX_CONTEXT);
+    assert_eq!(
+        long.cfg.context, MAX_CONTEXT,
+        "64-wide heads: the position bound applies"
+    );
+    // Three heads of 192 (one kv head, so K and V keep their 192 rows): the RoPE tables'
+    // bound applies, 2^24 / 192 positions.
+    let wide = Llama::load(
+        &{
+            let mut g = with("llama.context_length", u64::from(u32::MAX));
+            g.metadata
+                .insert("llama.attention.head_count".into(), Value::U64(3));
+            g.metadata
+                .insert("llama.attention.head_count_kv".into(), Value::U64(1));
+            g
+        },
+        WeightType::F32,
+    )
+    .expect("wide heads load");
+    assert_eq!(wide.cfg.head_dim, 192);
+    assert_eq!(wide.cfg.context, MAX_ROPE_VALUES / 192);
+    assert!(wide.cfg.context < MAX_CONTEXT);
     let mut kv = KvCache::new(&long.cfg, 4);
     let logits = long.forward(&france()[..4], &mut kv, true);
     assert_eq!(logits.size(), [1, long.cfg.vocab as i64]);
@@ -613,7 +633,8 @@ fn layer_counts_and_contexts_from_the_file_are_believed_only_as_far_as_it_holds(
 
 /// The vocabulary is sized and its special ids checked before anything is built from it: an
 /// id past 2^32 was cut to 32 bits (2^32 + 1 became token 1), an id past the vocabulary named
-/// no token, and a 100 MB entry disabled the prompt bound taken before tokenising.
+/// no token, and a 100 MB entry disabled the prompt bound taken before tokenising. A tokenizer
+/// with more tokens than the model embeds is refused at start.
 #[test]
 fn vocabularies_and_special_ids_from_the_file_are_checked() {
     use engine_shim::gguf::Value;
@@ -646,4 +667,15 @@ fn vocabularies_and_special_ids_from_the_file_are_checked() {
     let last = ModelTokenizer::from_gguf(&with("tokenizer.ggml.eos_token_id", Value::U64(n - 1)))
         .expect("the last id is in the vocabulary");
     assert_eq!(last.eos as u64, n - 1);
+    // One token more than the model embeds: the engine refuses to start with it.
+    let mut more = gguf().get_strings("tokenizer.ggml.tokens").unwrap();
+    more.push("<|one-more|>");
+    let more = ModelTokenizer::from_gguf(&with(
+        "tokenizer.ggml.tokens",
+        Value::Array(more.iter().map(|t| Value::Str(t.to_string())).collect()),
+    ))
+    .expect("a tokenizer one token larger");
+    let model = Llama::load(gguf(), WeightType::F32).unwrap();
+    assert!(model.check_vocabulary(more.vocab_size()).is_err());
+    assert!(model.check_vocabulary(tok().vocab_size()).is_ok());
 }

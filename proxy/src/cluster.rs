@@ -499,7 +499,7 @@ impl BackgroundService for ClusterService {
             metrics: &self.metrics,
         };
         let mut dropped = [0u64; Rejection::ALL.len()];
-        let mut bulk_seen = [0u64; 4];
+        let mut bulk_seen = [0u64; 5];
         let beacon = cluster.load_beacon();
         let mut beacons_seen = [0u64; 4];
         let beacon_every = Duration::from_millis(self.cfg.cluster.load_beacon_interval_ms);
@@ -561,10 +561,11 @@ impl BackgroundService for ClusterService {
                 bulk.pull_failed(),
                 bulk.served(),
                 bulk.refused(),
+                bulk.evicted(),
             ];
             count_since(
                 &self.metrics.gossip_bulk,
-                ["pulled", "pull_failed", "served", "refused"],
+                ["pulled", "pull_failed", "served", "refused", "evicted"],
                 bulk_now,
                 &mut bulk_seen,
             );

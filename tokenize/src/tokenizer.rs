@@ -96,9 +96,10 @@ pub const MAX_TEMPLATE_BYTES: usize = 256 << 10;
 /// the process.
 pub const MAX_TEMPLATE_INDENT: usize = 256;
 
-/// Longest string the `replace` filter may build in a chat template: minijinja's own has no
-/// bound, and one call on a long string can multiply it by the length of another.
-pub const MAX_TEMPLATE_REPLACED_BYTES: usize = 64 << 20;
+/// Longest string the `replace` and `indent` filters may build in a chat template:
+/// minijinja's own have no bound, and one call can multiply a long string by the length of
+/// another (`replace`) or its line count by the width (`indent`).
+pub const MAX_TEMPLATE_FILTER_BYTES: usize = 64 << 20;
 
 /// A template error that says what was refused.
 fn refused(what: String) -> minijinja::Error {
@@ -145,6 +146,17 @@ fn compile_chat_fueled(
                     "indent wider than {MAX_TEMPLATE_INDENT} in the chat template"
                 )));
             }
+            // Every line gets the indentation (blank ones too, when asked): what it builds.
+            let v = value.as_str();
+            let lines = v.matches('\n').count().saturating_add(1);
+            let longest = lines
+                .saturating_mul(asked.unwrap_or(4))
+                .saturating_add(v.len());
+            if longest > MAX_TEMPLATE_FILTER_BYTES {
+                return Err(refused(format!(
+                    "indent would build more than {MAX_TEMPLATE_FILTER_BYTES} bytes in the chat template"
+                )));
+            }
             minijinja::filters::indent(value, width, first, blank, kwargs)
         },
     );
@@ -165,9 +177,9 @@ fn compile_chat_fueled(
             let longest = hits
                 .saturating_mul(to.as_str().len())
                 .saturating_add(v.len());
-            if longest > MAX_TEMPLATE_REPLACED_BYTES {
+            if longest > MAX_TEMPLATE_FILTER_BYTES {
                 return Err(refused(format!(
-                    "replace would build more than {MAX_TEMPLATE_REPLACED_BYTES} bytes in the chat template"
+                    "replace would build more than {MAX_TEMPLATE_FILTER_BYTES} bytes in the chat template"
                 )));
             }
             minijinja::filters::replace(state, value, from, to)
@@ -733,6 +745,10 @@ mod tests {
         fails(
             "{{ messages[0].content|replace('x', messages[0].content)|length }}",
             "replace would build",
+        );
+        fails(
+            "{{ ('\\n' * 1000000)|indent(256, true, true)|length }}",
+            "indent would build",
         );
         let sane = "{{ 'a\nb'|indent(2, true) }}|{{ messages[0].role|replace('u', 'U') }}|{{ 'ab'|replace('', '-') }}";
         assert_eq!(run(sane).unwrap(), "  a\n  b|User|-a-b-");

@@ -242,6 +242,18 @@ impl Subscriber {
             self.set.count(event::MALFORMED, 1);
             return;
         }
+        if self.live_last.is_none()
+            && self
+                .last
+                .is_some_and(|l| l > seq.saturating_add(REPLAY_AHEAD))
+        {
+            // Only the replay at connect can have numbered batches this far ahead (a gap's
+            // replay stops at REPLAY_AHEAD past the live batch); checked before a restart,
+            // which a far-off number also looks like.
+            tracing::warn!(engine = %self.feed.engine, seq, last = ?self.last, "KV events replay numbered its batches far past the live stream; withdrawing what it gave");
+            self.set.count(event::MALFORMED, 1);
+            self.forget();
+        }
         let restarted = match self.live_last {
             // Back to an earlier (or the same) number on the same stream: a publisher behind
             // a forwarder restarted, and its hashes are a new lifetime's. One subscription
@@ -258,15 +270,6 @@ impl Subscriber {
             self.set.count(event::RESTART, 1);
             self.forget();
             self.replay(0, Some(seq)).await;
-        }
-        if self
-            .last
-            .is_some_and(|l| l > seq.saturating_add(REPLAY_AHEAD))
-        {
-            // Only the replay at connect can have numbered batches this far ahead.
-            tracing::warn!(engine = %self.feed.engine, seq, last = ?self.last, "KV events replay numbered its batches far past the live stream; withdrawing what it gave");
-            self.set.count(event::MALFORMED, 1);
-            self.forget();
         }
         self.live_last = Some(seq);
         match self.last {
@@ -671,6 +674,20 @@ mod tests {
         live(&mut s, 1, json!([]));
         assert_eq!(events(&s.set, event::RESTART), 1);
         assert_eq!(feed_entries(&s.set), 1);
+        // A connect replay numbered past REPLAY_AHEAD is a lying replay socket, not a restart.
+        let mut s = subscriber();
+        s.apply(1 << 40, &batch(json!([stored(&[10], None, &[1, 2])])));
+        live(&mut s, 0, json!([]));
+        assert_eq!(events(&s.set, event::MALFORMED), 1);
+        assert_eq!(events(&s.set, event::RESTART), 0);
+        assert_eq!(feed_entries(&s.set), 0);
+        // A stream older than REPLAY_AHEAD that goes back is a restart, counted once.
+        let mut s = subscriber();
+        s.apply(200_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        live(&mut s, 200_001, json!([]));
+        live(&mut s, 0, json!([]));
+        assert_eq!(events(&s.set, event::RESTART), 1);
+        assert_eq!(events(&s.set, event::MALFORMED), 0);
     }
 
     #[test]

@@ -228,8 +228,8 @@ pub struct Batch {
 /// with new full blocks). The bound keeps what a hostile publisher can make this proxy hold
 /// per message within about 8 MiB whatever the message's size: each event and each block hash
 /// is an item, and a boxed event (a store or a removal, ~180 bytes decoded from 17 of
-/// message) also pays its box in items of 32 bytes; token ids, 4 bytes each from at least 1,
-/// are bounded by the message size alone.
+/// message) also pays its box in items of an event's size (at most 32 bytes); token ids, 4
+/// bytes each from at least 1, are bounded by the message size alone.
 pub const MAX_BATCH_ITEMS: usize = 1 << 18;
 
 thread_local! {
@@ -256,7 +256,8 @@ fn spend_n<E: de::Error>(n: usize) -> Result<(), E> {
 }
 
 /// What a boxed event costs beside its own item: its box, in items of an [`Event`]'s size,
-/// so that a batch's events and hashes together stay within [`MAX_BATCH_ITEMS`] x 32 bytes.
+/// so that a batch's events and hashes together stay within [`MAX_BATCH_ITEMS`] x 32 bytes
+/// (an item is at most that: an event, or a 16-byte hash).
 fn boxed<T, E: de::Error>() -> Result<(), E> {
     spend_n(std::mem::size_of::<T>().div_ceil(std::mem::size_of::<Event>()))
 }
