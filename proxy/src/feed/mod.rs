@@ -89,10 +89,20 @@ pub mod event {
     pub const UNSUPPORTED: &str = "unsupported";
     /// KV events: stored blocks of another size than the model's `block_tokens` (skipped).
     pub const BLOCK_SIZE: &str = "block_size";
+    /// KV events: removed blocks the feed never mapped, so had not recorded (nothing to
+    /// withdraw).
+    pub const REMOVED_UNKNOWN: &str = "removed_unknown";
+    /// KV events: a batch under a topic that only starts with the configured one, which
+    /// ZeroMQ's prefix subscription lets through (skipped).
+    pub const OTHER_TOPIC: &str = "other_topic";
+    /// Digests listed while the engine had no entry in the fleet (not recorded).
+    pub const NO_ENGINE: &str = "no_engine";
     /// The events of a kvagent feed, to export them from start.
-    pub const KVAGENT: [&str; 6] = [CONNECTED, LOST, RESET, EPOCH, MALFORMED, OVER_CAP];
+    pub const KVAGENT: [&str; 7] = [
+        CONNECTED, LOST, RESET, EPOCH, MALFORMED, OVER_CAP, NO_ENGINE,
+    ];
     /// The events of a KV events feed.
-    pub const KV_EVENTS: [&str; 14] = [
+    pub const KV_EVENTS: [&str; 17] = [
         CONNECTED,
         RESTART,
         LOST,
@@ -107,6 +117,9 @@ pub mod event {
         UNMAPPED,
         UNSUPPORTED,
         BLOCK_SIZE,
+        REMOVED_UNKNOWN,
+        OTHER_TOPIC,
+        NO_ENGINE,
     ];
 }
 
@@ -420,6 +433,7 @@ impl FedSet {
     /// Records `keys`, each held in the media `bits`; past the bound, the oldest make room.
     fn add(&mut self, keys: impl IntoIterator<Item = (u64, u8)>) {
         let Some(node) = self.node() else {
+            self.count(event::NO_ENGINE, keys.into_iter().count() as u64);
             return;
         };
         let mut added = Vec::new();
@@ -561,5 +575,22 @@ pub(crate) mod tests {
         assert_eq!(feed_entries(&s), 1, "1 is still in the second medium");
         s.remove([(1, 2), (3, 1)]);
         assert_eq!(feed_entries(&s), 0);
+    }
+
+    /// Digests listed while the engine has no entry in the fleet are not recorded, and they
+    /// are counted rather than dropped unseen.
+    #[test]
+    fn digests_of_an_engine_the_fleet_lacks_are_counted() {
+        let mut s = set(10);
+        s.engine = "gone".into();
+        s.add([(1, 1), (2, 1)]);
+        assert_eq!(feed_entries(&s), 0);
+        let counted = s
+            .shared
+            .metrics
+            .engine_feed
+            .with_label_values(&["gone", event::NO_ENGINE])
+            .get();
+        assert_eq!(counted, 2);
     }
 }

@@ -214,9 +214,7 @@ impl Subscriber {
                 self.set.count(event::MALFORMED, 1);
                 continue;
             };
-            // The subscription matches topics by prefix (ZeroMQ's rule): `eng1` also gets
-            // `eng10`'s batches, whose numbers are another stream's. (No topic set: all.)
-            if !self.feed.topic.is_empty() && topic.as_ref() != self.feed.topic.as_slice() {
+            if !self.ours(topic) {
                 continue;
             }
             let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()).map(u64::from_be_bytes) else {
@@ -225,6 +223,17 @@ impl Subscriber {
             };
             self.on_live(seq, payload).await;
         }
+    }
+
+    /// Whether a batch under `topic` is this feed's. The subscription matches topics by prefix
+    /// (ZeroMQ's rule): `eng1` also gets `eng10`'s batches, whose numbers are another
+    /// stream's; those are counted and skipped. (No topic set: all.)
+    fn ours(&self, topic: &[u8]) -> bool {
+        let ours = self.feed.topic.is_empty() || topic == self.feed.topic.as_slice();
+        if !ours {
+            self.set.count(event::OTHER_TOPIC, 1);
+        }
+        ours
     }
 
     /// Forgets everything this connection learnt, and withdraws what it recorded.
@@ -499,6 +508,7 @@ impl Subscriber {
 
     fn removed(&mut self, r: Removed) {
         if r.group_idx.is_some_and(|g| g != 0) {
+            self.set.count(event::UNSUPPORTED, 1);
             return;
         }
         let bit = medium_bit(r.medium.as_deref());
@@ -507,6 +517,10 @@ impl Subscriber {
             .iter()
             .filter_map(|h| Some((h.key(), self.hashes.peek(&h.key())?.short())))
             .collect();
+        self.set.count(
+            event::REMOVED_UNKNOWN,
+            (r.block_hashes.len() - found.len()) as u64,
+        );
         self.set.remove(found.iter().map(|&(_, d)| (d, bit)));
         // Held in no medium now: the mapping goes too (the engine would store it again first).
         for (k, d) in found {
@@ -738,6 +752,27 @@ mod tests {
             .held
             .iter()
             .all(|(k, _)| s.hashes.iter().any(|(_, d)| d.short() == *k)));
+    }
+
+    /// Removals of hashes the feed never mapped, and batches under a longer topic that the
+    /// prefix subscription let through, are counted (they change nothing).
+    #[test]
+    fn unknown_removals_and_other_topics_are_counted() {
+        let mut s = subscriber();
+        s.apply(0, &batch(json!([stored(&[10], None, &[1, 2])])));
+        s.apply(
+            1,
+            &batch(
+                json!([{"type": "BlockRemoved", "block_hashes": [10, 77, 78], "medium": "GPU"}]),
+            ),
+        );
+        assert_eq!(feed_entries(&s.set), 0);
+        assert_eq!(events(&s.set, event::REMOVED_UNKNOWN), 2);
+        assert!(s.ours(b"anything"), "no topic set: every batch");
+        s.feed.topic = b"eng1".to_vec();
+        assert!(s.ours(b"eng1"));
+        assert!(!s.ours(b"eng10"));
+        assert_eq!(events(&s.set, event::OTHER_TOPIC), 1);
     }
 
     /// A hash stored again as other tokens (or given twice in one batch) maps to the new
