@@ -24,7 +24,8 @@
 //! challenge is remembered, so a captured request replayed gets nothing. A serve slot (at most
 //! [`MAX_CONCURRENT_SERVES`]) is taken only once the request has authenticated; at most
 //! [`MAX_PENDING_HANDSHAKES`] connections may be sending theirs ([`MAX_PENDING_PER_SOURCE`]
-//! from one source), and one more closes the oldest (of its source, else of all); everything
+//! from one IPv4 address, [`MAX_PENDING_PER_V6_PREFIX`] from one IPv6 /64), and one more
+//! closes the oldest (of its source, else of all); everything
 //! is bounded in time and bytes, on both sides. A node that seals its gossip never answers in plaintext; only a
 //! plaintext-gossip node does, and a node that verifies incoming gossip refuses plaintext
 //! replies.
@@ -52,10 +53,14 @@ pub const MAX_CONCURRENT_SERVES: usize = 2;
 /// them (counted as evicted): a host that opens connections and sends nothing can hold every
 /// slot only by opening them faster than a joiner sends its request, not by keeping them.
 pub const MAX_PENDING_HANDSHAKES: usize = 16;
-/// Connections from one source (an IPv4 address, an IPv6 /64) that may be sending their
-/// request at once; one more from it closes its oldest (counted as evicted), so a neighbour
-/// behind the same NAT address cannot lock the others out by holding two.
+/// Connections from one IPv4 address that may be sending their request at once; one more
+/// from it closes its oldest (counted as evicted), so a neighbour behind the same NAT address
+/// cannot lock the others out by holding two.
 pub const MAX_PENDING_PER_SOURCE: usize = 2;
+/// The same for one IPv6 /64, which one host may hold whole, and which a cluster's pods may
+/// share (one /80 each): more at once, so that nodes joining together do not close each
+/// other's requests.
+pub const MAX_PENDING_PER_V6_PREFIX: usize = 8;
 /// Challenges of served requests remembered against replays.
 const MAX_SEEN_CHALLENGES: usize = 4096;
 /// How long a serialised snapshot serves further transfers: building one copies the whole
@@ -528,17 +533,25 @@ impl Source {
             std::net::IpAddr::V6(v6) => Source::V6Prefix((v6.to_bits() >> 64) as u64),
         }
     }
+
+    /// Connections it may have sending their request at once.
+    fn limit(self) -> usize {
+        match self {
+            Source::V4(_) => MAX_PENDING_PER_SOURCE,
+            Source::V6Prefix(_) => MAX_PENDING_PER_V6_PREFIX,
+        }
+    }
 }
 
 impl Handshakes {
-    /// A slot for a connection from `ip`. When its source already has
-    /// [`MAX_PENDING_PER_SOURCE`] pending, the oldest of those is closed; else, when all
-    /// [`MAX_PENDING_HANDSHAKES`] are taken, the oldest of all.
+    /// A slot for a connection from `ip`. When its source already has its limit pending
+    /// ([`MAX_PENDING_PER_SOURCE`], [`MAX_PENDING_PER_V6_PREFIX`]), the oldest of those is
+    /// closed; else, when all [`MAX_PENDING_HANDSHAKES`] are taken, the oldest of all.
     fn admit(this: &Arc<Mutex<Handshakes>>, ip: std::net::IpAddr) -> HandshakeSlot {
         let source = Source::of(ip);
         let mut h = lock(this);
         let of_source = h.pending.iter().filter(|p| p.source == source).count();
-        let oldest = if of_source >= MAX_PENDING_PER_SOURCE {
+        let oldest = if of_source >= source.limit() {
             h.pending.iter().position(|p| p.source == source)
         } else if h.pending.len() >= MAX_PENDING_HANDSHAKES {
             Some(0)
@@ -624,6 +637,8 @@ async fn serve_one(
 ) -> Result<usize, BulkError> {
     own.push(s.local_addr()?);
     let frame = tokio::select! {
+        // A request already in the socket wins over an eviction that comes with it.
+        biased;
         read = tokio::time::timeout(REQUEST_TIMEOUT, read_frame(&mut s, MAX_REQUEST_FRAME)) => {
             read.map_err(|_| BulkError::Timeout)??
         }

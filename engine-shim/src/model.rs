@@ -539,7 +539,10 @@ impl Llama {
             n_kv_head,
             head_dim,
             ffn,
-            context: context.min(MAX_CONTEXT).min(MAX_ROPE_VALUES / head_dim),
+            context: context
+                .min(MAX_CONTEXT)
+                .min(MAX_ROPE_VALUES / head_dim)
+                .max(1),
             rope_base: g.get_f64("llama.rope.freq_base").unwrap_or(10_000.0),
             eps: g.get_f64("llama.attention.layer_norm_rms_epsilon")?,
             vocab,

@@ -89,8 +89,10 @@ pub mod event {
     pub const UNSUPPORTED: &str = "unsupported";
     /// KV events: stored blocks of another size than the model's `block_tokens` (skipped).
     pub const BLOCK_SIZE: &str = "block_size";
-    /// KV events: removed blocks the feed never mapped, so had not recorded (nothing to
-    /// withdraw).
+    /// KV events: removed block hashes the feed holds no mapping for (never mapped: stored
+    /// before it subscribed, or skipped when stored; or pushed out of its bounded map, or
+    /// forgotten at a resync), counted per hash; nothing to withdraw. Steady in a large
+    /// engine, not a fault by itself.
     pub const REMOVED_UNKNOWN: &str = "removed_unknown";
     /// KV events: a batch under a topic that only starts with the configured one, which
     /// ZeroMQ's prefix subscription lets through (skipped).

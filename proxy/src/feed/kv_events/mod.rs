@@ -257,11 +257,13 @@ impl Subscriber {
                 .is_some_and(|l| l > seq.saturating_add(REPLAY_AHEAD))
         {
             // Only the replay at connect can have numbered batches this far ahead (a gap's
-            // replay stops at REPLAY_AHEAD past the live batch); checked before a restart,
-            // which a far-off number also looks like.
+            // replay stops at REPLAY_AHEAD past the live batch): a lying replay socket, or a
+            // long-lived publisher that restarted since. Either way what it gave goes, and the
+            // buffer is replayed again as for a restart (bounded by this batch's number).
             tracing::warn!(engine = %self.feed.engine, seq, last = ?self.last, "KV events replay numbered its batches far past the live stream; withdrawing what it gave");
             self.set.count(event::MALFORMED, 1);
             self.forget();
+            self.replay(0, Some(seq)).await;
         }
         let restarted = match self.live_last {
             // Back to an earlier (or the same) number on the same stream: a publisher behind
