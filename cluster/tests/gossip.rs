@@ -1181,6 +1181,16 @@ async fn an_oversized_transfer_is_refused_and_gossip_still_delivers() {
 
 const BULK_MAGIC: &[u8] = b"kvmesh bulk v1";
 
+/// A keyholder's bulk transfer request to `to`, its challenge `challenge` repeated, sealed.
+fn keyholder_request(challenge: u8, to: SocketAddr) -> Vec<u8> {
+    let mut request = BULK_MAGIC.to_vec();
+    request.extend_from_slice(&[challenge; 32]);
+    Sealer::new(keyring(KEY), &transfer_domain("test"))
+        .seal(&request, to)
+        .pop()
+        .unwrap()
+}
+
 async fn write_frame(s: &mut tokio::net::TcpStream, body: &[u8]) {
     use tokio::io::AsyncWriteExt;
     s.write_all(&(body.len() as u32).to_be_bytes())
@@ -1257,12 +1267,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
     // one snapshot (the state is not copied again for each request within SNAPSHOT_REUSE).
     let built = nodes[0].cluster.bulk_stats().snapshots_built();
     let ask = |challenge: u8| {
-        let mut request = BULK_MAGIC.to_vec();
-        request.extend_from_slice(&[challenge; 32]);
-        let frame = Sealer::new(keyring(KEY), &transfer_domain("test"))
-            .seal(&request, server)
-            .pop()
-            .unwrap();
+        let frame = keyholder_request(challenge, server);
         async move {
             let mut s = tokio::net::TcpStream::connect(server).await.unwrap();
             write_frame(&mut s, &frame).await;
@@ -1351,13 +1356,7 @@ async fn silent_connections_cannot_hold_the_transfer_port() {
     }
     evicted_reaches(hosts as u64 + 2).await;
     for (ip, s) in &mut keyholders {
-        let mut request = BULK_MAGIC.to_vec();
-        request.extend_from_slice(&[40 + *ip; 32]);
-        let frame = Sealer::new(keyring(KEY), &transfer_domain("test"))
-            .seal(&request, server)
-            .pop()
-            .unwrap();
-        write_frame(s, &frame).await;
+        write_frame(s, &keyholder_request(40 + *ip, server)).await;
     }
     for (ip, s) in &mut keyholders {
         let reply = read_all(s).await;
@@ -1381,12 +1380,7 @@ async fn silent_connections_cannot_hold_the_transfer_port() {
 async fn forged_and_replayed_bulk_replies_are_refused() {
     let (nodes, real_seed) = loaded_pair(1_000).await;
     // A genuine reply, recorded by a keyholder-looking request sent by the attacker's capture.
-    let mut request = BULK_MAGIC.to_vec();
-    request.extend_from_slice(&[9u8; 32]);
-    let frame = Sealer::new(keyring(KEY), &transfer_domain("test"))
-        .seal(&request, local(real_seed))
-        .pop()
-        .unwrap();
+    let frame = keyholder_request(9, local(real_seed));
     let mut s = tokio::net::TcpStream::connect(local(real_seed))
         .await
         .unwrap();

@@ -147,6 +147,7 @@ fn compile_chat_fueled(
                 )));
             }
             // Every line gets the indentation (blank ones too, when asked): what it builds.
+            // No width given: minijinja's default, 4.
             let v = value.as_str();
             let lines = v.matches('\n').count().saturating_add(1);
             let longest = lines

@@ -421,6 +421,13 @@ impl Zmtp {
         }
     }
 
+    /// `buf` holds part of a frame, not all of it: no frame yet, and the frame's time runs from
+    /// its first byte ([`Limits::max_frame_time`]).
+    fn partial(&mut self) -> Option<Frame> {
+        self.partial_since.get_or_insert_with(Instant::now);
+        None
+    }
+
     /// A whole frame from `buf`, if it holds one. A stated length over the bound is refused
     /// before anything is waited for.
     fn parse_frame(&mut self) -> Result<Option<Frame>, ZmtpError> {
@@ -429,16 +436,14 @@ impl Zmtp {
         };
         let (head, len) = if flags & 0x02 != 0 {
             let Some(b) = self.buf.get(1..9) else {
-                self.partial_since.get_or_insert_with(Instant::now);
-                return Ok(None);
+                return Ok(self.partial());
             };
             let mut n = [0u8; 8];
             n.copy_from_slice(b);
             (9, u64::from_be_bytes(n))
         } else {
             let Some(&n) = self.buf.get(1) else {
-                self.partial_since.get_or_insert_with(Instant::now);
-                return Ok(None);
+                return Ok(self.partial());
             };
             (2, u64::from(n))
         };
@@ -452,8 +457,7 @@ impl Zmtp {
                 ))
             })?;
         if self.buf.len() < head + len {
-            self.partial_since.get_or_insert_with(Instant::now);
-            return Ok(None);
+            return Ok(self.partial());
         }
         self.partial_since = None;
         let _ = self.buf.split_to(head);

@@ -674,15 +674,18 @@ mod tests {
         let live = |s: &mut Subscriber, seq: u64, v: serde_json::Value| {
             rt.block_on(s.on_live(seq, &Bytes::from(batch(v))))
         };
-        let mut s = subscriber();
-        // What the connect's replay gave: up to batch 50,000.
-        s.apply(50_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        // A feed whose connect replay gave batches up to `last`, the last storing one block.
+        let replayed_to = |last: u64| {
+            let mut s = subscriber();
+            s.apply(last, &batch(json!([stored(&[10], None, &[1, 2])])));
+            s
+        };
+        let mut s = replayed_to(50_000);
         live(&mut s, 49_990, json!([]));
         assert_eq!(events(&s.set, event::RESTART), 0);
         assert_eq!(events(&s.set, event::DUPLICATE), 1);
         assert_eq!(feed_entries(&s.set), 1);
-        let mut s = subscriber();
-        s.apply(50_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        let mut s = replayed_to(50_000);
         live(&mut s, 0, json!([stored(&[20], None, &[3, 4])]));
         assert_eq!(events(&s.set, event::RESTART), 1);
         assert_eq!(feed_entries(&s.set), 1, "only the new lifetime's block");
@@ -691,15 +694,13 @@ mod tests {
         assert_eq!(events(&s.set, event::RESTART), 1);
         assert_eq!(feed_entries(&s.set), 1);
         // A connect replay numbered past REPLAY_AHEAD is a lying replay socket, not a restart.
-        let mut s = subscriber();
-        s.apply(1 << 40, &batch(json!([stored(&[10], None, &[1, 2])])));
+        let mut s = replayed_to(1 << 40);
         live(&mut s, 0, json!([]));
         assert_eq!(events(&s.set, event::MALFORMED), 1);
         assert_eq!(events(&s.set, event::RESTART), 0);
         assert_eq!(feed_entries(&s.set), 0);
         // A stream older than REPLAY_AHEAD that goes back is a restart, counted once.
-        let mut s = subscriber();
-        s.apply(200_000, &batch(json!([stored(&[10], None, &[1, 2])])));
+        let mut s = replayed_to(200_000);
         live(&mut s, 200_001, json!([]));
         live(&mut s, 0, json!([]));
         assert_eq!(events(&s.set, event::RESTART), 1);
