@@ -215,11 +215,12 @@ impl Endpoint {
         transfer_domain(&self.cluster_id)
     }
 
-    fn sealer(&self) -> Option<Sealer> {
+    /// A sealer for frames sent from `local`, this side's address of the connection.
+    fn sealer(&self, local: SocketAddr) -> Option<Sealer> {
         let keyring = self.security.keyring.clone()?;
         self.security
             .encrypt_outgoing
-            .then(|| Sealer::new(keyring, &self.domain()))
+            .then(|| Sealer::new(keyring, &self.domain(), local))
     }
 
     fn opener(&self, own: Vec<SocketAddr>) -> Option<Opener> {
@@ -299,7 +300,7 @@ async fn pull_inner(
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut challenge);
     let mut request = MAGIC.to_vec();
     request.extend_from_slice(&challenge);
-    let request = match ep.sealer() {
+    let request = match ep.sealer(local) {
         Some(mut sealer) => sealer
             .seal(&request, addr)
             .pop()
@@ -635,7 +636,8 @@ async fn serve_one(
     mut handshake: HandshakeSlot,
     shared: &Serving,
 ) -> Result<usize, BulkError> {
-    own.push(s.local_addr()?);
+    let local = s.local_addr()?;
+    own.push(local);
     let frame = tokio::select! {
         // A request already in the socket wins over an eviction that comes with it.
         biased;
@@ -648,7 +650,7 @@ async fn serve_one(
     let (request, sealed) = ep.open(&mut opener, frame, from)?;
     // A node that seals its gossip never answers in plaintext (a migration's middle step
     // accepts plaintext gossip but still sends sealed).
-    let mut sealer = ep.sealer();
+    let mut sealer = ep.sealer(local);
     if !sealed && sealer.is_some() {
         return Err(BulkError::Refused(Rejection::Plaintext));
     }
@@ -787,8 +789,8 @@ mod tests {
         let from: SocketAddr = "10.0.0.1:7946".parse().unwrap();
         let mut request = MAGIC.to_vec();
         request.extend_from_slice(&[7u8; CHALLENGE_LEN]);
-        let transfer = ep.sealer().unwrap().seal(&request, to).remove(0);
-        let gossip = Sealer::new(ring(), "c").seal(b"gossip", to).remove(0);
+        let transfer = ep.sealer(from).unwrap().seal(&request, to).remove(0);
+        let gossip = Sealer::new(ring(), "c", from).seal(b"gossip", to).remove(0);
         let gossip_opener = || Opener::new(ring(), "c", vec![to], Duration::from_secs(60), 4);
         assert_eq!(
             gossip_opener().open(&transfer, from),

@@ -8,8 +8,9 @@
 //! A frame:
 //!
 //! ```text
-//! magic "kv" | version 2 | fragment index | fragment count | key id [4] | session u64 |
-//! counter u64 | timestamp_ms u64 | destination [18] | nonce [24] | ciphertext | tag [16]
+//! magic "kv" | version 3 | fragment index | fragment count | key id [4] | session u64 |
+//! counter u64 | timestamp_ms u64 | destination [18] | source [18] | nonce [24] |
+//! ciphertext | tag [16]
 //! ```
 //!
 //! Everything before the nonce, and the cluster id, is authenticated as associated data, so a
@@ -25,6 +26,12 @@
 //!   out.
 //! - Every frame's timestamp must be within `max_clock_skew` of the receiver's clock
 //!   (`stale`), which bounds how old a replayed capture can be once its session is forgotten.
+//! - The source is the address the sender gossips from, as it advertises it. A frame that
+//!   arrives from another IP still opens (a replay carries nothing its sender did not say),
+//!   but [`Opened::from_named_source`] is false: only frames that come from the IP they name
+//!   make a host one this node has heard from, which peer URLs and the hop header are checked
+//!   against. Version 2 frames named no source, so a capture replayed from any host made that
+//!   host count as a member.
 //! - The key id (a hash of the key) picks the one key to try, so a forged frame costs one
 //!   authentication, not one per installed key.
 //! - Nonces are 24 random bytes (XChaCha20): no practical risk of reuse under a key shared by
@@ -43,10 +50,13 @@ pub const KEY_LEN: usize = 32;
 /// The largest UDP payload over IPv4.
 pub const MAX_DATAGRAM: usize = 65_507;
 const MAGIC: [u8; 2] = *b"kv";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
+/// Earlier frame versions: a node of an earlier release, refused as [`Rejection::Version`].
+const EARLIER_VERSIONS: std::ops::RangeInclusive<u8> = 1..=2;
 const KEY_ID_LEN: usize = 4;
-const DEST_LEN: usize = 18;
-const HEADER_LEN: usize = 2 + 1 + 1 + 1 + KEY_ID_LEN + 8 + 8 + 8 + DEST_LEN;
+/// An address as [`encode_addr`] writes it (the destination and the source).
+const ADDR_LEN: usize = 18;
+const HEADER_LEN: usize = 2 + 1 + 1 + 1 + KEY_ID_LEN + 8 + 8 + 8 + 2 * ADDR_LEN;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
 /// Bytes a frame adds to the plaintext it carries.
@@ -72,6 +82,7 @@ const AT_SESSION: usize = AT_KEY_ID + KEY_ID_LEN;
 const AT_COUNTER: usize = AT_SESSION + 8;
 const AT_TIMESTAMP: usize = AT_COUNTER + 8;
 const AT_DEST: usize = AT_TIMESTAMP + 8;
+const AT_SOURCE: usize = AT_DEST + ADDR_LEN;
 
 /// Errors reading keys.
 #[derive(Debug, thiserror::Error)]
@@ -159,15 +170,21 @@ fn now_ms() -> u64 {
 }
 
 /// An address as 16 bytes (IPv4 mapped into IPv6) and a port.
-fn encode_addr(a: SocketAddr) -> [u8; DEST_LEN] {
+fn encode_addr(a: SocketAddr) -> [u8; ADDR_LEN] {
     let ip = match a.ip() {
         IpAddr::V4(v4) => v4.to_ipv6_mapped(),
         IpAddr::V6(v6) => v6,
     };
-    let mut out = [0u8; DEST_LEN];
+    let mut out = [0u8; ADDR_LEN];
     out[..16].copy_from_slice(&ip.octets());
     out[16..].copy_from_slice(&a.port().to_be_bytes());
     out
+}
+
+/// The IP of an address [`encode_addr`] wrote, IPv4 as IPv4.
+fn decode_ip(bytes: &[u8]) -> Option<IpAddr> {
+    let octets: [u8; 16] = bytes.get(..16)?.try_into().ok()?;
+    Some(IpAddr::from(octets).to_canonical())
 }
 
 /// Why an incoming datagram was dropped.
@@ -191,6 +208,8 @@ pub enum Rejection {
     Incomplete,
     /// A datagram on one of the internal loopback sockets from anyone but their owner.
     Local,
+    /// A frame of an earlier frame version: a node that runs an earlier kvmesh release.
+    Version,
 }
 
 impl Rejection {
@@ -205,11 +224,12 @@ impl Rejection {
             Rejection::Misdirected => "misdirected",
             Rejection::Incomplete => "incomplete",
             Rejection::Local => "local",
+            Rejection::Version => "version",
         }
     }
 
     /// Every reason, for metrics.
-    pub const ALL: [Rejection; 8] = [
+    pub const ALL: [Rejection; 9] = [
         Rejection::Malformed,
         Rejection::Forged,
         Rejection::Replayed,
@@ -218,6 +238,7 @@ impl Rejection {
         Rejection::Misdirected,
         Rejection::Incomplete,
         Rejection::Local,
+        Rejection::Version,
     ];
 }
 
@@ -225,18 +246,22 @@ impl Rejection {
 pub struct Sealer {
     keyring: Keyring,
     aad_suffix: Vec<u8>,
+    source: SocketAddr,
     session: u64,
     counter: u64,
 }
 
 impl Sealer {
-    /// A sealer for a new session (random id).
-    pub fn new(keyring: Keyring, cluster_id: &str) -> Sealer {
+    /// A sealer for a new session (random id) of a node that sends from `source` (the gossip
+    /// address it advertises, or a connection's local address): receivers count it as heard
+    /// from only when its frames come from that IP.
+    pub fn new(keyring: Keyring, cluster_id: &str, source: SocketAddr) -> Sealer {
         let mut s = [0u8; 8];
         fill_random(&mut s);
         Sealer {
             keyring,
             aad_suffix: cluster_id.as_bytes().to_vec(),
+            source,
             session: u64::from_le_bytes(s),
             counter: 0,
         }
@@ -268,6 +293,7 @@ impl Sealer {
                 counter: self.counter,
                 timestamp_ms: ts,
                 dest,
+                source: self.source,
             };
             let Some(frame) = seal_frame(key_id, cipher, &self.aad_suffix, &header, piece) else {
                 return Vec::new();
@@ -293,6 +319,8 @@ pub struct FrameHeader {
     pub timestamp_ms: u64,
     /// The address it is meant for.
     pub dest: SocketAddr,
+    /// The address its sender sends from.
+    pub source: SocketAddr,
 }
 
 /// One frame carrying `piece` under `header`; `None` only if encryption fails.
@@ -313,6 +341,7 @@ pub(crate) fn seal_frame(
     frame.extend_from_slice(&header.counter.to_le_bytes());
     frame.extend_from_slice(&header.timestamp_ms.to_le_bytes());
     frame.extend_from_slice(&encode_addr(header.dest));
+    frame.extend_from_slice(&encode_addr(header.source));
     let mut nonce = [0u8; NONCE_LEN];
     fill_random(&mut nonce);
     let mut aad = frame.clone();
@@ -343,9 +372,25 @@ pub(crate) fn sealed_frame_for_test(
     seal_frame(key_id, cipher, cluster_id.as_bytes(), header, piece)
 }
 
-/// Whether a datagram looks like a sealed frame (rather than chitchat's own plaintext format).
+/// Whether a datagram looks like a sealed frame (rather than chitchat's own plaintext format),
+/// of this version or an earlier one ([`Opener::open`] refuses those as
+/// [`Rejection::Version`]).
 pub fn is_sealed(datagram: &[u8]) -> bool {
-    datagram.len() >= 3 && datagram[..2] == MAGIC && datagram[2] == VERSION
+    datagram.len() >= 3
+        && datagram[..2] == MAGIC
+        && (datagram[2] == VERSION || EARLIER_VERSIONS.contains(&datagram[2]))
+}
+
+/// What [`Opener::open_from`] made of an authentic frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    /// The whole message, once every fragment of it is in (`None` for a fragment kept for
+    /// later).
+    pub message: Option<Vec<u8>>,
+    /// Whether the frame came from the IP its sender named as its own. Only then does it show
+    /// that a key holder sends from that host: a frame captured elsewhere and replayed from
+    /// another host opens too, within the clock skew of a restart.
+    pub from_named_source: bool,
 }
 
 struct SessionWindow {
@@ -438,6 +483,15 @@ impl Opener {
         datagram: &[u8],
         from: SocketAddr,
     ) -> Result<Option<Vec<u8>>, Rejection> {
+        self.open_from(datagram, from).map(|o| o.message)
+    }
+
+    /// [`Opener::open`], also saying whether the frame came from the IP its sender named.
+    pub fn open_from(&mut self, datagram: &[u8], from: SocketAddr) -> Result<Opened, Rejection> {
+        if datagram.len() >= 3 && datagram[..2] == MAGIC && EARLIER_VERSIONS.contains(&datagram[2])
+        {
+            return Err(Rejection::Version);
+        }
         if datagram.len() < OVERHEAD || !is_sealed(datagram) {
             return Err(Rejection::Malformed);
         }
@@ -445,7 +499,7 @@ impl Opener {
         if count == 0 || count > MAX_FRAGMENTS || index >= count {
             return Err(Rejection::Malformed);
         }
-        if !self.addressed_to_us(&datagram[AT_DEST..AT_DEST + DEST_LEN]) {
+        if !self.addressed_to_us(&datagram[AT_DEST..AT_DEST + ADDR_LEN]) {
             return Err(Rejection::Misdirected);
         }
         let field = |at: usize| {
@@ -510,10 +564,17 @@ impl Opener {
                 );
             }
         }
-        if count == 1 {
-            return Ok(Some(plaintext));
-        }
-        self.reassemble(session, counter, index, count, plaintext, now)
+        let from_named_source =
+            decode_ip(&datagram[AT_SOURCE..AT_SOURCE + ADDR_LEN]) == Some(from.ip().to_canonical());
+        let message = if count == 1 {
+            Some(plaintext)
+        } else {
+            self.reassemble(session, counter, index, count, plaintext, now)?
+        };
+        Ok(Opened {
+            message,
+            from_named_source,
+        })
     }
 
     fn reassemble(
@@ -648,7 +709,7 @@ mod tests {
     fn pair(cluster: &str) -> (Sealer, Opener) {
         let k = key(7);
         (
-            Sealer::new(ring(&[&k]), cluster),
+            Sealer::new(ring(&[&k]), cluster, addr(A)),
             opener(&[&k], cluster, 16),
         )
     }
@@ -714,6 +775,73 @@ mod tests {
         assert_eq!(restarted.open(&captured, addr(9)), Err(Rejection::Replayed));
     }
 
+    // Defect: a frame did not name its sender, so a capture replayed from another host
+    // within the clock skew of a restart made that host count as one this node had heard
+    // from (trusted for the hop header under `accept_hop_from = "members"`). It still opens,
+    // but only from the IP it names does it count.
+    #[test]
+    fn only_a_frame_from_the_ip_it_names_shows_its_sender() {
+        let node = SocketAddr::from(([10, 0, 0, 1], 7946));
+        let other_port = SocketAddr::from(([10, 0, 0, 1], 5000));
+        let replayer = SocketAddr::from(([10, 0, 0, 66], 7946));
+        let mut s = Sealer::new(ring(&[&key(7)]), "c", node);
+        let captured = one(&mut s, b"x");
+        let named = |o: Result<Opened, Rejection>| o.map(|o| o.from_named_source);
+        assert_eq!(
+            named(opener(&[&key(7)], "c", 4).open_from(&captured, replayer)),
+            Ok(false)
+        );
+        assert_eq!(
+            named(opener(&[&key(7)], "c", 4).open_from(&captured, node)),
+            Ok(true)
+        );
+        assert_eq!(
+            named(opener(&[&key(7)], "c", 4).open_from(&captured, other_port)),
+            Ok(true),
+            "hosts are told apart by IP"
+        );
+        let v4_mapped =
+            SocketAddr::from((std::net::Ipv4Addr::new(10, 0, 0, 1).to_ipv6_mapped(), 7946));
+        assert_eq!(
+            named(opener(&[&key(7)], "c", 4).open_from(&captured, v4_mapped)),
+            Ok(true)
+        );
+        // Every fragment says it, the one that completes the message too.
+        let big = vec![1u8; MAX_FRAGMENT_PLAINTEXT + 10];
+        let frames = s.seal(&big, addr(B));
+        let mut o = opener(&[&key(7)], "c", 4);
+        let first = o.open_from(&frames[0], replayer);
+        assert_eq!(
+            first,
+            Ok(Opened {
+                message: None,
+                from_named_source: false
+            })
+        );
+        let last = o.open_from(&frames[1], node);
+        assert_eq!(
+            last,
+            Ok(Opened {
+                message: Some(big),
+                from_named_source: true
+            })
+        );
+    }
+
+    /// A node of an earlier release (frame version 2) is told apart from garbage.
+    #[test]
+    fn an_earlier_frame_version_is_refused_as_such() {
+        let (mut s, mut o) = pair("c");
+        let mut frame = one(&mut s, b"x");
+        assert!(is_sealed(&frame));
+        frame[2] = 2;
+        assert!(is_sealed(&frame), "a v2 frame is not plaintext");
+        assert_eq!(o.open(&frame, addr(A)), Err(Rejection::Version));
+        frame[2] = 9;
+        assert!(!is_sealed(&frame));
+        assert_eq!(o.open(&frame, addr(A)), Err(Rejection::Malformed));
+    }
+
     #[test]
     fn a_frame_sealed_for_another_node_is_misdirected() {
         // A seals to B, then to C, then to B; a sniffer replays the A->C frame to B.
@@ -741,13 +869,13 @@ mod tests {
             Duration::from_secs(60),
             4,
         );
-        let mut a = Sealer::new(ring(&[&key(7)]), "c");
+        let sender = SocketAddr::from(([10, 0, 0, 1], port));
+        let mut a = Sealer::new(ring(&[&key(7)]), "c", sender);
         let to_other = a
             .seal(b"to 10.0.0.2", SocketAddr::from(([10, 0, 0, 2], port)))
             .remove(0);
         let to_here = a.seal(b"to 10.0.0.4", here).remove(0);
         let attacker = SocketAddr::from(([10, 0, 0, 66], 4000));
-        let sender = SocketAddr::from(([10, 0, 0, 1], port));
         assert_eq!(o.open(&to_other, attacker), Err(Rejection::Misdirected));
         assert_eq!(o.open(&to_here, sender), Ok(Some(b"to 10.0.0.4".to_vec())));
     }
@@ -789,15 +917,15 @@ mod tests {
     fn rotation_secondary_keys_open() {
         let (old, new) = (key(1), key(2));
         // Step 1: the new key installed as secondary; old primary still seals.
-        let mut sender = Sealer::new(ring(&[&old]), "c");
+        let mut sender = Sealer::new(ring(&[&old]), "c", addr(A));
         let mut receiver = opener(&[&old, &new], "c", 4);
         assert!(receiver.open(&one(&mut sender, b"1"), addr(A)).is_ok());
         // Step 2: new primary; nodes still holding the old key as secondary open it.
-        let mut sender = Sealer::new(ring(&[&new, &old]), "c");
+        let mut sender = Sealer::new(ring(&[&new, &old]), "c", addr(A));
         assert!(receiver.open(&one(&mut sender, b"2"), addr(A)).is_ok());
         // Step 3: old removed; its frames no longer open.
         let mut receiver = opener(&[&new], "c", 4);
-        let mut stale_sender = Sealer::new(ring(&[&old]), "c");
+        let mut stale_sender = Sealer::new(ring(&[&old]), "c", addr(A));
         assert_eq!(
             receiver.open(&one(&mut stale_sender, b"3"), addr(A)),
             Err(Rejection::Forged)
@@ -837,7 +965,7 @@ mod tests {
             Ok(Some(big.len()))
         );
         // Another sender is not locked out by the first one's leftovers.
-        let mut other = Sealer::new(ring(&[&key(7)]), "c");
+        let mut other = Sealer::new(ring(&[&key(7)]), "c", addr(A));
         let f = other.seal(&big, addr(B));
         assert_eq!(
             o.open(&f[0], SocketAddr::from(([127, 0, 0, 1], 5))),
@@ -876,7 +1004,7 @@ mod tests {
     fn stale_frames_refused_and_sessions_bounded() {
         let k = key(3);
         let mut o = opener(&[&k], "c", 2);
-        let mut s = Sealer::new(ring(&[&k]), "c");
+        let mut s = Sealer::new(ring(&[&k]), "c", addr(A));
         let hour_ago = now_ms() - 3_600_000;
         // A new session an hour old, and a known session's frame an hour old: both stale.
         assert_eq!(
@@ -889,7 +1017,7 @@ mod tests {
             Err(Rejection::Stale)
         );
         for _ in 0..5 {
-            let mut s = Sealer::new(ring(&[&k]), "c");
+            let mut s = Sealer::new(ring(&[&k]), "c", addr(A));
             assert!(o.open(&one(&mut s, b"y"), addr(A)).is_ok());
         }
         assert_eq!(o.sessions(), 2);

@@ -240,6 +240,8 @@ impl Shared {
     /// hand it to chitchat from the sender's relay.
     async fn inbound(self: &Arc<Self>, datagram: &[u8], from: SocketAddr) {
         let sealed = seal::is_sealed(datagram);
+        // Whether this datagram shows that a host holding the key sends from `from`.
+        let mut shows_sender = !sealed && self.opener.is_none();
         let message = if sealed {
             let Some(opener) = &self.opener else {
                 return self.stats.reject(Rejection::Forged, from);
@@ -247,27 +249,34 @@ impl Shared {
             let (result, incomplete) = {
                 let mut o = lock(opener);
                 let before = o.incomplete();
-                let r = o.open(datagram, from);
+                let r = o.open_from(datagram, from);
                 (r, o.incomplete() - before)
             };
             if incomplete > 0 {
                 self.stats.rejected[Rejection::Incomplete as usize]
                     .fetch_add(incomplete, Ordering::Relaxed);
             }
-            match result {
-                Ok(Some(m)) => m,
-                Ok(None) => return self.stats.heard_from(from.ip()),
+            let opened = match result {
+                Ok(o) => o,
                 Err(r) => return self.stats.reject(r, from),
+            };
+            shows_sender = opened.from_named_source;
+            match opened.message {
+                Some(m) => m,
+                None if shows_sender => return self.stats.heard_from(from.ip()),
+                None => return,
             }
         } else if self.verify_incoming {
             return self.stats.reject(Rejection::Plaintext, from);
         } else {
             datagram.to_vec()
         };
-        // Plaintext let in during a migration proves nothing about its sender: only
-        // authenticated datagrams (or any, where no key is set at all) make a host one this
-        // node has heard from, which peer URLs and hops are checked against.
-        if sealed || self.opener.is_none() {
+        // Plaintext let in during a migration proves nothing about its sender, nor does a
+        // sealed frame from another IP than the one it names (a capture replayed from there):
+        // only authenticated datagrams from their sender's own IP (or any, where no key is set
+        // at all) make a host one this node has heard from, which peer URLs and hops are
+        // checked against.
+        if shows_sender {
             self.stats.heard_from(from.ip());
         }
         if crate::beacon::is_beacon(&message) {
@@ -369,10 +378,10 @@ impl Transport for SecureUdp {
             sealer: keyring
                 .clone()
                 .filter(|_| self.security.encrypt_outgoing)
-                .map(|k| Mutex::new(Sealer::new(k, cluster_id))),
+                .map(|k| Mutex::new(Sealer::new(k, cluster_id, self.advertise))),
             beacon_sealer: keyring
                 .clone()
-                .map(|k| Mutex::new(Sealer::new(k, cluster_id))),
+                .map(|k| Mutex::new(Sealer::new(k, cluster_id, self.advertise))),
             opener: keyring.map(|k| {
                 Mutex::new(Opener::new(
                     k,

@@ -703,8 +703,8 @@ async fn forged_record_hijacks_plaintext_gossip_but_not_sealed_gossip() {
         let b_id = nodes[1].cluster.chitchat_id().await;
         let evil = "http://127.0.0.1:9";
         let forged = crafted_ack(&b_id, "node", &evil_record("b", evil), 1_000_000, None);
-        let wrong_key = Sealer::new(keyring(OTHER_KEY), "test").seal(&forged, local(pa));
-        let other_cluster = Sealer::new(keyring(KEY), "other").seal(&forged, local(pa));
+        let wrong_key = Sealer::new(keyring(OTHER_KEY), "test", local(0)).seal(&forged, local(pa));
+        let other_cluster = Sealer::new(keyring(KEY), "other", local(0)).seal(&forged, local(pa));
         send(pa, std::slice::from_ref(&forged)).await;
         send(pa, &wrong_key).await;
         send(pa, &other_cluster).await;
@@ -745,13 +745,47 @@ async fn wrong_key_never_joins_and_replays_are_dropped() {
     assert!(nodes[0].cluster.stats().rejected(Rejection::Forged) > 0);
 
     // An insider's datagram captured and sent again.
-    let mut sealer = Sealer::new(keyring(KEY), "test");
+    let mut sealer = Sealer::new(keyring(KEY), "test", local(0));
     let frame = sealer.seal(b"anything", local(pa));
     send(pa, &frame).await;
     send(pa, &frame).await;
     send(pa, &frame).await;
     settle(&mut nodes).await;
     assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Replayed), 2);
+    for n in nodes {
+        n.cluster.shutdown().await;
+    }
+}
+
+// Defect: a frame did not name the address its sender sends from, so a node's frame captured
+// and replayed from another host (possible within the clock skew of the receiver's restart,
+// while the sender's session is unknown to it) made that host one the receiver had heard from:
+// peer URLs pointing there passed the membership check, and with `accept_hop_from =
+// "members"` its hop requests were trusted for 10 s. Only a frame from the IP it names counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_replayed_from_another_host_does_not_make_it_a_member() {
+    let (pa, pb) = (udp_port(), udp_port());
+    let mut nodes = vec![node("b", pb, pb).await];
+    settle(&mut nodes).await;
+    let stats = nodes[0].cluster.stats().clone();
+    let elsewhere = tokio::net::UdpSocket::bind("127.0.0.2:0").await.unwrap();
+    let replayer = elsewhere.local_addr().unwrap();
+    // A frame that a's gossip socket sealed, as captured on its way to b.
+    for d in Sealer::new(keyring(KEY), "test", local(pa)).seal(b"a's frame", local(pb)) {
+        elsewhere.send_to(&d, local(pb)).await.unwrap();
+    }
+    settle(&mut nodes).await;
+    assert!(
+        !stats.has_heard_from(replayer.ip()),
+        "a replay made its host one b has heard from"
+    );
+    assert_eq!(stats.rejected(Rejection::Replayed), 0, "it opened");
+    // The control: a keyholder gossiping from its own address is heard from.
+    for d in Sealer::new(keyring(KEY), "test", replayer).seal(b"own frame", local(pb)) {
+        elsewhere.send_to(&d, local(pb)).await.unwrap();
+    }
+    settle(&mut nodes).await;
+    assert!(stats.has_heard_from(replayer.ip()));
     for n in nodes {
         n.cluster.shutdown().await;
     }
@@ -812,22 +846,22 @@ async fn load_beacons_reach_peers_that_accept_them_and_forged_ones_do_not() {
 
     // Attacks on b, each claiming to be a with a load that would divert traffic.
     let forged = beacon_plaintext("a", 1, u64::MAX, load(0, 0));
-    let mut insider = Sealer::new(keyring(KEY), "test");
+    let mut insider = Sealer::new(keyring(KEY), "test", local(0));
     send(pb, std::slice::from_ref(&forged)).await;
     send(
         pb,
-        &Sealer::new(keyring(OTHER_KEY), "test").seal(&forged, local(pb)),
+        &Sealer::new(keyring(OTHER_KEY), "test", local(0)).seal(&forged, local(pb)),
     )
     .await;
     send(pb, &insider.seal(b"kL\x01 not a beacon", local(pb))).await;
     // Each from a session of its own: the opener pins a session to its first source address.
     send(
         pb,
-        &Sealer::new(keyring(KEY), "test").seal(&forged, local(pb)),
+        &Sealer::new(keyring(KEY), "test", local(0)).seal(&forged, local(pb)),
     )
     .await;
     let elsewhere = tokio::net::UdpSocket::bind("127.0.0.2:0").await.unwrap();
-    for d in Sealer::new(keyring(KEY), "test").seal(&forged, local(pb)) {
+    for d in Sealer::new(keyring(KEY), "test", local(0)).seal(&forged, local(pb)) {
         elsewhere.send_to(&d, local(pb)).await.unwrap();
     }
     // Plaintext gossip that b lets in during the migration proves nothing about its sender:
@@ -887,7 +921,7 @@ async fn crafted_delta_panic_is_dropped_or_recovered() {
     assert_eq!(nodes[0].cluster.restarts(), 0);
     assert_eq!(nodes[0].cluster.stats().rejected(Rejection::Plaintext), 1);
 
-    let sealed = Sealer::new(keyring(KEY), "test").seal(&poison, local(pa));
+    let sealed = Sealer::new(keyring(KEY), "test", local(0)).seal(&poison, local(pa));
     send(pa, &sealed).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while !nodes[0].cluster.ensure_running().await.unwrap() {
@@ -1185,7 +1219,7 @@ const BULK_MAGIC: &[u8] = b"kvmesh bulk v1";
 fn keyholder_request(challenge: u8, to: SocketAddr) -> Vec<u8> {
     let mut request = BULK_MAGIC.to_vec();
     request.extend_from_slice(&[challenge; 32]);
-    Sealer::new(keyring(KEY), &transfer_domain("test"))
+    Sealer::new(keyring(KEY), &transfer_domain("test"), local(0))
         .seal(&request, to)
         .pop()
         .unwrap()
@@ -1217,7 +1251,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
     let mut request = BULK_MAGIC.to_vec();
     request.extend_from_slice(&[7u8; 32]);
     let sealed = |key: &str, cluster: &str| {
-        Sealer::new(keyring(key), &transfer_domain(cluster))
+        Sealer::new(keyring(key), &transfer_domain(cluster), local(0))
             .seal(&request, server)
             .pop()
             .unwrap()
@@ -1229,7 +1263,7 @@ async fn bulk_requests_without_the_key_get_nothing() {
         // Sealed as gossip is: a gossip frame is no transfer request.
         (
             "gossip's domain",
-            Sealer::new(keyring(KEY), "test")
+            Sealer::new(keyring(KEY), "test", local(0))
                 .seal(&request, server)
                 .pop()
                 .unwrap(),

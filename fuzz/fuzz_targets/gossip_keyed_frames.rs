@@ -48,12 +48,17 @@ fuzz_target!(|data: &[u8]| {
                 .wrapping_add(u64::from(r[7] % 4) * 60_000)
                 .wrapping_sub(if r[7] & 0x80 != 0 { 120_000 } else { 0 }),
             dest: if r[8] % 8 == 0 { elsewhere } else { own },
+            source: SocketAddr::from(([10, 0, 0, 2 + (r[8] / 8 % 3)], 7946)),
         };
         let from = SocketAddr::from(([10, 0, 0, 2 + (r[9] % 3)], 7946));
         let Some(frame) = sealed_frame(&keyring, "fuzz", &header, &r[10..10 + PIECE]) else {
             continue;
         };
-        let opened = opener.open(&frame, from);
+        let opened = opener.open_from(&frame, from);
+        if let Ok(o) = &opened {
+            assert_eq!(o.from_named_source, header.source.ip() == from.ip());
+        }
+        let opened = opened.map(|o| o.message);
         if let Ok(Some(message)) = &opened {
             assert!(usize::from(header.count) <= MAX_FRAGMENTS);
             assert_eq!(

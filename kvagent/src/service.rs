@@ -91,6 +91,11 @@ fn tier(t: Tier) -> pb::Tier {
 /// proxy's feed refuses larger messages, and checks at compile time that this fits.
 pub const DIGESTS_PER_UPDATE: usize = 65_536;
 
+/// The longest a `WatchResidency` stream goes without a message: an empty one is sent when
+/// nothing changed (`heartbeat_ms` in every message), so that a watcher can tell an idle stream
+/// from one that stopped in the middle of a message.
+pub const RESIDENCY_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How many messages `change` is sent as (at least one).
 fn update_count(change: &ResidencyChange) -> usize {
     change
@@ -118,6 +123,7 @@ fn update(change: &ResidencyChange, i: usize) -> pb::ResidencyUpdate {
         reset: change.reset && i == 0,
         added: part(&change.added),
         removed: part(&change.removed),
+        heartbeat_ms: RESIDENCY_HEARTBEAT.as_millis() as u32,
     }
 }
 
@@ -329,9 +335,16 @@ impl pb::kv_agent_server::KvAgent for KvAgentService {
                         return;
                     }
                 }
+                let epoch = change.epoch;
                 change = tokio::select! {
                     _ = tx.closed() => return,
                     _ = stopping.wait_for(|s| *s) => return,
+                    _ = tokio::time::sleep(RESIDENCY_HEARTBEAT) => Arc::new(ResidencyChange {
+                        epoch,
+                        reset: false,
+                        added: Vec::new(),
+                        removed: Vec::new(),
+                    }),
                     ev = events.recv() => match ev {
                         Ok(c) => c,
                         // Fell behind: start over from a fresh snapshot rather than guess.

@@ -408,6 +408,41 @@ async fn restart_keeps_blocks_and_watch_sees_adds_removes_and_new_epoch() {
     assert!(reset.reset && reset.added.is_empty() && reset.kv_epoch != snap.kv_epoch);
 }
 
+// An idle stream still gets a message every RESIDENCY_HEARTBEAT, empty and of the same epoch,
+// and every message says how often: a watcher can then tell an idle agent from one whose
+// stream stopped in the middle of a message.
+#[tokio::test]
+async fn an_idle_watch_gets_a_heartbeat() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), "").await;
+    let mut c = agent.client().await;
+    let mut watch = c
+        .watch_residency(pb::WatchResidencyRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let heartbeat = kvagent::service::RESIDENCY_HEARTBEAT;
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(u128::from(first.heartbeat_ms), heartbeat.as_millis());
+    let started = std::time::Instant::now();
+    let beat = tokio::time::timeout(heartbeat * 2, watch.message())
+        .await
+        .expect("no message from an idle agent within two heartbeats")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() >= heartbeat / 2, "sent before it was due");
+    assert_eq!(
+        (
+            beat.kv_epoch,
+            beat.reset,
+            beat.added.len(),
+            beat.removed.len()
+        ),
+        (first.kv_epoch, false, 0, 0)
+    );
+    assert_eq!(beat.heartbeat_ms, first.heartbeat_ms);
+}
+
 #[tokio::test]
 async fn kill_9_during_a_burst_of_puts_never_serves_a_damaged_block() {
     let dir = tempfile::tempdir().unwrap();

@@ -166,11 +166,12 @@ fn residency_spreads_and_a_request_goes_once_to_the_engine_holding_its_prefix() 
         kvmesh_cluster::Keyring::from_base64(&[kvmesh_cluster::Keyring::generate_base64()])
             .unwrap();
     let a_gossip: SocketAddr = format!("127.0.0.1:{}", a.gossip).parse().unwrap();
-    let sealed_wrong = kvmesh_cluster::seal::Sealer::new(wrong_key, "test").seal(&forged, a_gossip);
+    let sealed_wrong =
+        kvmesh_cluster::seal::Sealer::new(wrong_key, "test", c_gossip).seal(&forged, a_gossip);
     // Sealed with the cluster key, but for c (as a sniffer would capture it): refused by a.
     let right_key = kvmesh_cluster::Keyring::from_base64(&[GOSSIP_KEY]).unwrap();
     let captured_for_c =
-        kvmesh_cluster::seal::Sealer::new(right_key, "test").seal(&forged, c_gossip);
+        kvmesh_cluster::seal::Sealer::new(right_key, "test", a_gossip).seal(&forged, c_gossip);
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     udp.send_to(&forged, ("127.0.0.1", a.gossip)).unwrap();
     for f in sealed_wrong.iter().chain(&captured_for_c) {

@@ -7,7 +7,11 @@
 //!
 //! A digest that is not 32 bytes is skipped and counted (`malformed`). A connection is given
 //! up after 5 s, and an idle stream is pinged every 10 s (a dead agent or path is noticed
-//! within 15 s).
+//! within 15 s). Pings do not show a stream that stopped in the middle of a message while the
+//! agent's HTTP/2 still answers them, so the stream must also deliver whole messages: its
+//! first within [`FIRST_MESSAGE`], and then, from an agent that announces a heartbeat
+//! (`heartbeat_ms`: it sends an empty message when nothing changes), one within
+//! [`STALL_HEARTBEATS`] heartbeats.
 
 use async_trait::async_trait;
 use kvmesh_filters::chain::Digest;
@@ -24,6 +28,15 @@ const _: () = assert!(kvagent::service::DIGESTS_PER_UPDATE * 34 + 4096 <= MAX_ME
 /// Longest wait for the agent to answer the `WatchResidency` call (its first headers): an
 /// agent whose HTTP/2 still answers pings but whose service hangs is retried, not waited on.
 const WATCH_ANSWER: std::time::Duration = std::time::Duration::from_secs(10);
+/// Longest wait for the stream's first whole message (the snapshot's first part, at most
+/// ~2.3 MB, which every agent sends at once).
+pub(crate) const FIRST_MESSAGE: std::time::Duration = std::time::Duration::from_secs(30);
+/// Heartbeats a stream may go without a whole message before it is taken as stalled.
+pub(crate) const STALL_HEARTBEATS: u32 = 3;
+/// The range an agent's announced heartbeat is held to: a stream is never given up sooner
+/// than 3 s, nor waited on for more than 30 min.
+const HEARTBEAT_RANGE: std::ops::RangeInclusive<std::time::Duration> =
+    std::time::Duration::from_secs(1)..=std::time::Duration::from_secs(600);
 /// kvagent holds one medium, as far as routing is concerned.
 const MEDIUM: u8 = 1;
 
@@ -85,6 +98,17 @@ enum FeedError {
     Ended,
     #[error("no answer to WatchResidency within {0:?}")]
     NoAnswer(std::time::Duration),
+    #[error("no whole message within {0:?}: the stream stalled")]
+    Stalled(std::time::Duration),
+}
+
+/// How long the stream may go without a whole message, once its last one announced
+/// `heartbeat_ms` (0: the agent sends none, and an idle stream is not a stalled one).
+fn stall_bound(heartbeat_ms: u32) -> Option<std::time::Duration> {
+    (heartbeat_ms > 0).then(|| {
+        let beat = std::time::Duration::from_millis(u64::from(heartbeat_ms));
+        beat.clamp(*HEARTBEAT_RANGE.start(), *HEARTBEAT_RANGE.end()) * STALL_HEARTBEATS
+    })
 }
 
 /// One kvagent feed's state.
@@ -142,16 +166,26 @@ impl Follower {
         let mut epoch = None;
         let mut refresh = tokio::time::interval(self.set.shared.refresh);
         refresh.tick().await;
+        let mut bound = Some(FIRST_MESSAGE);
+        let mut last = tokio::time::Instant::now();
         loop {
+            let deadline = bound.map(|b| last + b);
             let msg = tokio::select! {
                 m = stream.message() => m,
                 _ = refresh.tick() => {
                     self.set.rerecord();
                     continue;
                 }
+                _ = sleep_until(deadline) => {
+                    return FeedError::Stalled(bound.unwrap_or(FIRST_MESSAGE));
+                }
             };
             match msg {
-                Ok(Some(u)) => self.on_update(&mut epoch, u),
+                Ok(Some(u)) => {
+                    last = tokio::time::Instant::now();
+                    bound = stall_bound(u.heartbeat_ms);
+                    self.on_update(&mut epoch, u);
+                }
                 Ok(None) => return FeedError::Ended,
                 Err(e) => return e.into(),
             }
@@ -183,6 +217,14 @@ impl Follower {
         self.set.remove(removed);
         self.set.add(added);
         self.set.count(event::MALFORMED, malformed);
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -220,6 +262,7 @@ mod tests {
             reset,
             added,
             removed,
+            heartbeat_ms: 0,
         }
     }
 
@@ -305,5 +348,89 @@ mod tests {
         f.set.withdraw();
         assert_eq!(feed_entries(&f.set), 0);
         assert_eq!(index.node_usage(node).0, 1, "the reported entry stays");
+    }
+
+    /// A gRPC message as it goes on the wire: uncompressed, its length, its bytes.
+    fn grpc_frame(message: &[u8]) -> bytes::Bytes {
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+        frame.extend_from_slice(message);
+        frame.into()
+    }
+
+    /// `ResidencyUpdate { kv_epoch: 1, reset: true, added: [digest(1)], heartbeat_ms }`,
+    /// protobuf-encoded by hand (the proxy does not link prost's encoder itself).
+    fn snapshot_message(heartbeat_ms: u8) -> Vec<u8> {
+        let mut m = vec![0x08, 1, 0x10, 1, 0x1a, 32];
+        m.extend_from_slice(&[1u8; 32]);
+        m.extend_from_slice(&[0x28, heartbeat_ms & 0x7f]);
+        m
+    }
+
+    /// A kvagent whose `WatchResidency` answer sends `first` whole, then the first byte of a
+    /// 256-byte message, and nothing more, while its HTTP/2 connection stays up (and answers
+    /// pings).
+    async fn stalling_agent(first: Vec<u8>) -> std::net::SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let answer = hyper::service::service_fn(move |_| {
+                let first = first.clone();
+                async move {
+                    let (mut tx, body) = http_body_util::channel::Channel::<
+                        bytes::Bytes,
+                        std::convert::Infallible,
+                    >::new(4);
+                    tokio::spawn(async move {
+                        let _ = tx.send_data(grpc_frame(&first)).await;
+                        let _ = tx.send_data(vec![0u8, 0, 0, 1, 0, 0x08].into()).await;
+                        // Holding the sender keeps the body, and the stream, open.
+                        std::future::pending::<()>().await;
+                        drop(tx);
+                    });
+                    http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .body(body)
+                }
+            });
+            let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), answer)
+                .await;
+        });
+        addr
+    }
+
+    // Defect: an agent whose stream stopped in the middle of a message, while its HTTP/2
+    // connection still answered pings, kept the engine's last residency recorded (and
+    // re-recorded every refresh) until the connection ended, which might be never. A stream
+    // that announced a heartbeat and then delivers no whole message for three of them is
+    // given up, and what it recorded is withdrawn.
+    #[tokio::test]
+    async fn a_stream_that_stalls_in_a_message_is_given_up() {
+        let addr = stalling_agent(snapshot_message(100)).await;
+        let mut f = follower(16);
+        f.feed.url = format!("http://{addr}");
+        // The agent announced 100 ms: held to the 1 s floor, three of them.
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(20), f.stream())
+            .await
+            .expect("the stalled stream was waited on");
+        assert!(
+            matches!(ended, FeedError::Stalled(b) if b == std::time::Duration::from_secs(3)),
+            "{ended}"
+        );
+        assert_eq!(events(&f.set, event::CONNECTED), 1);
+        assert_eq!(feed_entries(&f.set), 1, "the snapshot was recorded");
+        f.lost();
+        assert_eq!(feed_entries(&f.set), 0);
+    }
+
+    #[test]
+    fn an_announced_heartbeat_bounds_the_stream() {
+        use std::time::Duration;
+        assert_eq!(stall_bound(0), None, "an agent without heartbeats");
+        assert_eq!(stall_bound(10_000), Some(Duration::from_secs(30)));
+        assert_eq!(stall_bound(1), Some(Duration::from_secs(3)));
+        assert_eq!(stall_bound(u32::MAX), Some(Duration::from_secs(1800)));
     }
 }
