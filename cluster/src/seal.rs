@@ -391,6 +391,8 @@ pub struct Opened {
     /// that a key holder sends from that host: a frame captured elsewhere and replayed from
     /// another host opens too, within the clock skew of a restart.
     pub from_named_source: bool,
+    /// The IP its sender named.
+    pub source: IpAddr,
 }
 
 struct SessionWindow {
@@ -564,8 +566,9 @@ impl Opener {
                 );
             }
         }
-        let from_named_source =
-            decode_ip(&datagram[AT_SOURCE..AT_SOURCE + ADDR_LEN]) == Some(from.ip().to_canonical());
+        let source = decode_ip(&datagram[AT_SOURCE..AT_SOURCE + ADDR_LEN])
+            .unwrap_or(IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED));
+        let from_named_source = source == from.ip().to_canonical();
         let message = if count == 1 {
             Some(plaintext)
         } else {
@@ -574,6 +577,7 @@ impl Opener {
         Ok(Opened {
             message,
             from_named_source,
+            source,
         })
     }
 
@@ -815,7 +819,8 @@ mod tests {
             first,
             Ok(Opened {
                 message: None,
-                from_named_source: false
+                from_named_source: false,
+                source: node.ip(),
             })
         );
         let last = o.open_from(&frames[1], node);
@@ -823,7 +828,8 @@ mod tests {
             last,
             Ok(Opened {
                 message: Some(big),
-                from_named_source: true
+                from_named_source: true,
+                source: node.ip(),
             })
         );
     }

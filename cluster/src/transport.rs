@@ -82,6 +82,10 @@ pub struct GossipStats {
     rejected: [AtomicU64; Rejection::ALL.len()],
     /// Source IPs of datagrams that opened (or were accepted as plaintext), last time seen.
     senders: Mutex<HashMap<IpAddr, Instant>>,
+    /// Authenticated frames that came from another IP than the one their sender named.
+    other_source: AtomicU64,
+    /// The last of those: the IP named, and the IP it came from.
+    last_other_source: Mutex<Option<(IpAddr, IpAddr)>>,
 }
 
 /// Source IPs remembered in [`GossipStats::has_heard_from`].
@@ -101,6 +105,18 @@ impl GossipStats {
     /// Datagrams dropped for `reason`.
     pub fn rejected(&self, reason: Rejection) -> u64 {
         self.rejected[reason as usize].load(Ordering::Relaxed)
+    }
+
+    /// Authenticated frames that came from another IP than the one their sender named as its
+    /// own: opened, but their host is not counted as heard from. A replay from another host,
+    /// or a node whose datagrams leave from another address than the one it advertises.
+    pub fn from_other_source(&self) -> u64 {
+        self.other_source.load(Ordering::Relaxed)
+    }
+
+    /// The last frame [`Self::from_other_source`] counted: the IP it named, the IP it came from.
+    pub fn last_from_other_source(&self) -> Option<(IpAddr, IpAddr)> {
+        *lock(&self.last_other_source)
     }
 
     /// Whether a datagram from `ip` has passed authentication (the host really gossips with
@@ -261,6 +277,10 @@ impl Shared {
                 Err(r) => return self.stats.reject(r, from),
             };
             shows_sender = opened.from_named_source;
+            if !shows_sender {
+                self.stats.other_source.fetch_add(1, Ordering::Relaxed);
+                *lock(&self.stats.last_other_source) = Some((opened.source, from.ip()));
+            }
             match opened.message {
                 Some(m) => m,
                 None if shows_sender => return self.stats.heard_from(from.ip()),

@@ -779,13 +779,26 @@ async fn a_frame_replayed_from_another_host_does_not_make_it_a_member() {
         !stats.has_heard_from(replayer.ip()),
         "a replay made its host one b has heard from"
     );
-    assert_eq!(stats.rejected(Rejection::Replayed), 0, "it opened");
+    for reason in Rejection::ALL {
+        assert_eq!(
+            stats.rejected(reason),
+            0,
+            "it opened, not {}",
+            reason.label()
+        );
+    }
+    assert_eq!(stats.from_other_source(), 1);
+    assert_eq!(
+        stats.last_from_other_source(),
+        Some((local(pa).ip(), replayer.ip()))
+    );
     // The control: a keyholder gossiping from its own address is heard from.
     for d in Sealer::new(keyring(KEY), "test", replayer).seal(b"own frame", local(pb)) {
         elsewhere.send_to(&d, local(pb)).await.unwrap();
     }
     settle(&mut nodes).await;
     assert!(stats.has_heard_from(replayer.ip()));
+    assert_eq!(stats.from_other_source(), 1);
     for n in nodes {
         n.cluster.shutdown().await;
     }

@@ -183,6 +183,14 @@ async fn lookup(c: &mut kvagent::Client, ids: &[u32]) -> Vec<pb::LookupEntry> {
     .entries
 }
 
+/// The agent's `WatchResidency` stream, through `c`.
+async fn watch_stream(c: &mut kvagent::Client) -> tonic::Streaming<pb::ResidencyUpdate> {
+    c.watch_residency(pb::WatchResidencyRequest {})
+        .await
+        .expect("WatchResidency answered")
+        .into_inner()
+}
+
 #[tokio::test]
 async fn put_get_round_trip_lookup_and_bad_requests() {
     let dir = tempfile::tempdir().unwrap();
@@ -352,11 +360,7 @@ async fn restart_keeps_blocks_and_watch_sees_adds_removes_and_new_epoch() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), "").await;
     let mut c = agent.client().await;
-    let mut watch = c
-        .watch_residency(pb::WatchResidencyRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch_stream(&mut c).await;
     let first = watch.message().await.unwrap().unwrap();
     assert!(first.reset && first.added.is_empty());
     let epoch = first.kv_epoch;
@@ -384,11 +388,7 @@ async fn restart_keeps_blocks_and_watch_sees_adds_removes_and_new_epoch() {
     assert_eq!(got[0].block.as_ref().unwrap().payload, payload(1, 100));
     assert!(got[1].block.is_none());
     assert_eq!(got[2].tier(), Tier::Ssd);
-    let mut watch = c
-        .watch_residency(pb::WatchResidencyRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch_stream(&mut c).await;
     let snap = watch.message().await.unwrap().unwrap();
     assert!(snap.reset);
     assert_ne!(snap.kv_epoch, epoch, "epoch must change on restart");
@@ -416,11 +416,7 @@ async fn an_idle_watch_gets_a_heartbeat() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), "").await;
     let mut c = agent.client().await;
-    let mut watch = c
-        .watch_residency(pb::WatchResidencyRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch_stream(&mut c).await;
     let heartbeat = kvagent::service::RESIDENCY_HEARTBEAT;
     let first = watch.message().await.unwrap().unwrap();
     assert_eq!(u128::from(first.heartbeat_ms), heartbeat.as_millis());
@@ -552,11 +548,7 @@ async fn ssd_blocks_expire_after_their_ttl() {
     let extra = "[ram]\ncapacity_bytes = 65536\n[ssd]\nttl_secs = 1\nsweep_interval_secs = 1\n[limits]\nmax_block_bytes = 32768\n";
     let agent = Agent::start(dir.path(), extra).await;
     let mut c = agent.client().await;
-    let mut watch = c
-        .watch_residency(pb::WatchResidencyRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = watch_stream(&mut c).await;
     watch.message().await.unwrap();
     for i in 0..4 {
         put(&mut c, vec![block(i, 30000)]).await;

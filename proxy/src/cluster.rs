@@ -499,6 +499,7 @@ impl BackgroundService for ClusterService {
             metrics: &self.metrics,
         };
         let mut dropped = [0u64; Rejection::ALL.len()];
+        let mut other_source = 0u64;
         let mut bulk_seen = [0u64; 5];
         let beacon = cluster.load_beacon();
         let mut beacons_seen = [0u64; 4];
@@ -584,6 +585,19 @@ impl BackgroundService for ClusterService {
                     .with_label_values(&[reason.label()])
                     .inc_by(n - dropped[i]);
                 dropped[i] = n;
+            }
+            let n = stats.from_other_source();
+            if n > other_source {
+                self.metrics.gossip_other_source.inc_by(n - other_source);
+                if let Some((named, from)) = stats.last_from_other_source() {
+                    tracing::warn!(
+                        frames = n - other_source,
+                        %named,
+                        %from,
+                        "gossip frames came from another IP than the one their sender names: that host is not taken as a member (a replay, or a node whose packets leave from another address than it advertises)"
+                    );
+                }
+                other_source = n;
             }
             if report.over_cap > 0 {
                 self.metrics

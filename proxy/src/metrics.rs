@@ -52,6 +52,8 @@ pub struct Metrics {
     /// Gossip datagrams dropped, by reason (`forged`, `replayed`, `stale`, `plaintext`,
     /// `malformed`).
     pub gossip_dropped: IntCounterVec,
+    /// Authenticated gossip frames that came from another IP than the one their sender named.
+    pub gossip_other_source: IntCounter,
     /// Times the gossip task was restarted after it stopped.
     pub gossip_restarts: IntCounter,
     /// Bulk state transfers, by result (`pulled`, `pull_failed`, `served`, `refused`).
@@ -223,6 +225,10 @@ impl Metrics {
             ),
             &["reason"],
         )?;
+        let gossip_other_source = IntCounter::new(
+            "kvmesh_gossip_frames_from_other_source_total",
+            "Authenticated gossip frames that came from another IP than the one their sender names (opened, their host not counted as heard from)",
+        )?;
         let gossip_restarts = IntCounter::new(
             "kvmesh_gossip_restarts_total",
             "Gossip restarts after its server task stopped",
@@ -302,6 +308,7 @@ impl Metrics {
         registry.register(Box::new(gossip_peers.clone()))?;
         registry.register(Box::new(gossip_bytes.clone()))?;
         registry.register(Box::new(gossip_dropped.clone()))?;
+        registry.register(Box::new(gossip_other_source.clone()))?;
         registry.register(Box::new(gossip_restarts.clone()))?;
         registry.register(Box::new(gossip_bulk.clone()))?;
         registry.register(Box::new(gossip_beacons.clone()))?;
@@ -393,6 +400,7 @@ impl Metrics {
             gossip_peers,
             gossip_bytes,
             gossip_dropped,
+            gossip_other_source,
             gossip_restarts,
             gossip_bulk,
             gossip_beacons,

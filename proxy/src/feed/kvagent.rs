@@ -115,6 +115,8 @@ fn stall_bound(heartbeat_ms: u32) -> Option<std::time::Duration> {
 pub(crate) struct Follower {
     feed: Feed,
     set: FedSet,
+    /// [`FIRST_MESSAGE`], but in tests.
+    first_message: std::time::Duration,
 }
 
 #[async_trait]
@@ -135,7 +137,11 @@ impl Follow for Follower {
 
 impl Follower {
     pub(crate) fn new(feed: Feed, set: FedSet) -> Self {
-        Follower { feed, set }
+        Follower {
+            feed,
+            set,
+            first_message: FIRST_MESSAGE,
+        }
     }
 
     /// One stream, until it fails.
@@ -166,7 +172,7 @@ impl Follower {
         let mut epoch = None;
         let mut refresh = tokio::time::interval(self.set.shared.refresh);
         refresh.tick().await;
-        let mut bound = Some(FIRST_MESSAGE);
+        let mut bound = Some(self.first_message);
         let mut last = tokio::time::Instant::now();
         loop {
             let deadline = bound.map(|b| last + b);
@@ -177,7 +183,7 @@ impl Follower {
                     continue;
                 }
                 _ = sleep_until(deadline) => {
-                    return FeedError::Stalled(bound.unwrap_or(FIRST_MESSAGE));
+                    return FeedError::Stalled(bound.unwrap_or(self.first_message));
                 }
             };
             match msg {
@@ -194,6 +200,10 @@ impl Follower {
 
     /// One message of the stream, whose agent has been at `epoch` so far.
     fn on_update(&mut self, epoch: &mut Option<u64>, u: kvagent::pb::ResidencyUpdate) {
+        let heartbeat = !u.reset && u.added.is_empty() && u.removed.is_empty();
+        if heartbeat && *epoch == Some(u.kv_epoch) {
+            return;
+        }
         if epoch.is_some_and(|e| e != u.kv_epoch) {
             self.set.count(event::EPOCH, 1);
             self.set.withdraw();
@@ -244,6 +254,7 @@ mod tests {
                 tls: None,
             },
             set: set(cap),
+            first_message: FIRST_MESSAGE,
         }
     }
 
@@ -367,23 +378,25 @@ mod tests {
         m
     }
 
-    /// A kvagent whose `WatchResidency` answer sends `first` whole, then the first byte of a
-    /// 256-byte message, and nothing more, while its HTTP/2 connection stays up (and answers
-    /// pings).
-    async fn stalling_agent(first: Vec<u8>) -> std::net::SocketAddr {
+    /// A kvagent whose `WatchResidency` answer sends the messages `whole`, then the first byte
+    /// of a 256-byte message, and nothing more, while its HTTP/2 connection stays up (and
+    /// answers pings).
+    async fn stalling_agent(whole: Vec<Vec<u8>>) -> std::net::SocketAddr {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             let (tcp, _) = listener.accept().await.unwrap();
             let answer = hyper::service::service_fn(move |_| {
-                let first = first.clone();
+                let whole = whole.clone();
                 async move {
                     let (mut tx, body) = http_body_util::channel::Channel::<
                         bytes::Bytes,
                         std::convert::Infallible,
                     >::new(4);
                     tokio::spawn(async move {
-                        let _ = tx.send_data(grpc_frame(&first)).await;
+                        for m in &whole {
+                            let _ = tx.send_data(grpc_frame(m)).await;
+                        }
                         let _ = tx.send_data(vec![0u8, 0, 0, 1, 0, 0x08].into()).await;
                         // Holding the sender keeps the body, and the stream, open.
                         std::future::pending::<()>().await;
@@ -408,7 +421,7 @@ mod tests {
     // given up, and what it recorded is withdrawn.
     #[tokio::test]
     async fn a_stream_that_stalls_in_a_message_is_given_up() {
-        let addr = stalling_agent(snapshot_message(100)).await;
+        let addr = stalling_agent(vec![snapshot_message(100)]).await;
         let mut f = follower(16);
         f.feed.url = format!("http://{addr}");
         // The agent announced 100 ms: held to the 1 s floor, three of them.
@@ -422,6 +435,37 @@ mod tests {
         assert_eq!(events(&f.set, event::CONNECTED), 1);
         assert_eq!(feed_entries(&f.set), 1, "the snapshot was recorded");
         f.lost();
+        assert_eq!(feed_entries(&f.set), 0);
+    }
+
+    // The first message is bounded whatever the agent (heartbeats are announced in messages).
+    #[tokio::test]
+    async fn a_stream_that_stalls_in_its_first_message_is_given_up() {
+        let addr = stalling_agent(Vec::new()).await;
+        let mut f = follower(16);
+        f.feed.url = format!("http://{addr}");
+        f.first_message = std::time::Duration::from_secs(1);
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(20), f.stream())
+            .await
+            .expect("the stalled stream was waited on");
+        assert!(
+            matches!(ended, FeedError::Stalled(b) if b == f.first_message),
+            "{ended}"
+        );
+    }
+
+    // A heartbeat changes nothing: not the entries, not the events.
+    #[test]
+    fn a_heartbeat_is_only_a_sign_of_life() {
+        let mut f = follower(16);
+        let mut epoch = None;
+        f.on_update(&mut epoch, update(1, true, vec![digest(1)], vec![]));
+        f.on_update(&mut epoch, update(1, false, vec![], vec![]));
+        assert_eq!(feed_entries(&f.set), 1);
+        assert_eq!(events(&f.set, event::EPOCH), 0);
+        // Of another epoch, it is a restarted agent's: what the old one listed goes.
+        f.on_update(&mut epoch, update(2, false, vec![], vec![]));
+        assert_eq!(events(&f.set, event::EPOCH), 1);
         assert_eq!(feed_entries(&f.set), 0);
     }
 
