@@ -750,6 +750,14 @@ fn list(problems: &[String]) -> String {
 }
 
 impl ProxyConfig {
+    /// The worker threads the proxy runs: `threads`, or one per CPU when 0.
+    pub fn worker_threads(&self) -> usize {
+        match self.threads {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()),
+            n => n,
+        }
+    }
+
     /// The problems of an engine's `kv_events` settings.
     fn check_kv_events(&self, e: &EngineConfig, p: &mut Vec<String>) {
         if e.kv_events.is_empty() {

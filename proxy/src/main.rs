@@ -181,7 +181,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         // The tokenizers are read as the proxy would read them at start.
-        kvmesh_proxy::tokens::TokenModes::load(&cfg.tokenizers)
+        kvmesh_proxy::tokens::TokenModes::load(&cfg.tokenizers, cfg.worker_threads())
             .map_err(anyhow::Error::msg)
             .with_context(|| format!("{}: `[[tokenizers]]`", file.display()))?;
         let listen = if cfg.mode == Mode::Picker {
@@ -238,11 +238,7 @@ fn main() -> anyhow::Result<()> {
     probe_listen(&cfg.listen)?;
 
     let conf = ServerConf {
-        threads: if cfg.threads == 0 {
-            std::thread::available_parallelism().map_or(2, |n| n.get())
-        } else {
-            cfg.threads
-        },
+        threads: cfg.worker_threads(),
         grace_period_seconds: Some(cfg.shutdown.grace_period_secs),
         graceful_shutdown_timeout_seconds: Some(cfg.shutdown.drain_timeout_secs),
         // The CA bundle of Pingora's TLS connector (`https://` engines and peers).
@@ -391,11 +387,7 @@ fn run_picker(
     metrics: Arc<Metrics>,
     upstream_tls: Arc<UpstreamTls>,
 ) -> anyhow::Result<()> {
-    let threads = if cfg.threads == 0 {
-        std::thread::available_parallelism().map_or(2, |n| n.get())
-    } else {
-        cfg.threads
-    };
+    let threads = cfg.worker_threads();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .enable_all()

@@ -5,7 +5,7 @@
 //! session: the Pingora path builds them from the parsed body and its headers
 //! (`Gateway::plan`), and another front end (an external picker) can build them its own way.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvmesh_filters::chain::{text_chain_capped, Digest, Namespace};
 use kvmesh_filters::error::{ApiError, ErrorKind};
@@ -16,6 +16,7 @@ use pingora::proxy::Session;
 use crate::config::Mode;
 use crate::fleet::NoRoute;
 use crate::service::{Ctx, Gateway};
+use crate::tokens::{Fallback, TokenChain};
 
 /// The request header carrying the leading digests to the engine.
 pub(crate) use kvmesh_filters::chain::DIGESTS_HEADER;
@@ -64,22 +65,64 @@ pub struct Plan {
     pub(crate) facts: RequestFacts,
 }
 
+/// The namespace of `parsed`'s chain: its model and cache salt.
+fn namespace(parsed: &ParsedRequest) -> Namespace {
+    Namespace::new(
+        &parsed.model,
+        parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
+    )
+}
+
 impl Gateway {
-    pub(crate) fn plan(
+    /// The plan of a parsed request whose whole body is `body`. A token-mode prompt longer
+    /// than [`crate::tokens::INLINE_TOKENIZE_BYTES`] is tokenized on a blocking thread.
+    pub(crate) async fn plan(
         &self,
         session: &Session,
         endpoint: Endpoint,
         parsed: ParsedRequest,
-        body: &[u8],
+        body: &bytes::Bytes,
         hop: bool,
     ) -> Plan {
+        // Owned: the session is not held across the tokenizing below.
         let session_header = session
             .req_header()
             .headers
             .get(self.live().cfg.routing.session_header.as_str())
-            .and_then(|v| v.to_str().ok());
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let tokens = match self.block_tokens(endpoint, &parsed) {
+            Some(_) => Some(
+                self.tokens
+                    .chain_off_worker(
+                        &parsed.model,
+                        endpoint,
+                        body,
+                        &namespace(&parsed),
+                        self.live().cfg.routing.max_prefix_blocks,
+                    )
+                    .await,
+            ),
+            None => None,
+        };
         Plan {
-            facts: self.facts(endpoint, parsed, body, session_header, hop),
+            facts: self.facts(
+                endpoint,
+                parsed,
+                body,
+                session_header.as_deref(),
+                hop,
+                tokens,
+            ),
+        }
+    }
+
+    /// The KV block size, tokens, of `parsed`'s model when it is in token mode and `endpoint`
+    /// reuses KV (`None`: text mode).
+    fn block_tokens(&self, endpoint: Endpoint, parsed: &ParsedRequest) -> Option<usize> {
+        match endpoint {
+            Endpoint::Embeddings => None,
+            _ => self.tokens.block_tokens(&parsed.model),
         }
     }
 
@@ -113,7 +156,9 @@ impl Gateway {
     /// The routing facts of a parsed request (whose whole `body` it is): the digest chain of
     /// its prompt's leading blocks (at most `routing.max_prefix_blocks`; token mode when its
     /// model has a tokenizer, see [`crate::tokens`]), its size, and its session key (the value
-    /// of the `routing.session_header` header, else the body's `user`).
+    /// of the `routing.session_header` header, else the body's `user`). A token-mode chain
+    /// already computed, and the time it took, come in `tokens`; with `None` it is computed
+    /// here.
     pub fn facts(
         &self,
         endpoint: Endpoint,
@@ -121,20 +166,15 @@ impl Gateway {
         body: &[u8],
         session_header: Option<&str>,
         hop: bool,
+        tokens: Option<(Result<TokenChain, Fallback>, Duration)>,
     ) -> RequestFacts {
         let routing = &self.live().cfg.routing;
-        let ns = Namespace::new(
-            &parsed.model,
-            parsed.cache_salt.as_deref().unwrap_or("").as_bytes(),
-        );
+        let ns = namespace(&parsed);
         let mut size = PromptSize {
             total_bytes: parsed.canonical_len,
             block_bytes: routing.block_bytes,
         };
-        let block_tokens = match endpoint {
-            Endpoint::Embeddings => None,
-            _ => self.tokens.block_tokens(&parsed.model),
-        };
+        let block_tokens = self.block_tokens(endpoint, &parsed);
         let chain = match block_tokens {
             None => text_chain_capped(
                 &ns,
@@ -143,15 +183,18 @@ impl Gateway {
                 routing.max_prefix_blocks,
             ),
             Some(_) => {
-                let timer = self.metrics.tokenize_seconds.start_timer();
-                let tokens = self.tokens.chain(
-                    &parsed.model,
-                    endpoint,
-                    body,
-                    &ns,
-                    routing.max_prefix_blocks,
-                );
-                timer.observe_duration();
+                let (tokens, took) = tokens.unwrap_or_else(|| {
+                    let started = Instant::now();
+                    let chain = self.tokens.chain(
+                        &parsed.model,
+                        endpoint,
+                        body,
+                        &ns,
+                        routing.max_prefix_blocks,
+                    );
+                    (chain, started.elapsed())
+                });
+                self.metrics.tokenize_seconds.observe(took.as_secs_f64());
                 match tokens {
                     Ok(t) => {
                         // The engine's prompt, in the unit the chain's blocks are measured in.

@@ -151,7 +151,7 @@ impl Gateway {
             ),
             _ => None,
         };
-        let tokens = crate::tokens::TokenModes::load(&cfg.tokenizers)
+        let tokens = crate::tokens::TokenModes::load(&cfg.tokenizers, cfg.worker_threads())
             .map_err(|e| invalid("`[[tokenizers]]`", &e))?;
         for m in &metrics_labels::REFUSALS {
             metrics.admission_rejections.with_label_values(&[m]);
@@ -499,7 +499,10 @@ impl ProxyHttp for Gateway {
             Ok(b) => b,
             Err(e) => return respond_error(session, ctx, e).await,
         };
-        ctx.plan = Some(self.plan(session, endpoint, parsed, &body, ctx.local_only));
+        ctx.plan = Some(
+            self.plan(session, endpoint, parsed, &body, ctx.local_only)
+                .await,
+        );
         ctx.body = Some(body);
         if let Err(e) = self.decide(ctx) {
             return respond_error(session, ctx, e).await;

@@ -130,8 +130,9 @@ fn chat(messages: Value, extra: Value) -> Vec<u8> {
 
 /// Requests of several shapes, each with at least one full 16-token block.
 fn requests() -> Vec<(&'static str, Vec<u8>)> {
+    // Over INLINE_TOKENIZE_BYTES: tokenized on a blocking thread.
     let long = "Retrieval passage: the harbour of the old town was rebuilt in 1872 after a storm. "
-        .repeat(20);
+        .repeat(60);
     vec![
         (
             "/v1/chat/completions",
@@ -241,6 +242,68 @@ fn token_mode_digests_are_the_engines_own() {
         engine_metric(&e, "engine_shim_routing_digests_total{result=\"mismatch\"}"),
         1.0
     );
+}
+
+// Tokenizing a long prompt took the runtime worker that handled the request for milliseconds
+// (8-45 ms for 32 KB, measured under load), and a sidecar runs one: every other request and
+// stream it relays waited. A prompt over INLINE_TOKENIZE_BYTES is tokenized on a blocking
+// thread, and gives the same chain. Seen from a one-thread runtime: a task spawned before
+// the call runs while a long prompt is tokenized, and not while a short one is.
+#[test]
+fn a_long_prompt_is_tokenized_off_the_runtime_worker() {
+    use kvmesh_filters::chain::Namespace;
+    use kvmesh_filters::request::Endpoint;
+    use kvmesh_proxy::tokens::{TokenModes, INLINE_TOKENIZE_BYTES};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let modes = TokenModes::load(
+        &[kvmesh_proxy::config::TokenizerConfig {
+            model: MODEL.into(),
+            gguf: root()
+                .join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+                .display()
+                .to_string(),
+            block_tokens: 16,
+        }],
+        1,
+    )
+    .unwrap();
+    let ns = Namespace::new(MODEL, b"");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let text = "The harbour of the old town was rebuilt in 1872 after a storm. ";
+    for (repeat, off_worker) in [(2, false), (200, true)] {
+        let body = chat(
+            json!([{"role": "user", "content": text.repeat(repeat)}]),
+            json!({}),
+        );
+        assert_eq!(body.len() > INLINE_TOKENIZE_BYTES, off_worker);
+        let body = bytes::Bytes::from(body);
+        let ran = Arc::new(AtomicBool::new(false));
+        let (chain, ran_meanwhile) = rt.block_on(async {
+            let flag = ran.clone();
+            let other = tokio::spawn(async move { flag.store(true, Ordering::SeqCst) });
+            let (chain, _) = modes
+                .chain_off_worker(MODEL, Endpoint::ChatCompletions, &body, &ns, 64)
+                .await;
+            let ran_meanwhile = ran.load(Ordering::SeqCst);
+            other.await.unwrap();
+            (chain, ran_meanwhile)
+        });
+        assert_eq!(ran_meanwhile, off_worker, "{} bytes", body.len());
+        let inline = modes
+            .chain(MODEL, Endpoint::ChatCompletions, &body, &ns, 64)
+            .unwrap();
+        let chain = chain.unwrap();
+        assert!(chain.chain.len() > 1);
+        assert_eq!(chain.chain, inline.chain);
+        assert_eq!(
+            (chain.total_bytes, chain.block_bytes),
+            (inline.total_bytes, inline.block_bytes)
+        );
+    }
 }
 
 #[test]

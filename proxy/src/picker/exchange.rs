@@ -168,6 +168,26 @@ impl Exchange {
 
     /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
     /// that gRPC status and Envoy applies its failure mode.
+    /// The gateway it routes with.
+    pub(crate) fn gateway(&self) -> &Arc<Gateway> {
+        &self.gw
+    }
+
+    /// Whether `req` ends a request body over [`crate::tokens::INLINE_TOKENIZE_BYTES`]: the
+    /// message that routes it parses the body and may tokenize it, which takes milliseconds.
+    pub(crate) fn routes_a_long_body(&self, req: &ProcessingRequest) -> bool {
+        let RequestPhase::Buffering { body, .. } = &self.request else {
+            return false;
+        };
+        let long =
+            |extra: usize| body.len().saturating_add(extra) > crate::tokens::INLINE_TOKENIZE_BYTES;
+        match &req.request {
+            Some(Msg::RequestBody(b)) => b.end_of_stream && long(b.body.len()),
+            Some(Msg::RequestTrailers(_)) => long(0),
+            _ => false,
+        }
+    }
+
     pub(crate) fn on_message(&mut self, req: ProcessingRequest) -> Result<Step, tonic::Status> {
         if req.observability_mode {
             return Err(tonic::Status::failed_precondition(
@@ -428,7 +448,14 @@ impl Exchange {
             Ok(p) => p,
             Err(e) => return self.refuse(e),
         };
-        let facts = gw.facts(endpoint, parsed, &body, self.session.as_deref(), false);
+        let facts = gw.facts(
+            endpoint,
+            parsed,
+            &body,
+            self.session.as_deref(),
+            false,
+            None,
+        );
         self.model = Some(facts.model.clone());
         let ranking = match gw.rank_traced(&facts, self.trace.as_ref()) {
             Ok(r) => r,

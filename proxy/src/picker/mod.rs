@@ -258,7 +258,34 @@ async fn run_stream(
                 break;
             }
         };
-        match ex.on_message(msg) {
+        let step = if ex.routes_a_long_body(&msg) {
+            // Parsing and tokenizing a long prompt takes milliseconds: on a blocking thread,
+            // so that this runtime worker keeps driving the other streams meanwhile.
+            let tokens = ex.gateway().tokens.clone();
+            let routed = tokens
+                .run_off_worker(move || {
+                    let step = ex.on_message(msg);
+                    (ex, step)
+                })
+                .await;
+            match routed {
+                Some((back, step)) => {
+                    ex = back;
+                    step
+                }
+                None => {
+                    // The exchange went with the failed thread, and its slot and load with it.
+                    end_with(
+                        &out,
+                        Status::internal("the picker failed routing this request"),
+                    );
+                    return;
+                }
+            }
+        } else {
+            ex.on_message(msg)
+        };
+        match step {
             Ok(Step::Continue(replies)) => {
                 if !send_all(&out, replies, timeouts.reply(&ex)).await {
                     break;
