@@ -91,6 +91,8 @@ impl Gateway {
             .get(self.live().cfg.routing.session_header.as_str())
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        // Read before the await: a configuration guard is not held across it.
+        let max_blocks = self.live().cfg.routing.max_prefix_blocks;
         let tokens = match self.block_tokens(endpoint, &parsed) {
             Some(_) => Some(
                 self.tokens
@@ -99,7 +101,7 @@ impl Gateway {
                         endpoint,
                         body,
                         &namespace(&parsed),
-                        self.live().cfg.routing.max_prefix_blocks,
+                        max_blocks,
                     )
                     .await,
             ),
@@ -194,7 +196,10 @@ impl Gateway {
                     );
                     (chain, started.elapsed())
                 });
-                self.metrics.tokenize_seconds.observe(took.as_secs_f64());
+                // Zero: the tokenizer panicked (counted as a `tokenizer` fallback below).
+                if !took.is_zero() {
+                    self.metrics.tokenize_seconds.observe(took.as_secs_f64());
+                }
                 match tokens {
                     Ok(t) => {
                         // The engine's prompt, in the unit the chain's blocks are measured in.

@@ -153,9 +153,15 @@ impl TokenModes {
         &self,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Option<T> {
-        // The semaphore is never closed.
-        let _slot = self.slots.acquire().await.ok();
-        tokio::task::spawn_blocking(work).await.ok()
+        // The semaphore is never closed. The permit goes with the work, so that a caller that
+        // stops waiting does not free a slot while the work still runs.
+        let slot = self.slots.clone().acquire_owned().await.ok();
+        tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            work()
+        })
+        .await
+        .ok()
     }
 
     /// `model`'s KV block size, tokens, when it is in token mode (`None`: text mode).
@@ -163,7 +169,8 @@ impl TokenModes {
         self.models.get(model).map(|m| m.block_tokens)
     }
 
-    /// [`Self::chain`], and how long tokenizing took; on a blocking thread when the body is
+    /// [`Self::chain`], and how long tokenizing took (zero when it panicked; the wait for a
+    /// slot is not counted); on a blocking thread when the body is
     /// longer than [`INLINE_TOKENIZE_BYTES`], so that the runtime worker that handles the
     /// request keeps serving its other requests meanwhile (a sidecar runs one worker, and a
     /// 32 KB prompt took it 8-45 ms). A tokenizer that panics fails only this request's chain.

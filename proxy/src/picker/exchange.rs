@@ -166,8 +166,6 @@ impl Exchange {
         self.responded
     }
 
-    /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
-    /// that gRPC status and Envoy applies its failure mode.
     /// The gateway it routes with.
     pub(crate) fn gateway(&self) -> &Arc<Gateway> {
         &self.gw
@@ -188,6 +186,8 @@ impl Exchange {
         }
     }
 
+    /// Handles one message from Envoy. An error is a protocol violation: the stream ends with
+    /// that gRPC status and Envoy applies its failure mode.
     pub(crate) fn on_message(&mut self, req: ProcessingRequest) -> Result<Step, tonic::Status> {
         if req.observability_mode {
             return Err(tonic::Status::failed_precondition(

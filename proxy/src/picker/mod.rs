@@ -264,7 +264,14 @@ async fn run_stream(
             let tokens = ex.gateway().tokens.clone();
             let routed = tokens
                 .run_off_worker(move || {
-                    let step = ex.on_message(msg);
+                    // A panic fails this request, not the stream's bookkeeping: the exchange
+                    // comes back and is finished (logged, counted, its span ended) as any.
+                    let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        ex.on_message(msg)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(Status::internal("the picker failed routing this request"))
+                    });
                     (ex, step)
                 })
                 .await;
@@ -274,7 +281,8 @@ async fn run_stream(
                     step
                 }
                 None => {
-                    // The exchange went with the failed thread, and its slot and load with it.
+                    // The blocking task was cancelled (the runtime is shutting down): the
+                    // exchange went with it, and its slot and load with it.
                     end_with(
                         &out,
                         Status::internal("the picker failed routing this request"),
