@@ -376,9 +376,15 @@ pub(crate) fn sealed_frame_for_test(
 /// of this version or an earlier one ([`Opener::open`] refuses those as
 /// [`Rejection::Version`]).
 pub fn is_sealed(datagram: &[u8]) -> bool {
-    datagram.len() >= 3
-        && datagram[..2] == MAGIC
-        && (datagram[2] == VERSION || EARLIER_VERSIONS.contains(&datagram[2]))
+    frame_version(datagram).is_some_and(|v| v == VERSION || EARLIER_VERSIONS.contains(&v))
+}
+
+/// The version byte of a datagram that starts with the frames' magic.
+fn frame_version(datagram: &[u8]) -> Option<u8> {
+    match datagram {
+        [m0, m1, version, ..] if [*m0, *m1] == MAGIC => Some(*version),
+        _ => None,
+    }
 }
 
 /// What [`Opener::open_from`] made of an authentic frame.
@@ -490,8 +496,7 @@ impl Opener {
 
     /// [`Opener::open`], also saying whether the frame came from the IP its sender named.
     pub fn open_from(&mut self, datagram: &[u8], from: SocketAddr) -> Result<Opened, Rejection> {
-        if datagram.len() >= 3 && datagram[..2] == MAGIC && EARLIER_VERSIONS.contains(&datagram[2])
-        {
+        if frame_version(datagram).is_some_and(|v| EARLIER_VERSIONS.contains(&v)) {
             return Err(Rejection::Version);
         }
         if datagram.len() < OVERHEAD || !is_sealed(datagram) {

@@ -29,6 +29,14 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The model's GGUF, which both the engine and a token-mode proxy read.
+fn gguf() -> String {
+    root()
+        .join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        .display()
+        .to_string()
+}
+
 /// A running engine-shim on the real model; killed on drop.
 struct Engine {
     child: Child,
@@ -97,9 +105,7 @@ fn proxy_toml(
     let tokenizer = if token_mode {
         format!(
             "[[tokenizers]]\nmodel = \"{MODEL}\"\ngguf = \"{}\"\n",
-            root()
-                .join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-                .display()
+            gguf()
         )
     } else {
         String::new()
@@ -260,10 +266,7 @@ fn a_long_prompt_is_tokenized_off_the_runtime_worker() {
     let modes = TokenModes::load(
         &[kvmesh_proxy::config::TokenizerConfig {
             model: MODEL.into(),
-            gguf: root()
-                .join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-                .display()
-                .to_string(),
+            gguf: gguf(),
             block_tokens: 16,
         }],
         1,
