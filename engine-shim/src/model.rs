@@ -277,7 +277,8 @@ pub struct Llama {
 /// that order, but once anything is evicted slot `i` no longer holds position `i` (`len` slots
 /// held, `pos` tokens appended).
 pub struct KvCache {
-    /// Keys per layer.
+    /// Keys per layer: views of buffers laid out `[n_kv_head, head_dim, capacity]`
+    /// (`kv_buffer`), so a key is not one contiguous row; read and write them through the view.
     pub k: Vec<Tensor>,
     /// Values per layer.
     pub v: Vec<Tensor>,
@@ -299,10 +300,14 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for `capacity` positions.
     pub fn new(cfg: &LlamaConfig, capacity: usize) -> Self {
-        let make = || (0..cfg.n_layer).map(|_| kv_buffer(cfg, capacity)).collect();
+        let make = |keys| {
+            (0..cfg.n_layer)
+                .map(|_| kv_buffer(cfg, capacity, keys))
+                .collect()
+        };
         KvCache {
-            k: make(),
-            v: make(),
+            k: make(true),
+            v: make(false),
             len: 0,
             capacity,
             pos: 0,
@@ -339,8 +344,8 @@ impl KvCache {
             return;
         }
         let len = self.len as i64;
-        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let bigger = kv_buffer(cfg, capacity);
+        for (t, keys) in self.buffers_mut() {
+            let bigger = kv_buffer(cfg, capacity, keys);
             bigger.narrow(1, 0, len).copy_(&t.narrow(1, 0, len));
             *t = bigger;
         }
@@ -374,14 +379,20 @@ impl KvCache {
         self.pos += n;
     }
 
+    /// Every layer's key and value buffers, each with whether it holds keys.
+    fn buffers_mut(&mut self) -> impl Iterator<Item = (&mut Tensor, bool)> {
+        let keys = self.k.iter_mut().map(|t| (t, true));
+        keys.chain(self.v.iter_mut().map(|t| (t, false)))
+    }
+
     /// Keeps only the slots `keep` (ascending, each below `len`), in every layer and head, in
     /// new buffers of `keep.len() + headroom` slots: the memory of what is dropped is freed.
     pub fn retain(&mut self, cfg: &LlamaConfig, keep: &[usize], headroom: usize) {
         let idx = Tensor::from_slice(&keep.iter().map(|&i| i as i64).collect::<Vec<_>>());
         let n = keep.len() as i64;
         let capacity = keep.len() + headroom;
-        for t in self.k.iter_mut().chain(self.v.iter_mut()) {
-            let smaller = kv_buffer(cfg, capacity);
+        for (t, keys) in self.buffers_mut() {
+            let smaller = kv_buffer(cfg, capacity, keys);
             smaller.narrow(1, 0, n).copy_(&t.index_select(1, &idx));
             *t = smaller;
         }
@@ -408,8 +419,8 @@ impl KvCache {
         let hd = cfg.head_dim as i64;
         for (layer, idx) in keep.iter().enumerate() {
             let wide = idx.unsqueeze(-1).expand([-1, -1, hd], false);
-            for t in [&mut self.k[layer], &mut self.v[layer]] {
-                let smaller = kv_buffer(cfg, capacity);
+            for (t, keys) in [(&mut self.k[layer], true), (&mut self.v[layer], false)] {
+                let smaller = kv_buffer(cfg, capacity, keys);
                 smaller.narrow(1, 0, m).copy_(&t.gather(1, &wide, false));
                 *t = smaller;
             }
@@ -425,11 +436,18 @@ impl KvCache {
     }
 }
 
-fn kv_buffer(cfg: &LlamaConfig, capacity: usize) -> Tensor {
-    Tensor::zeros(
-        [cfg.n_kv_head as i64, capacity as i64, cfg.head_dim as i64],
-        (Kind::Float, tch::Device::Cpu),
-    )
+/// A layer's zeroed key or value buffer, `[n_kv_head, capacity, head_dim]` as every reader
+/// sees it. Keys lie in memory as `[n_kv_head, head_dim, capacity]` (the view is transposed):
+/// the scores' product then reads them as they lie, where MKL first packed the transposed
+/// keys of the other layout (measured: attention ~20% faster for 8 sequences at 300 slots).
+fn kv_buffer(cfg: &LlamaConfig, capacity: usize, keys: bool) -> Tensor {
+    let (kvh, cap, hd) = (cfg.n_kv_head as i64, capacity as i64, cfg.head_dim as i64);
+    let opts = (Kind::Float, tch::Device::Cpu);
+    if keys {
+        Tensor::zeros([kvh, hd, cap], opts).transpose(1, 2)
+    } else {
+        Tensor::zeros([kvh, cap, hd], opts)
+    }
 }
 
 fn attention_buffer(cfg: &LlamaConfig, capacity: usize) -> Tensor {
@@ -1133,7 +1151,10 @@ fn add_rows(x: &mut [f32], y: &[f32]) {
 
 #[cfg(test)]
 mod tests {
-    use super::{f32_values, rms_norm_rows, rope, rope_heads, swiglu_rows, OneTorchThread};
+    use super::{
+        f32_values, rms_norm_rows, rope, rope_heads, swiglu_rows, KvCache, LlamaConfig,
+        OneTorchThread,
+    };
     use tch::{Kind, Tensor};
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -1177,6 +1198,72 @@ mod tests {
         let torch_swiglu = f32_values(&(gu.narrow(1, 0, ffn).silu() * gu.narrow(1, ffn, ffn)));
         let swiglu = swiglu_rows(&f32_values(&gu), ffn as usize);
         assert!(max_diff(&swiglu, &torch_swiglu) < 1e-5);
+    }
+
+    /// Keys lie as `[kv heads, head_dim, capacity]` under their `[kv heads, capacity,
+    /// head_dim]` view, also once the cache has grown or evicted slots (each builds new
+    /// buffers), so the scores' product reads them in place; values keep the plain layout; and
+    /// what was written reads back unchanged through every rebuild.
+    #[test]
+    fn keys_lie_transposed_under_their_view_through_every_rebuild() {
+        let _guard = tch::no_grad_guard();
+        let cfg = LlamaConfig {
+            n_layer: 1,
+            d_model: 8,
+            n_head: 2,
+            n_kv_head: 2,
+            head_dim: 4,
+            ffn: 8,
+            context: 64,
+            rope_base: 10_000.0,
+            eps: 1e-5,
+            vocab: 10,
+        };
+        let (kvh, hd) = (2i64, 4i64);
+        let laid_out = |kv: &KvCache| {
+            let cap = kv.capacity as i64;
+            assert_eq!(kv.k[0].size(), [kvh, cap, hd]);
+            assert_eq!(kv.k[0].stride(), [hd * cap, 1, cap], "keys");
+            assert_eq!(kv.v[0].stride(), [cap * hd, hd, 1], "values");
+        };
+        let held = |kv: &KvCache, t: &Tensor| f32_values(&t.narrow(1, 0, kv.len as i64));
+        let mut kv = KvCache::new(&cfg, 4);
+        laid_out(&kv);
+        let written =
+            Tensor::arange(kvh * 4 * hd, (Kind::Float, tch::Device::Cpu)).view([kvh, 4, hd]);
+        for t in [&kv.k[0], &kv.v[0]] {
+            t.narrow(1, 0, 4).copy_(&written);
+        }
+        kv.advance(4);
+        let want = f32_values(&written);
+        assert_eq!(held(&kv, &kv.k[0]), want);
+
+        kv.reserve(&cfg, 9);
+        laid_out(&kv);
+        assert_eq!(
+            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
+            (want.clone(), want)
+        );
+
+        kv.retain(&cfg, &[1, 3], 2);
+        laid_out(&kv);
+        let kept = f32_values(&written.index_select(1, &Tensor::from_slice(&[1i64, 3])));
+        assert_eq!(
+            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
+            (kept.clone(), kept)
+        );
+
+        // Head 0 keeps its slot 0 (position 1), head 1 its slot 1 (position 3).
+        kv.retain_per_head(&cfg, &[Tensor::from_slice(&[0i64, 1]).view([2, 1])], 1);
+        laid_out(&kv);
+        let per_head: Vec<f32> = [(0, 1), (1, 3)]
+            .iter()
+            .flat_map(|&(h, p)| f32_values(&written.get(h).get(p)))
+            .collect();
+        assert_eq!(
+            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
+            (per_head.clone(), per_head)
+        );
     }
 
     /// The guard of a Q8_0 decode step holds libtorch at one thread and gives the count back
