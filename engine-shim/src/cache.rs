@@ -3,7 +3,7 @@
 //! names the whole prefix up to and including its block). Blocks no sequence is using are
 //! evicted least recently used first.
 //!
-//! A sequence computes in its own contiguous [`KvCache`]; leading blocks found here are copied in
+//! A sequence computes in its own unpaged [`KvCache`]; leading blocks found here are copied in
 //! before its prefill (and skipped), and its new full prompt blocks are copied out after it.
 
 use kvmesh_filters::chain::Digest;

@@ -887,7 +887,8 @@ impl Llama {
                 let t = ch.tokens.len() as i64;
                 off += t;
                 ChunkAttention {
-                    qkv: [q, k, v].map(|x| x.narrow(0, off - t, t)),
+                    qkv: [q, k, v].map(Tensor::shallow_clone),
+                    rows: (off - t, t),
                     keys: ch.kv.k[li].shallow_clone(),
                     vals: ch.kv.v[li].shallow_clone(),
                     start: ch.kv.len as i64,
@@ -920,8 +921,12 @@ impl Llama {
 /// writes (a `Tensor` may move to another thread but not be shared), so that chunks can run
 /// on different threads.
 struct ChunkAttention {
-    /// The chunk's rows of the step's Q, K and V.
+    /// The step's Q, K and V (`[T, heads, head_dim]`), of which the chunk's are `rows`: the
+    /// job takes them itself, so that the calling thread does not, for every chunk, while the
+    /// pool waits.
     qkv: [Tensor; 3],
+    /// The chunk's rows of the step's Q, K and V: the first, and how many (its tokens).
+    rows: (i64, i64),
     /// The layer's key and value buffers of the chunk's cache.
     keys: Tensor,
     vals: Tensor,
@@ -939,10 +944,10 @@ impl ChunkAttention {
     /// head_dim]`); returns its output `[t, heads * head_dim]` and, with `track`, the attention
     /// each slot received (`[kv_heads, start + t]`).
     fn run(self, c: &LlamaConfig) -> (Tensor, Option<Tensor>) {
-        let [q, k, v] = &self.qkv;
+        let (first, t) = self.rows;
+        let [q, k, v] = self.qkv.map(|x| x.narrow(0, first, t));
         let (h, kvh, hd) = (c.n_head as i64, c.n_kv_head as i64, c.head_dim as i64);
         let group = h / kvh;
-        let t = q.size()[0];
         let total = self.start + t;
         self.keys.narrow(1, self.start, t).copy_(&k.transpose(0, 1));
         self.vals.narrow(1, self.start, t).copy_(&v.transpose(0, 1));
@@ -950,7 +955,14 @@ impl ChunkAttention {
         // broadcast, so the cached keys and values are read in place.
         let keys = self.keys.narrow(1, 0, total); // [kvh, total, hd]
         let vals = self.vals.narrow(1, 0, total);
-        let qg = q.transpose(0, 1).contiguous().view([kvh, group * t, hd]);
+        // One token's heads already lie in that order: a view, where a chunk's need a copy.
+        // Each libtorch op costs microseconds, and a decode step runs this for every
+        // sequence and layer.
+        let qg = if t == 1 {
+            q.reshape([kvh, group, hd])
+        } else {
+            q.transpose(0, 1).contiguous().view([kvh, group * t, hd])
+        };
         let scores = qg.bmm(&keys.transpose(1, 2));
         let scores = match &self.mask {
             Some(m) => scores
@@ -963,11 +975,12 @@ impl ChunkAttention {
         let received = self
             .track
             .then(|| probs.sum_dim_intlist([1i64].as_slice(), false, Kind::Float));
-        let out = probs
-            .bmm(&vals)
-            .view([h, t, hd])
-            .transpose(0, 1)
-            .reshape([t, h * hd]);
+        let out = probs.bmm(&vals); // [kvh, group * t, hd]
+        let out = if t == 1 {
+            out.view([1, h * hd])
+        } else {
+            out.view([h, t, hd]).transpose(0, 1).reshape([t, h * hd])
+        };
         (out, received)
     }
 }
@@ -1226,44 +1239,39 @@ mod tests {
             assert_eq!(kv.k[0].stride(), [hd * cap, 1, cap], "keys");
             assert_eq!(kv.v[0].stride(), [cap * hd, hd, 1], "values");
         };
-        let held = |kv: &KvCache, t: &Tensor| f32_values(&t.narrow(1, 0, kv.len as i64));
-        let mut kv = KvCache::new(&cfg, 4);
+        let held = |kv: &KvCache| {
+            let len = kv.len as i64;
+            (
+                f32_values(&kv.k[0].narrow(1, 0, len)),
+                f32_values(&kv.v[0].narrow(1, 0, len)),
+            )
+        };
+        // Capacities 5, 9, 3 and 2: never `head_dim`, where a buffer with its last two
+        // dimensions swapped would show the same strides. Keys and values hold different values.
+        let mut kv = KvCache::new(&cfg, 5);
         laid_out(&kv);
-        let written =
-            Tensor::arange(kvh * 4 * hd, (Kind::Float, tch::Device::Cpu)).view([kvh, 4, hd]);
-        for t in [&kv.k[0], &kv.v[0]] {
-            t.narrow(1, 0, 4).copy_(&written);
-        }
+        let keys = Tensor::arange(kvh * 4 * hd, (Kind::Float, tch::Device::Cpu)).view([kvh, 4, hd]);
+        let vals = -&keys - 1.0;
+        kv.k[0].narrow(1, 0, 4).copy_(&keys);
+        kv.v[0].narrow(1, 0, 4).copy_(&vals);
         kv.advance(4);
-        let want = f32_values(&written);
-        assert_eq!(held(&kv, &kv.k[0]), want);
+        let both = |f: &dyn Fn(&Tensor) -> Tensor| (f32_values(&f(&keys)), f32_values(&f(&vals)));
+        assert_eq!(held(&kv), both(&|t| t.shallow_clone()));
 
         kv.reserve(&cfg, 9);
         laid_out(&kv);
-        assert_eq!(
-            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
-            (want.clone(), want)
-        );
+        assert_eq!(held(&kv), both(&|t| t.shallow_clone()));
 
-        kv.retain(&cfg, &[1, 3], 2);
+        kv.retain(&cfg, &[1, 3], 1);
         laid_out(&kv);
-        let kept = f32_values(&written.index_select(1, &Tensor::from_slice(&[1i64, 3])));
-        assert_eq!(
-            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
-            (kept.clone(), kept)
-        );
+        let slots = Tensor::from_slice(&[1i64, 3]);
+        assert_eq!(held(&kv), both(&|t| t.index_select(1, &slots)));
 
         // Head 0 keeps its slot 0 (position 1), head 1 its slot 1 (position 3).
         kv.retain_per_head(&cfg, &[Tensor::from_slice(&[0i64, 1]).view([2, 1])], 1);
         laid_out(&kv);
-        let per_head: Vec<f32> = [(0, 1), (1, 3)]
-            .iter()
-            .flat_map(|&(h, p)| f32_values(&written.get(h).get(p)))
-            .collect();
-        assert_eq!(
-            (held(&kv, &kv.k[0]), held(&kv, &kv.v[0])),
-            (per_head.clone(), per_head)
-        );
+        let per_head = |t: &Tensor| Tensor::stack(&[t.get(0).get(1), t.get(1).get(3)], 0);
+        assert_eq!(held(&kv), both(&per_head));
     }
 
     /// The guard of a Q8_0 decode step holds libtorch at one thread and gives the count back
