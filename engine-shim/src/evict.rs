@@ -239,18 +239,7 @@ mod tests {
     use super::*;
 
     fn cfg() -> LlamaConfig {
-        LlamaConfig {
-            n_layer: 2,
-            d_model: 8,
-            n_head: 2,
-            n_kv_head: 2,
-            head_dim: 4,
-            ffn: 8,
-            context: 64,
-            rope_base: 10_000.0,
-            eps: 1e-5,
-            vocab: 10,
-        }
+        crate::model::tests::tiny_config()
     }
 
     /// A cache of `n` tokens whose key at slot i, in every layer, head and lane, is its

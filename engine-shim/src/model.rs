@@ -1163,12 +1163,29 @@ fn add_rows(x: &mut [f32], y: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::{
         f32_values, rms_norm_rows, rope, rope_heads, swiglu_rows, KvCache, LlamaConfig,
         OneTorchThread,
     };
     use tch::{Kind, Tensor};
+
+    /// A model shape small enough to read a cache's values back by hand: 2 layers, 2 kv
+    /// heads of 4 lanes (the cache tests here and in `crate::evict`).
+    pub(crate) fn tiny_config() -> LlamaConfig {
+        LlamaConfig {
+            n_layer: 2,
+            d_model: 8,
+            n_head: 2,
+            n_kv_head: 2,
+            head_dim: 4,
+            ffn: 8,
+            context: 64,
+            rope_base: 10_000.0,
+            eps: 1e-5,
+            vocab: 10,
+        }
+    }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len());
@@ -1220,18 +1237,7 @@ mod tests {
     #[test]
     fn keys_lie_transposed_under_their_view_through_every_rebuild() {
         let _guard = tch::no_grad_guard();
-        let cfg = LlamaConfig {
-            n_layer: 1,
-            d_model: 8,
-            n_head: 2,
-            n_kv_head: 2,
-            head_dim: 4,
-            ffn: 8,
-            context: 64,
-            rope_base: 10_000.0,
-            eps: 1e-5,
-            vocab: 10,
-        };
+        let cfg = tiny_config();
         let (kvh, hd) = (2i64, 4i64);
         let laid_out = |kv: &KvCache| {
             let cap = kv.capacity as i64;
