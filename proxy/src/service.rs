@@ -510,7 +510,31 @@ impl ProxyHttp for Gateway {
         if let Err(e) = self.check_deadline(session, ctx) {
             return respond_error(session, ctx, e).await;
         }
-        if let Err(e) = self.enter_model(ctx).await {
+        // The wait for the model's slot ends when the client goes: its request must not keep
+        // a place in the bounded queue, nor take the slot once one frees. Watched only once
+        // the body is read to its end: Pingora's probe reads the socket, and a chunked body
+        // routed on its first 64 KiB may still have its last chunk there. A client that sends
+        // more while it waits (a pipelined request) is cut off, as Pingora does once a request
+        // is forwarded.
+        let watch = session.is_body_done();
+        let entered = {
+            let entering = self.enter_model(ctx);
+            tokio::pin!(entering);
+            tokio::select! {
+                biased;
+                entered = &mut entering => entered,
+                // Returning drops the wait, and with it the request's place in the queue.
+                gone = session.read_body_or_idle(true), if watch => {
+                    let e = match gone {
+                        Err(e) => e,
+                        Ok(_) => Error::explain(ErrorType::ConnectionClosed, "the client left"),
+                    };
+                    // `fail_to_proxy` logs it as 499 and closes the connection.
+                    return Err(e.into_down());
+                }
+            }
+        };
+        if let Err(e) = entered {
             return respond_error(session, ctx, e).await;
         }
         // Again after a wait for the model's slot (the engine may have changed, time passed).

@@ -400,6 +400,104 @@ fn a_burst_past_a_models_cap_queues_then_gets_429_and_nothing_admitted_is_lost()
     );
 }
 
+/// An engine behind a proxy that lets one request of `sim-model` in at a time (30 s queue
+/// wait), and a request holding that slot for `tokens` tokens (8 ms each), already on the
+/// engine.
+fn one_model_slot_held(tokens: u32) -> (Sim, Proxy, std::thread::JoinHandle<Resp>) {
+    let sim = Sim::start("e0", &[]);
+    let proxy = Proxy::start(
+        "[admission]\nmodel_max_inflight = { \"sim-model\" = 1 }\nqueue_depth = 4\nqueue_timeout_ms = 30000\n",
+        &[&sim],
+        true,
+    );
+    let addr = proxy.addr;
+    let slow = std::thread::spawn(move || {
+        let extra = format!(r#","max_tokens":{tokens}"#);
+        chat_as(addr, None, &chat_body("sim-model", "slow", &extra))
+    });
+    assert!(eventually(Duration::from_secs(5), || proxy
+        .metric("kvmesh_engine_inflight{")
+        >= 1.0));
+    (sim, proxy, slow)
+}
+
+/// A client that leaves while its request waits in a model's queue takes its request out of
+/// the queue then (logged as 499), not once a slot frees; it never reaches the engine. Before,
+/// the request kept its place in the bounded queue until the slot freed, and only then was
+/// found gone.
+#[test]
+fn a_request_whose_client_left_while_it_queued_never_reaches_the_engine() {
+    use std::io::Write as _;
+    // The model's one slot, held for ~5 s.
+    let (sim, proxy, slow) = one_model_slot_held(600);
+    let addr = proxy.addr;
+    // A second request queues behind it; its client goes before the slot frees.
+    let body = chat_body("sim-model", "left", "");
+    let mut left = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        left,
+        "POST {CHAT} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    left.write_all(&body).unwrap();
+    // Long enough for the proxy to read it and queue it (a closed connection noticed while
+    // its body was read would never reach the engine either, and prove nothing).
+    std::thread::sleep(Duration::from_millis(500));
+    drop(left);
+    assert!(
+        eventually(Duration::from_secs(5), || proxy
+            .metric("kvmesh_requests_total{route=\"chat\",status=\"499\"}")
+            == 1.0),
+        "the abandoned request was not logged as 499"
+    );
+    assert!(
+        !slow.is_finished(),
+        "the abandoned request left the queue only when the slot it waited for was freed"
+    );
+    assert_eq!(slow.join().unwrap().status, 200);
+    // The queue is first come, first served: a request queued then was forwarded before this
+    // one, so once this one is answered, the engine has seen everything that got the slot.
+    let after = chat_as(addr, None, &chat_body("sim-model", "after", ""));
+    assert_eq!(after.status, 200);
+    let body = String::from_utf8(get(sim.addr, "/metrics").unwrap().body).unwrap();
+    assert_eq!(
+        metric_sum(&body, "kvmesh_sim_requests_total"),
+        2.0,
+        "the engine served only the slow request and the one after"
+    );
+}
+
+/// A chunked body is routed on its first 64 KiB, and may still have its terminating chunk on
+/// the wire while the request waits in a model's queue: that wait does not watch the
+/// connection for the client going (a probe there would eat the chunk's bytes and refuse the
+/// request), and the request is served in full once the slot frees.
+#[test]
+fn a_queued_chunked_request_whose_last_chunk_comes_late_is_served() {
+    use std::io::{BufRead as _, Write as _};
+    let (_sim, proxy, slow) = one_model_slot_held(300);
+    let addr = proxy.addr;
+    // The whole document in one 80 KB chunk, past Pingora's 64 KiB replay buffer; the
+    // terminating chunk only once the request has queued.
+    let body = chat_body("sim-model", &"late ".repeat(16_000), "");
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST {CHAT} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(&body).unwrap();
+    s.write_all(b"\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    s.write_all(b"0\r\n\r\n").unwrap();
+    assert_eq!(slow.join().unwrap().status, 200);
+    let mut status = String::new();
+    std::io::BufReader::new(s).read_line(&mut status).unwrap();
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+}
+
 /// A TLS gateway over one instant engine, its files in `dir`.
 fn tls_gateway(dir: &Scratch, sim: &Sim, ca: &Ca) -> (Proxy, PathBuf, PathBuf) {
     let (cert, key) = ca
