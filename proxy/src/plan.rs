@@ -186,15 +186,13 @@ impl Gateway {
             ),
             Some(_) => {
                 let (tokens, took) = tokens.unwrap_or_else(|| {
-                    let started = Instant::now();
-                    let chain = self.tokens.chain(
+                    self.tokens.chain_timed(
                         &parsed.model,
                         endpoint,
                         body,
                         &ns,
                         routing.max_prefix_blocks,
-                    );
-                    (chain, started.elapsed())
+                    )
                 });
                 // Zero: the tokenizer panicked (counted as a `tokenizer` fallback below).
                 if !took.is_zero() {

@@ -182,18 +182,27 @@ impl TokenModes {
         ns: &Namespace,
         max_blocks: usize,
     ) -> (Result<TokenChain, Fallback>, std::time::Duration) {
-        let timed = move |modes: &TokenModes, model: &str, body: &[u8], ns: &Namespace| {
-            let started = std::time::Instant::now();
-            let chain = modes.chain(model, endpoint, body, ns, max_blocks);
-            (chain, started.elapsed())
-        };
         if body.len() <= INLINE_TOKENIZE_BYTES {
-            return timed(self, model, body, ns);
+            return self.chain_timed(model, endpoint, body, ns, max_blocks);
         }
         let (modes, model, body, ns) = (self.clone(), model.to_string(), body.clone(), ns.clone());
-        self.run_off_worker(move || timed(&modes, &model, &body, &ns))
+        self.run_off_worker(move || modes.chain_timed(&model, endpoint, &body, &ns, max_blocks))
             .await
             .unwrap_or((Err(Fallback::Tokenizer), std::time::Duration::ZERO))
+    }
+
+    /// [`Self::chain`] where it is called, and how long it took.
+    pub fn chain_timed(
+        &self,
+        model: &str,
+        endpoint: Endpoint,
+        body: &[u8],
+        ns: &Namespace,
+        max_blocks: usize,
+    ) -> (Result<TokenChain, Fallback>, std::time::Duration) {
+        let started = std::time::Instant::now();
+        let chain = self.chain(model, endpoint, body, ns, max_blocks);
+        (chain, started.elapsed())
     }
 
     /// The token chain of a request body for `model` (which must be covered), at most

@@ -200,6 +200,12 @@ impl Timeouts {
     }
 }
 
+/// The status of a request whose routing failed on its blocking thread (a panic, or the
+/// runtime shutting down).
+fn routing_failed() -> Status {
+    Status::internal("the picker failed routing this request")
+}
+
 /// Drives one stream: each message from Envoy through the exchange, its replies back in order.
 async fn run_stream(
     mut ex: Exchange,
@@ -269,9 +275,7 @@ async fn run_stream(
                     let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         ex.on_message(msg)
                     }))
-                    .unwrap_or_else(|_| {
-                        Err(Status::internal("the picker failed routing this request"))
-                    });
+                    .unwrap_or_else(|_| Err(routing_failed()));
                     (ex, step)
                 })
                 .await;
@@ -283,10 +287,7 @@ async fn run_stream(
                 None => {
                     // The blocking task was cancelled (the runtime is shutting down): the
                     // exchange went with it, and its slot and load with it.
-                    end_with(
-                        &out,
-                        Status::internal("the picker failed routing this request"),
-                    );
+                    end_with(&out, routing_failed());
                     return;
                 }
             }
